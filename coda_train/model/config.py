@@ -1,0 +1,90 @@
+"""Llama model configuration: one typed config, presets, validation."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+class ConfigError(ValueError):
+    """A model configuration that cannot describe a valid Llama."""
+
+
+@dataclass
+class LlamaConfig:
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_dim: int = 768
+    vocab_size: int = 8192
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    max_seq_len: int = 256
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def qkv_dim(self) -> int:
+        """Output width of the fused QKV projection: q heads, then k heads, then v heads."""
+        return (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+
+    def validate(self) -> "LlamaConfig":
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError(f"model config: {msg}")
+
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+            need(isinstance(getattr(self, name), int) and getattr(self, name) > 0,
+                 f"{name}={getattr(self, name)!r} must be a positive integer")
+        need(self.dim % self.n_heads == 0,
+             f"n_heads={self.n_heads} must divide dim={self.dim} (set model.n_heads to a divisor of dim)")
+        need(self.n_heads % self.n_kv_heads == 0,
+             f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} (GQA shares each KV head across a whole group)")
+        need(self.head_dim % 2 == 0,
+             f"head_dim=dim/n_heads={self.head_dim} must be even (RoPE rotates pairs of columns)")
+        need(self.rope_theta > 0, f"rope_theta={self.rope_theta} must be > 0")
+        need(self.norm_eps > 0, f"norm_eps={self.norm_eps} must be > 0")
+        need(self.init_std > 0, f"init_std={self.init_std} must be > 0")
+        return self
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        d, L = self.dim, self.n_layers
+        per_block = d * self.qkv_dim + d * d + 2 * d * self.ffn_dim + d * self.ffn_dim + 2 * d
+        emb = self.vocab_size * d
+        head = 0 if self.tie_embeddings else self.vocab_size * d
+        return L * per_block + d + head + (emb if include_embedding else 0)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward = 3x forward): 6 per matmul weight (the
+        blocks and the LM head, tied or not) plus causal attention, 6*L*T*d (half of dense 12*L*T*d)."""
+        matmul_params = self.num_params(include_embedding=False) + (self.vocab_size * self.dim if self.tie_embeddings else 0)
+        return 6.0 * matmul_params + 6.0 * self.n_layers * seq_len * self.dim
+
+
+PRESETS: dict[str, LlamaConfig] = {
+    # Trains on 2 CPU cores in minutes; the default of `python train.py`.
+    "tiny": LlamaConfig(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=768, vocab_size=8192,
+                        rope_theta=10000.0, max_seq_len=256, tie_embeddings=True),
+    # GPT-2-small-sized Llama-3 shape (12 x 768, GQA 12/4).
+    "llama3_125m": LlamaConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048, vocab_size=32768,
+                               rope_theta=500000.0, max_seq_len=2048, tie_embeddings=True),
+    "llama3_1b": LlamaConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=128256,
+                             rope_theta=500000.0, max_seq_len=8192, tie_embeddings=True),
+    "llama3_8b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
+                             rope_theta=500000.0, max_seq_len=8192, tie_embeddings=False),
+}
+
+
+def preset(name: str, **overrides) -> LlamaConfig:
+    """A preset by name with field overrides, validated."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+    unknown = set(overrides) - {f.name for f in dataclasses.fields(LlamaConfig)}
+    if unknown:
+        raise ConfigError(f"unknown model config fields {sorted(unknown)}")
+    return dataclasses.replace(PRESETS[name], **overrides).validate()

@@ -1,0 +1,78 @@
+"""The parameter layout shared by the eager and the CODA model, so one state_dict loads into either."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from .config import LlamaConfig
+
+
+class LayerWeights(nn.Module):
+    """One block's parameters. w_qkv rows are [q heads | k heads | v heads]; w_gate_up rows are
+    [gate | up]; linear weights are (out_features, in_features) as in nn.Linear."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        d, hd = cfg.dim, cfg.head_dim
+        self.attn_norm = nn.Parameter(torch.ones(d))
+        self.w_qkv = nn.Parameter(torch.empty(cfg.qkv_dim, d))
+        self.w_o = nn.Parameter(torch.empty(d, cfg.n_heads * hd))
+        self.mlp_norm = nn.Parameter(torch.ones(d))
+        self.w_gate_up = nn.Parameter(torch.empty(2 * cfg.ffn_dim, d))
+        self.w_down = nn.Parameter(torch.empty(d, cfg.ffn_dim))
+
+
+class LlamaWeights(nn.Module):
+    """Parameters of a Llama plus the RoPE tables; the two models subclass it and add forward()."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg.validate()
+        self.tok_emb = nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim))
+        self.layers = nn.ModuleList(LayerWeights(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.dim))
+        self.lm_head = None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim))
+        # Compute copies of the weights are made in this dtype at each use (fp32 master weights).
+        self.compute_dtype = torch.float32
+        self.reset_parameters()
+
+    @property
+    def lm_weight(self) -> Tensor:
+        return self.tok_emb if self.lm_head is None else self.lm_head
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) weights, the residual-writing projections (w_o, w_down) scaled by
+        1/sqrt(2 n_layers) so the residual stream's variance does not grow with depth; norms = 1."""
+        std = self.cfg.init_std
+        nn.init.normal_(self.tok_emb, std=std)
+        if self.lm_head is not None:
+            nn.init.normal_(self.lm_head, std=std)
+        for layer in self.layers:
+            nn.init.normal_(layer.w_qkv, std=std)
+            nn.init.normal_(layer.w_gate_up, std=std)
+            nn.init.normal_(layer.w_o, std=std / math.sqrt(2 * self.cfg.n_layers))
+            nn.init.normal_(layer.w_down, std=std / math.sqrt(2 * self.cfg.n_layers))
+            layer.attn_norm.fill_(1.0)
+            layer.mlp_norm.fill_(1.0)
+        self.norm.fill_(1.0)
+
+    def rope_tables(self, seq_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """cos, sin of shape (seq_len, head_dim/2) in the epilogue precision (fp32; fp64 for fp64
+        compute): pair i of a head at position t rotates by t * theta^(-2i/hd)."""
+        if seq_len > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {seq_len} exceeds model.max_seq_len={self.cfg.max_seq_len}; "
+                             "raise model.max_seq_len or shorten the sequences")
+        hd = self.cfg.head_dim
+        inv_freq = self.cfg.rope_theta ** (-torch.arange(0, hd, 2, dtype=torch.float64, device=device) / hd)
+        angles = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=device), inv_freq)
+        dtype = torch.float64 if self.compute_dtype == torch.float64 else torch.float32
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def _check_batch(self, tokens: Tensor, targets: Tensor) -> None:
+        if tokens.dim() != 2 or tokens.shape != targets.shape:
+            raise ValueError(f"tokens and targets must both be (batch, seq_len); got {tuple(tokens.shape)} "
+                             f"and {tuple(targets.shape)}")

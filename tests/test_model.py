@@ -1,0 +1,255 @@
+"""The CODA model on the reference backend against the eager model (autograd), and the ops'
+hand-written backwards against autograd of their forward formulas."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import coda_train.kernels as K
+from coda_train.kernels import reference as R
+from coda_train.model import ConfigError, LlamaConfig, build_model, preset
+from coda_train.model.coda import BlockShape, CodaBlock, LMHeadLoss
+
+SMALL = dict(dim=64, n_heads=4, ffn_dim=96, vocab_size=101, max_seq_len=32)
+
+
+def make_pair(cfg: LlamaConfig, dtype: torch.dtype, seed: int = 0):
+    torch.manual_seed(seed)
+    eager = build_model(cfg, "eager").to(dtype)
+    coda = build_model(cfg, "coda").to(dtype)
+    coda.load_state_dict(eager.state_dict())
+    eager.compute_dtype = coda.compute_dtype = dtype
+    return eager, coda
+
+
+def loss_and_grads(model, tokens, targets):
+    model.zero_grad(set_to_none=True)
+    loss = model(tokens, targets)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+CONFIGS = {
+    "gqa_tied_3layers": dict(n_layers=3, n_kv_heads=2, tie_embeddings=True),
+    "mha_untied_1layer": dict(n_layers=1, n_kv_heads=4, tie_embeddings=False),
+    "gqa_untied_3layers": dict(n_layers=3, n_kv_heads=1, tie_embeddings=False),
+    "mha_tied_1layer": dict(n_layers=1, n_kv_heads=4, tie_embeddings=True),
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("batch,seq", [(2, 16), (3, 7)])  # 3x7 = 21 tokens: odd token count
+def test_coda_matches_eager_float64(name, batch, seq):
+    cfg = preset("tiny", **SMALL, **CONFIGS[name])
+    eager, coda = make_pair(cfg, torch.float64)
+    # Non-trivial norm weights, so a gamma mix-up between blocks cannot hide.
+    with torch.no_grad():
+        for p in eager.parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    coda.load_state_dict(eager.state_dict())
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+    targets = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+    with K.use_backend("reference"):
+        loss_c, grads_c = loss_and_grads(coda, tokens, targets)
+    loss_e, grads_e = loss_and_grads(eager, tokens, targets)
+    assert abs(loss_c - loss_e).item() / loss_e.item() < 1e-12
+    assert grads_c.keys() == grads_e.keys()
+    for n in grads_e:
+        assert rel(grads_c[n], grads_e[n]) < 1e-10, n
+
+
+@pytest.mark.parametrize("dtype,loss_tol,grad_tol", [(torch.float32, 1e-5, 1e-4), (torch.bfloat16, 2e-2, 0.1)])
+def test_coda_close_to_eager_low_precision(dtype, loss_tol, grad_tol):
+    """fp32: loss to 1e-5 rel, grads to 1e-4 rel. bf16: loss to 2e-2 rel, each grad to 0.1 rel
+    (bf16 rounds to 8 bits; the two models round at different places by design)."""
+    cfg = preset("tiny", n_layers=2, n_kv_heads=2, **SMALL)
+    eager, coda = make_pair(cfg, torch.float32)
+    eager.compute_dtype = coda.compute_dtype = dtype
+    ref, _ = make_pair(cfg, torch.float64)
+    ref.load_state_dict(eager.state_dict())
+    tokens = torch.randint(0, cfg.vocab_size, (4, 32), generator=torch.Generator().manual_seed(2))
+    targets = tokens.roll(-1, dims=1)
+    loss_c, grads_c = loss_and_grads(coda, tokens, targets)
+    loss_e, grads_e = loss_and_grads(eager, tokens, targets)
+    loss_r, grads_r = loss_and_grads(ref, tokens, targets)
+    assert torch.isfinite(loss_c) and all(torch.isfinite(g).all() for g in grads_c.values())
+    assert abs(loss_c - loss_e).item() / loss_e.item() < loss_tol
+    for n in grads_e:
+        assert rel(grads_c[n], grads_e[n]) < grad_tol, n
+        # CODA in low precision is no less accurate than eager in low precision (2x slack + floor).
+        assert rel(grads_c[n].double(), grads_r[n]) <= 2 * rel(grads_e[n].double(), grads_r[n]) + 1e-6, n
+
+
+def test_parameter_layout_shared():
+    cfg = preset("tiny", n_layers=2, **SMALL)
+    eager, coda = make_pair(cfg, torch.float32)
+    assert list(eager.state_dict()) == list(coda.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(eager.state_dict().values(), coda.state_dict().values()))
+
+
+# ---- gradchecks of the hand-written backwards -------------------------------------------------
+
+def _block_inputs(cfg, batch, seq, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    d, dt = cfg.dim, torch.float64
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, dtype=dt) * scale).requires_grad_()
+
+    x = rnd(batch * seq, d)
+    params = dict(attn_norm=rnd(d, scale=0.3) + 1, w_qkv=rnd(cfg.qkv_dim, d, scale=d ** -0.5),
+                  w_o=rnd(d, cfg.n_heads * cfg.head_dim, scale=d ** -0.5), mlp_norm=rnd(d, scale=0.3) + 1,
+                  w_gate_up=rnd(2 * cfg.ffn_dim, d, scale=d ** -0.5), w_down=rnd(d, cfg.ffn_dim, scale=cfg.ffn_dim ** -0.5),
+                  next_norm=rnd(d, scale=0.3) + 1)
+    return x, {k: v.detach().requires_grad_() for k, v in params.items()}
+
+
+def test_block_backward_gradcheck():
+    """One block with its input (h, r) made from x; the output triple collapsed to a scalar-ish
+    function of x2 and next block's norm, so the block's total gradient of x is checked."""
+    cfg = preset("tiny", dim=16, n_heads=4, n_kv_heads=2, ffn_dim=24, vocab_size=11, max_seq_len=8, n_layers=1)
+    batch, seq = 2, 5
+    x, p = _block_inputs(cfg, batch, seq)
+    model = build_model(cfg, "coda").double()
+    model.compute_dtype = torch.float64
+    cos, sin = model.rope_tables(seq, x.device)
+    shape = BlockShape(cfg.n_heads, cfg.n_kv_heads, seq, cfg.norm_eps)
+
+    def block(x, attn_norm, w_qkv, w_o, mlp_norm, w_gate_up, w_down):
+        h = x * attn_norm  # the producer's caches, as functions of x (detached inside the Function)
+        r = torch.rsqrt(x.pow(2).mean(-1) + cfg.norm_eps)
+        x2, _, _ = CodaBlock.apply(x, h.detach(), r.detach(), attn_norm, w_qkv, w_o, mlp_norm, w_gate_up,
+                                   w_down, p["next_norm"], cos, sin, shape)
+        return x2
+
+    args = (x, p["attn_norm"], p["w_qkv"], p["w_o"], p["mlp_norm"], p["w_gate_up"], p["w_down"])
+    with K.use_backend("reference"):
+        assert torch.autograd.gradcheck(block, args, eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def test_lm_head_backward_gradcheck():
+    g = torch.Generator().manual_seed(3)
+    M, d, V = 7, 6, 13
+    x = torch.randn(M, d, generator=g, dtype=torch.float64, requires_grad=True)
+    norm = (torch.rand(d, generator=g, dtype=torch.float64) + 0.5).requires_grad_()
+    w = torch.randn(V, d, generator=g, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, V, (M,), generator=g)
+
+    def head(x, norm, w):
+        r = torch.rsqrt(x.pow(2).mean(-1) + 1e-5)
+        return LMHeadLoss.apply(x, (x * norm).detach(), r.detach(), norm, w, targets)
+
+    assert torch.autograd.gradcheck(head, (x, norm, w), eps=1e-6, atol=1e-8)
+
+
+def test_attention_backward_matches_autograd():
+    g = torch.Generator().manual_seed(4)
+    H, Hkv, T, B, hd = 4, 2, 5, 3, 4
+    qkv = torch.randn(B * T, (H + 2 * Hkv) * hd, generator=g, dtype=torch.float64, requires_grad=True)
+    o, lse = R.attention(qkv, H, Hkv, T)
+    g_o = torch.randn_like(o)
+    (expected,) = torch.autograd.grad(o, qkv, g_o)
+    assert rel(R.attention_backward(g_o, qkv.detach(), o.detach(), lse, H, Hkv, T), expected) < 1e-12
+    # lse is the logsumexp of the causal scores: check against SDPA's output too.
+    q, k, v = qkv.detach().split([H * hd, Hkv * hd, Hkv * hd], 1)
+    q, k, v = (t.view(B, T, -1, hd).transpose(1, 2) for t in (q, k, v))
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert rel(o.detach(), sdpa.transpose(1, 2).reshape(B * T, -1)) < 1e-12
+
+
+def test_rope_backward_and_statistic():
+    g = torch.Generator().manual_seed(5)
+    M, T, n_cols, n_rope, hd = 12, 6, 24, 16, 4
+    y = torch.randn(M, n_cols, generator=g, dtype=torch.float64, requires_grad=True)
+    r = torch.rand(M, generator=g, dtype=torch.float64) + 0.5
+    angles = torch.rand(T, hd // 2, generator=g, dtype=torch.float64) * 6
+    cos, sin = angles.cos(), angles.sin()
+    post = R._rotate_pairs(y, cos, sin, n_rope, inverse=False)
+    g_post = torch.randn_like(post)
+    (g_y,) = torch.autograd.grad(post, y, g_post)
+    g_y_scaled, stat = R.rope_backward_rowscale_stat(g_post, post.detach(), r, cos, sin, n_rope)
+    assert rel(g_y_scaled, g_y * r[:, None]) < 1e-13
+    assert rel(stat.sum(-1), (g_y * y).sum(-1)) < 1e-12  # rotation preserves the dot product
+
+
+def test_dswiglu_and_norm_backward_match_autograd():
+    g = torch.Generator().manual_seed(6)
+    M, d, f = 9, 8, 10
+    h = torch.randn(M, d, generator=g, dtype=torch.float64)
+    x = torch.randn(M, d, generator=g, dtype=torch.float64, requires_grad=True)
+    gamma = torch.rand(d, generator=g, dtype=torch.float64, requires_grad=True)
+    w_gu = torch.randn(2 * f, d, generator=g, dtype=torch.float64, requires_grad=True)
+    w_down = torch.randn(d, f, generator=g, dtype=torch.float64, requires_grad=True)
+    eps = 1e-5
+    # Autograd of the plain formula: out = swiglu(rmsnorm(x)*gamma @ w_gu^T) @ w_down^T.
+    r = torch.rsqrt(x.pow(2).mean(-1) + eps)
+    gu = (x * gamma) @ w_gu.t() * r[:, None]
+    gate, up = gu.chunk(2, -1)
+    out = (torch.nn.functional.silu(gate) * up) @ w_down.t()
+    g_out = torch.randn_like(out)
+    ex = torch.autograd.grad(out, (x, gamma, w_gu, w_down), g_out)
+    # The op chain B1, B2, B3.
+    gu_d, r_d = gu.detach(), r.detach()
+    g_gu, a, stat = R.gemm_dswiglu_rowscale_stat(g_out, w_down.detach(), gu_d, r_d)
+    c = R.rmsnorm_backward_coeff(stat, r_d, d)
+    g_x, g_gamma = R.gemm_rmsnorm_backward(g_gu, w_gu.detach(), None, x.detach(), gamma.detach(), c)
+    assert rel(g_x, ex[0]) < 1e-12 and rel(g_gamma, ex[1]) < 1e-12
+    assert rel(R.matmul_tn(g_gu, (x * gamma).detach()), ex[2]) < 1e-12
+    assert rel(R.matmul_tn(g_out, a), ex[3]) < 1e-12
+
+
+def test_ops_signatures_are_the_reference_signatures():
+    import inspect
+    for name in K.OPS:
+        assert inspect.signature(getattr(K, name)) == inspect.signature(getattr(R, name)), name
+
+
+# ---- config and backend errors ----------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides,fragment", [
+    (dict(n_heads=3), "must divide dim"),
+    (dict(n_kv_heads=3), "must divide n_heads"),
+    (dict(dim=24, n_heads=8, n_kv_heads=8), "must be even"),
+    (dict(n_layers=0), "positive integer"),
+])
+def test_config_validation(overrides, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        preset("tiny", **overrides)
+
+
+def test_presets():
+    one_b = preset("llama3_1b")
+    assert (one_b.dim, one_b.n_layers, one_b.n_heads, one_b.n_kv_heads, one_b.ffn_dim, one_b.vocab_size,
+            one_b.rope_theta, one_b.tie_embeddings) == (2048, 16, 32, 8, 8192, 128256, 500000.0, True)
+    assert 1.1e9 < one_b.num_params() < 1.3e9
+    eight_b = preset("llama3_8b")
+    assert 7.9e9 < eight_b.num_params() < 8.1e9
+    with pytest.raises(ConfigError, match="unknown model preset"):
+        preset("llama9")
+    with pytest.raises(ConfigError, match="unknown model config fields"):
+        preset("tiny", dims=3)
+
+
+def test_backend_switch_errors_without_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(K.BackendError, match="needs a CUDA GPU"):
+        K.set_backend("cute")
+    with pytest.raises(K.BackendError, match="unknown kernels.backend"):
+        K.set_backend("triton")
+    assert K.set_backend("auto") == "reference"
+
+
+def test_seq_len_limit():
+    cfg = preset("tiny", **SMALL, n_layers=1)
+    model = build_model(cfg, "coda")
+    tokens = torch.zeros(1, cfg.max_seq_len + 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model(tokens, tokens)
