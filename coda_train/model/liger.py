@@ -1,0 +1,55 @@
+"""The eager Llama with Liger kernels (Triton, CUDA only): the baseline of users who already fuse.
+
+Same function and parameter layout as eager.py. Liger's RoPE rotates the halves (i, i+hd/2) of a
+head while ours rotates interleaved pairs (2i, 2i+1); gathering the q and k weight rows of every
+head into [even | odd] order turns one into the other, and q.k is unchanged by permuting both
+alike, so attention, and the whole model, compute the same function.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .eager import EagerLlama
+
+
+class LigerLlama(EagerLlama):
+    def forward(self, tokens: Tensor, targets: Tensor) -> Tensor:
+        self._check_batch(tokens, targets)
+        if not tokens.is_cuda:
+            raise RuntimeError("model.impl=liger runs Liger's Triton kernels and needs a CUDA GPU; "
+                               "use model.impl=eager on this machine")
+        from liger_kernel.ops.swiglu import LigerFusedGateUpSiLUMulFunction
+        from liger_kernel.transformers.functional import (liger_fused_linear_cross_entropy, liger_rms_norm,
+                                                          liger_rope)
+
+        cfg, dt = self.cfg, self.compute_dtype
+        B, T = tokens.shape
+        H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        cos, sin = self.rope_tables(T, tokens.device)
+        cos, sin = cos.repeat(1, 2)[None], sin.repeat(1, 2)[None]  # (1, T, hd): Liger's half layout
+        rows = self._interleaved_to_halves_rows(tokens.device)
+
+        x = F.embedding(tokens, self.tok_emb.to(dt))
+        for layer in self.layers:
+            h = liger_rms_norm(x, layer.attn_norm.to(dt), cfg.norm_eps, in_place=False)
+            q, k, v = F.linear(h, layer.w_qkv[rows].to(dt)).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
+            q, k = liger_rope(q.view(B, T, H, hd).transpose(1, 2), k.view(B, T, Hkv, hd).transpose(1, 2), cos, sin)
+            o = F.scaled_dot_product_attention(q, k, v.view(B, T, Hkv, hd).transpose(1, 2), is_causal=True,
+                                               enable_gqa=H != Hkv)
+            x = x + F.linear(o.transpose(1, 2).reshape(B, T, H * hd), layer.w_o.to(dt))
+            h = liger_rms_norm(x, layer.mlp_norm.to(dt), cfg.norm_eps, in_place=False)
+            a = LigerFusedGateUpSiLUMulFunction.apply(F.linear(h, layer.w_gate_up.to(dt)))
+            x = x + F.linear(a, layer.w_down.to(dt))
+        h = liger_rms_norm(x, self.norm.to(dt), cfg.norm_eps, in_place=False)
+        return liger_fused_linear_cross_entropy(h.view(B * T, -1), self.lm_weight.to(dt), targets.reshape(-1))
+
+    def _interleaved_to_halves_rows(self, device: torch.device) -> Tensor:
+        """Row order of w_qkv: in each q and k head, even columns then odd ones; v rows unchanged."""
+        cfg, hd = self.cfg, self.cfg.head_dim
+        per_head = torch.cat((torch.arange(0, hd, 2), torch.arange(1, hd, 2)))
+        n_rope_heads = cfg.n_heads + cfg.n_kv_heads
+        rope_rows = (torch.arange(n_rope_heads)[:, None] * hd + per_head).flatten()
+        return torch.cat((rope_rows, torch.arange(n_rope_heads * hd, cfg.qkv_dim))).to(device)
