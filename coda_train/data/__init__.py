@@ -1,0 +1,7 @@
+"""Data pipeline: raw text -> tokenizer -> token shards -> (inputs, targets) batches. See DataConfig, prepare, TokenLoader."""
+
+from .config import DataConfig, DataError
+from .loader import TokenLoader
+from .shards import PreparedData, prepare
+
+__all__ = ["DataConfig", "DataError", "PreparedData", "TokenLoader", "prepare"]

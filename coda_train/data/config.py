@@ -1,0 +1,40 @@
+"""Data configuration (a hydra structured config) and the one error type users see."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+class DataError(ValueError):
+    """Bad data input or a damaged prepared folder; the message says how to fix it."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "builtin"  # "builtin" (Python stdlib sources), a local file/dir/glob, or a hub dataset name
+    format: str = "auto"  # auto|text|json|parquet|hub
+    text_field: str = "text"  # column holding the document text (json/parquet/hub)
+    split: str = "train"  # hub split
+    streaming: bool = False  # hub only; local files are always streamed
+    tokenizer: Optional[str] = None  # tokenizer.json or HF tokenizer dir; None -> train byte-level BPE
+    eos_token: Optional[str] = None  # None -> the tokenizer's own EOS (tokenizer_config.json or a known name)
+    vocab_size: int = 8192  # for a trained tokenizer
+    val_fraction: float = 0.02  # fraction of documents held out for validation, spread evenly
+    cache_dir: str = "data_cache"  # prepared folders live here, one per input fingerprint
+    num_proc: int = 2  # tokenization processes
+    max_documents: Optional[int] = None  # use only the first N non-empty documents
+    tokens_per_shard: int = 2**27  # 256 MiB per uint16 shard
+
+    def validate(self) -> None:
+        formats = ("auto", "text", "json", "parquet", "hub")
+        if self.format not in formats:
+            raise DataError(f"data.format={self.format!r} is not one of {formats}")
+        if self.tokenizer is None and self.vocab_size < 257:
+            raise DataError(f"data.vocab_size={self.vocab_size} is too small: a byte-level BPE needs 256 bytes + EOS, use >= 257")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise DataError(f"data.val_fraction={self.val_fraction} must be in [0, 1)")
+        if self.num_proc < 1:
+            raise DataError(f"data.num_proc={self.num_proc} must be >= 1")
+        if self.max_documents is not None and self.max_documents < 1:
+            raise DataError(f"data.max_documents={self.max_documents} must be >= 1 (or None for all)")
+        if self.tokens_per_shard < 1:
+            raise DataError(f"data.tokens_per_shard={self.tokens_per_shard} must be >= 1")

@@ -1,0 +1,103 @@
+"""Batches of fixed token windows in a seeded order; the position is two integers, so resuming is exact."""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import numpy as np
+import torch
+
+from .config import DataError
+from .shards import PreparedData
+
+
+class TokenLoader:
+    """Window w of a shard holds tokens [w*seq_len, w*seq_len + seq_len + 1): inputs and their next-token targets.
+
+    Each epoch visits every window once in a permutation seeded by (seed, epoch); rank r takes every world_size-th
+    window of it, so ranks are disjoint and together cover the epoch. All ranks must use the same seed, and their
+    states are identical, so checkpointing rank 0's state_dict() is enough.
+    """
+
+    def __init__(
+        self, data: PreparedData, split: str, batch_size: int, seq_len: int, seed: int, rank: int = 0, world_size: int = 1
+    ):
+        if batch_size < 1 or seq_len < 1 or seed < 0 or not 0 <= rank < world_size:
+            settings = f"batch_size={batch_size}, seq_len={seq_len}, seed={seed}, rank={rank}, world_size={world_size}"
+            raise DataError(f"invalid loader settings: {settings}; all must be positive (seed >= 0) and rank < world_size")
+        self.data, self.split = data, split
+        self.batch_size, self.seq_len, self.seed, self.rank, self.world_size = batch_size, seq_len, seed, rank, world_size
+        self.shards = data.shards(split)
+        # windows never straddle shards: each shard loses < seq_len tokens, and a window is one contiguous memmap slice
+        windows_per_shard = [max(0, (len(shard) - 1) // seq_len) for shard in self.shards]
+        self.shard_offsets = np.cumsum([0] + windows_per_shard)  # first global window index of each shard
+        self.num_windows = int(self.shard_offsets[-1])
+        self.windows_per_rank = self.num_windows // world_size  # equal per rank, so all ranks take the same number of steps
+        self.steps_per_epoch = self.windows_per_rank // batch_size
+        if self.steps_per_epoch == 0:
+            raise DataError(
+                f"the {split} split has {data.num_tokens(split)} tokens = {self.num_windows} windows of {seq_len}+1, fewer than "
+                f"one batch of {batch_size} per rank x {world_size} ranks; use a smaller batch_size/seq_len, more data, "
+                f"or a larger val_fraction"
+            )
+        self.epoch, self.step = 0, 0
+        self._order_epoch: Optional[int] = None
+        self._order = np.empty(0, dtype=np.int64)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), int64 [batch_size, seq_len]; targets are the inputs shifted left by one token."""
+        if self.step == self.steps_per_epoch:
+            self.epoch, self.step = self.epoch + 1, 0
+        order = self._rank_order(self.epoch)
+        windows = order[self.step * self.batch_size : (self.step + 1) * self.batch_size]
+        self.step += 1
+        return self._batch(windows)
+
+    def iter_eval(self, num_batches: Optional[int] = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The same batches on every call (windows in storage order, disjoint per rank); does not move the training position."""
+        steps = self.steps_per_epoch if num_batches is None else min(num_batches, self.steps_per_epoch)
+        windows = np.arange(self.rank, self.windows_per_rank * self.world_size, self.world_size)
+        for step in range(steps):
+            yield self._batch(windows[step * self.batch_size : (step + 1) * self.batch_size])
+
+    def state_dict(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "step": self.step,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "world_size": self.world_size,
+            "num_windows": self.num_windows,
+            "split": self.split,
+            "tokenizer": self.data.manifest["tokenizer"]["fingerprint"],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue exactly where the saved loader stopped; refuses states whose batches this loader cannot reproduce."""
+        mine = self.state_dict()
+        differing = {k: (state.get(k), mine[k]) for k in mine if k not in ("epoch", "step") and state.get(k) != mine[k]}
+        if differing:
+            detail = ", ".join(f"{k}: saved {saved!r} vs now {now!r}" for k, (saved, now) in differing.items())
+            raise DataError(
+                f"cannot resume the data position, the loader differs from the checkpoint ({detail}); "
+                f"resume with the same data and batch settings"
+            )
+        if not (0 <= state["step"] <= self.steps_per_epoch and state["epoch"] >= 0):
+            position = f"epoch={state['epoch']} step={state['step']}"
+            raise DataError(f"loader state {position} is out of range (steps_per_epoch={self.steps_per_epoch})")
+        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+
+    def _rank_order(self, epoch: int) -> np.ndarray:
+        if self._order_epoch != epoch:  # one permutation per epoch, rebuilt only when the epoch changes
+            permutation = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+            self._order = permutation[self.rank : self.windows_per_rank * self.world_size : self.world_size]
+            self._order_epoch = epoch
+        return self._order
+
+    def _batch(self, windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        shard_ids = np.searchsorted(self.shard_offsets, windows, side="right") - 1
+        starts = (windows - self.shard_offsets[shard_ids]) * self.seq_len
+        rows = [self.shards[s][start : start + self.seq_len + 1] for s, start in zip(shard_ids, starts)]
+        tokens = torch.from_numpy(np.stack(rows).astype(np.int64))
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

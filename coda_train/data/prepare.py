@@ -1,0 +1,71 @@
+"""Command line: python -m coda_train.data.prepare [--source PATH|NAME] [--vocab-size N] ... prints what was prepared."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import time
+from typing import Optional
+
+from coda_train.data import DataConfig, DataError, PreparedData, prepare
+
+
+def parse_args(argv: Optional[list[str]] = None) -> tuple[DataConfig, bool]:
+    parser = argparse.ArgumentParser(prog="python -m coda_train.data.prepare", description=__doc__)
+    for field in dataclasses.fields(DataConfig):
+        flag = "--" + field.name.replace("_", "-")
+        if field.type is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
+        else:
+            parser.add_argument(flag, type=_parser_type(field.type), default=field.default, metavar=field.name.upper())
+    parser.add_argument("--verify", action="store_true", help="also check every shard's sha256 (reads all shards)")
+    args = vars(parser.parse_args(argv))
+    verify = args.pop("verify")
+    return DataConfig(**args), verify
+
+
+def _parser_type(annotation):
+    if annotation in (str, int, float):
+        return annotation
+    base = next(a for a in annotation.__args__ if a is not type(None))  # Optional[X]: "none" means None
+    return lambda text: None if text.lower() == "none" else base(text)
+
+
+def summary(data: PreparedData) -> str:
+    m = data.manifest
+    tok = m["tokenizer"]
+    origin = "trained byte-level BPE" if tok["trained"] else tok["origin"]
+    lines = [
+        f"prepared  {data.path}",
+        f"source    {m['source']}",
+        f"tokenizer {origin}: vocab {tok['vocab_size']}, eos {tok['eos_token']!r}={tok['eos_id']}, "
+        f"fingerprint {tok['fingerprint'][:16]}",
+        f"dtype     {m['dtype']}, {m['num_characters']:,} characters -> {m['num_tokens']:,} tokens "
+        f"(prepared in {m['seconds']['total']:.1f} s)",
+        f"{'split':<6} {'documents':>10} {'tokens':>14} {'shards':>7}",
+    ]
+    for split, info in m["splits"].items():
+        lines.append(f"{split:<6} {info['num_documents']:>10,} {info['num_tokens']:>14,} {len(info['shards']):>7}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cfg, verify = parse_args(argv)
+    start = time.perf_counter()
+    try:
+        data = prepare(cfg)
+        if verify:
+            data.verify_checksums()
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(summary(data))
+    print(f"done in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

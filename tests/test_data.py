@@ -1,0 +1,299 @@
+"""Data pipeline: tokenizer, preparation, loader, and every bad input named in issue 3. Tiny corpora; no network."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from coda_train.data import DataConfig, DataError, PreparedData, TokenLoader, prepare
+from coda_train.data.sources import builtin_files
+from coda_train.data.tokenizer import EOS_TOKEN, train_bpe
+
+WORDS = "the model reads a token stream while loss falls seed rank epoch shard naïve 日本語 🙂 def return\n (x)".split(" ")
+
+
+def make_docs(n: int = 40, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 120))) for _ in range(n)]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def config(source: Path | str, cache_dir: Path, **overrides) -> DataConfig:
+    settings = dict(source=str(source), cache_dir=str(cache_dir), vocab_size=300, val_fraction=0.1, num_proc=1)
+    return DataConfig(**{**settings, **overrides})
+
+
+def documents_in(data: PreparedData, split: str) -> list[str]:
+    """Decode a split back into documents by cutting the token stream at EOS."""
+    tokens = np.concatenate([np.asarray(s) for s in data.shards(split)])
+    cuts = np.flatnonzero(tokens == data.eos_id)
+    starts = np.concatenate([[0], cuts[:-1] + 1])
+    return [data.tokenizer.decode(tokens[a:b].tolist()) for a, b in zip(starts, cuts)]
+
+
+def folder_bytes(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def docs() -> list[str]:
+    return make_docs()
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, docs) -> PreparedData:
+    root = tmp_path_factory.mktemp("prepared")
+    source = write_jsonl(root / "corpus.jsonl", [{"text": d} for d in docs])
+    return prepare(config(source, root / "cache", tokens_per_shard=1000))  # several shards per split
+
+
+# --- tokenizer ---------------------------------------------------------------------------------------------------
+
+
+def test_tokenizer_round_trip(docs):
+    tokenizer = train_bpe(docs, vocab_size=300)
+    assert tokenizer.token_to_id(EOS_TOKEN) == 0
+    assert tokenizer.get_vocab_size() == 300
+    for text in [*docs[:5], "  tabs\tand\r\nnewlines\n\n", "unseen: ßøé ₿ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 \x00\x7f", ""]:
+        ids = tokenizer.encode(text).ids
+        assert tokenizer.decode(ids) == text
+
+
+def test_prepared_documents_round_trip_and_split(prepared, docs):
+    train, val = documents_in(prepared, "train"), documents_in(prepared, "val")
+    assert len(val) == 4  # 10% of 40 documents, spread evenly: indices 9, 19, 29, 39
+    assert val == [docs[i] for i in (9, 19, 29, 39)]
+    assert train == [d for i, d in enumerate(docs) if i % 10 != 9]
+    m = prepared.manifest
+    assert m["dtype"] == "uint16" and prepared.vocab_size == 300
+    assert m["splits"]["train"]["num_documents"] == 36
+    assert len(m["splits"]["train"]["shards"]) > 1
+    assert all(s["num_tokens"] <= 1000 for s in m["splits"]["train"]["shards"])
+    assert prepared.num_tokens("train") + prepared.num_tokens("val") == m["num_tokens"]
+    prepared.verify_checksums()
+
+
+# --- preparation -------------------------------------------------------------------------------------------------
+
+
+def test_prepare_is_deterministic_across_processes_and_reused(tmp_path, docs):
+    source = write_jsonl(tmp_path / "corpus.jsonl", [{"text": d} for d in docs])
+    serial = prepare(config(source, tmp_path / "a", num_proc=1))
+    parallel = prepare(config(source, tmp_path / "b", num_proc=2))
+    assert serial.path.name == parallel.path.name  # folder named by inputs, not by num_proc
+    files = folder_bytes(serial.path)
+    other = folder_bytes(parallel.path)
+    assert files.keys() == other.keys()
+    assert all(files[name] == other[name] for name in files if name != "manifest.json")
+    assert serial.manifest["tokenizer"] == parallel.manifest["tokenizer"]
+
+    again = prepare(config(source, tmp_path / "a", num_proc=2))
+    assert again.path == serial.path and folder_bytes(again.path) == files  # reused, not rewritten
+    changed = prepare(config(source, tmp_path / "a", vocab_size=280))
+    assert changed.path != serial.path and changed.vocab_size == 280
+
+
+def test_text_json_parquet_sources_agree(tmp_path, docs, prepared):
+    tokenizer = tmp_path / "tokenizer.json"
+    prepared.tokenizer.save(str(tokenizer))
+    (tmp_path / "txt").mkdir()
+    for i, d in enumerate(docs):
+        (tmp_path / "txt" / f"doc{i:03d}.txt").write_text(d)  # one file = one document
+    write_jsonl(tmp_path / "corpus.jsonl", [{"id": i, "body": d} for i, d in enumerate(docs)])
+    pq.write_table(pa.table({"body": docs}), tmp_path / "corpus.parquet")
+    results = [
+        prepare(config(tmp_path / "txt" / "*.txt", tmp_path / "cache", tokenizer=str(tokenizer))),
+        prepare(config(tmp_path / "corpus.jsonl", tmp_path / "cache", tokenizer=str(tokenizer), text_field="body")),
+        prepare(config(tmp_path / "corpus.parquet", tmp_path / "cache", tokenizer=str(tokenizer), text_field="body", num_proc=2)),
+    ]
+    assert len({r.path for r in results}) == 3
+    for r in results:
+        assert r.manifest["tokenizer"]["fingerprint"] == prepared.manifest["tokenizer"]["fingerprint"]
+        assert documents_in(r, "train") == documents_in(prepared, "train")
+        assert documents_in(r, "val") == documents_in(prepared, "val")
+
+
+def test_max_documents_and_builtin_listing(tmp_path, docs):
+    source = write_jsonl(tmp_path / "corpus.jsonl", [{"text": d} for d in docs])
+    data = prepare(config(source, tmp_path / "cache", max_documents=20))
+    assert data.manifest["num_documents"] == 20
+    files = builtin_files()
+    assert files == sorted(files) and len(files) > 100
+    assert not any("/site-packages/" in f or "/test/" in f for f in files)
+
+
+def test_command_line(tmp_path, docs):
+    source = write_jsonl(tmp_path / "corpus.jsonl", [{"text": d} for d in docs])
+    command = [sys.executable, "-m", "coda_train.data.prepare", "--cache-dir", str(tmp_path / "cache")]
+    args = ["--source", str(source), "--vocab-size", "300", "--num-proc", "1", "--max-documents", "none", "--verify"]
+    run = subprocess.run([*command, *args], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "train" in run.stdout and "vocab 300" in run.stdout
+    missing = subprocess.run([*command, "--source", str(tmp_path / "nope.jsonl")], capture_output=True, text=True)
+    assert missing.returncode == 2 and "no files match" in missing.stderr
+
+
+# --- loader ------------------------------------------------------------------------------------------------------
+
+
+def take(loader: TokenLoader, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [loader.next_batch() for _ in range(n)]
+
+
+def test_loader_batches_are_deterministic_shifted_windows(prepared):
+    a = TokenLoader(prepared, "train", batch_size=8, seq_len=32, seed=7)
+    b = TokenLoader(prepared, "train", batch_size=8, seq_len=32, seed=7)
+    c = TokenLoader(prepared, "train", batch_size=8, seq_len=32, seed=8)
+    steps = 2 * a.steps_per_epoch + 1  # into a third epoch
+    batches_a, batches_b, batches_c = take(a, steps), take(b, steps), take(c, steps)
+    for (xa, ya), (xb, yb) in zip(batches_a, batches_b):
+        assert xa.dtype == torch.int64 and xa.shape == (8, 32) and ya.shape == (8, 32)
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+        assert torch.equal(xa[:, 1:], ya[:, :-1])
+    assert not all(torch.equal(xa, xc) for (xa, _), (xc, _) in zip(batches_a, batches_c))
+    epoch0 = torch.cat([x for x, _ in batches_a[: a.steps_per_epoch]])
+    epoch1 = torch.cat([x for x, _ in batches_a[a.steps_per_epoch : 2 * a.steps_per_epoch]])
+    assert not torch.equal(epoch0, epoch1)  # a fresh order each epoch
+
+
+@pytest.mark.parametrize("stop", ["mid_epoch", "epoch_end"])
+def test_resume_reproduces_the_uninterrupted_sequence(prepared, stop):
+    first = TokenLoader(prepared, "train", batch_size=8, seq_len=32, seed=1, rank=1, world_size=2)
+    total = 2 * first.steps_per_epoch + 3
+    split = first.steps_per_epoch // 2 if stop == "mid_epoch" else first.steps_per_epoch
+    uninterrupted = take(TokenLoader(prepared, "train", batch_size=8, seq_len=32, seed=1, rank=1, world_size=2), total)
+    take(first, split)
+    state = json.loads(json.dumps(first.state_dict()))  # survives a JSON checkpoint
+    resumed = TokenLoader(prepared, "train", batch_size=8, seq_len=32, seed=1, rank=1, world_size=2)
+    resumed.load_state_dict(state)
+    for (x, y), (rx, ry) in zip(uninterrupted[split:], take(resumed, total - split), strict=True):
+        assert torch.equal(x, rx) and torch.equal(y, ry)
+
+
+def all_windows(data: PreparedData, split: str, seq_len: int) -> Counter:
+    windows = Counter()
+    for shard in data.shards(split):
+        for start in range(0, len(shard) - seq_len, seq_len):
+            windows[tuple(shard[start : start + seq_len + 1].tolist())] += 1
+    return windows
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_ranks_are_disjoint_and_cover_an_epoch(prepared, world_size):
+    seq_len = 16
+    loaders = [
+        TokenLoader(prepared, "train", batch_size=1, seq_len=seq_len, seed=3, rank=rank, world_size=world_size)
+        for rank in range(world_size)
+    ]
+    seen = Counter()
+    for loader in loaders:
+        for x, y in take(loader, loader.steps_per_epoch):
+            seen[tuple(torch.cat([x[0], y[0, -1:]]).tolist())] += 1
+    expected = all_windows(prepared, "train", seq_len)
+    assert sum(expected.values()) == loaders[0].num_windows
+    assert not seen - expected  # no window read more often than it exists: ranks are disjoint
+    assert sum(seen.values()) == loaders[0].num_windows - loaders[0].num_windows % world_size  # and they cover the epoch
+
+
+def test_eval_iterator_is_fixed_and_leaves_training_position(prepared):
+    loader = TokenLoader(prepared, "val", batch_size=2, seq_len=8, seed=0)
+    first, second = list(loader.iter_eval(3)), list(loader.iter_eval(3))
+    assert len(first) == 3
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(first, second))
+    assert loader.state_dict()["step"] == 0
+    ranks = [TokenLoader(prepared, "val", batch_size=1, seq_len=8, seed=0, rank=r, world_size=2) for r in range(2)]
+    seen = Counter(tuple(torch.cat([x[0], y[0, -1:]]).tolist()) for r in ranks for x, y in r.iter_eval())
+    assert not seen - all_windows(prepared, "val", 8)  # the ranks evaluate disjoint windows
+    assert sum(seen.values()) == ranks[0].num_windows - ranks[0].num_windows % 2
+
+
+def test_loader_refuses_incompatible_state_and_tiny_splits(prepared):
+    loader = TokenLoader(prepared, "train", batch_size=2, seq_len=16, seed=0)
+    with pytest.raises(DataError, match="batch_size: saved 2 vs now 4"):
+        TokenLoader(prepared, "train", batch_size=4, seq_len=16, seed=0).load_state_dict(loader.state_dict())
+    with pytest.raises(DataError, match="fewer than one batch"):
+        TokenLoader(prepared, "val", batch_size=64, seq_len=64, seed=0)
+
+
+# --- bad input ---------------------------------------------------------------------------------------------------
+
+
+def test_missing_files(tmp_path):
+    with pytest.raises(DataError, match="no files match"):
+        prepare(config(tmp_path / "nowhere" / "*.jsonl", tmp_path / "cache"))
+    with pytest.raises(DataError, match="no files match"):
+        prepare(config(tmp_path / "nowhere.jsonl", tmp_path / "cache"))
+    (tmp_path / "corpus.txt").write_text("some text")
+    with pytest.raises(DataError, match="tokenizer file .*tok.json does not exist"):
+        prepare(config(tmp_path / "corpus.txt", tmp_path / "cache", tokenizer=str(tmp_path / "tok.json")))
+
+
+def test_empty_corpus(tmp_path):
+    source = write_jsonl(tmp_path / "empty.jsonl", [{"text": ""}, {"text": None}])
+    with pytest.raises(DataError, match="is empty"):
+        prepare(config(source, tmp_path / "cache"))
+    (tmp_path / "blank.txt").write_text("")
+    with pytest.raises(DataError, match="is empty"):
+        prepare(config(tmp_path / "blank.txt", tmp_path / "cache"))
+    assert os.listdir(tmp_path / "cache") == []  # failed runs leave no temp folders behind
+
+
+def test_missing_text_field(tmp_path, docs):
+    source = write_jsonl(tmp_path / "corpus.jsonl", [{"content": d} for d in docs])
+    with pytest.raises(DataError, match=r"no field 'text'; available fields: \['content'\]"):
+        prepare(config(source, tmp_path / "cache", num_proc=2))
+
+
+def test_shards_from_another_tokenizer(tmp_path, docs):
+    source = write_jsonl(tmp_path / "corpus.jsonl", [{"text": d} for d in docs])
+    tokenizer = tmp_path / "tokenizer.json"
+    train_bpe(docs, vocab_size=300).save(str(tokenizer))
+    first = prepare(config(source, tmp_path / "cache", tokenizer=str(tokenizer)))
+    before = folder_bytes(first.path)
+    train_bpe(docs, vocab_size=290).save(str(tokenizer))  # the file the config names now holds a different tokenizer
+    with pytest.raises(DataError, match="another tokenizer"):
+        prepare(config(source, tmp_path / "cache", tokenizer=str(tokenizer)))
+    with pytest.raises(DataError, match="another tokenizer"):
+        PreparedData.open(first.path, expected_tokenizer="0" * 64)
+    assert folder_bytes(first.path) == before
+
+
+@pytest.mark.parametrize("damage", ["shard", "manifest"])
+def test_truncated_shard_or_manifest(tmp_path, docs, damage):
+    source = write_jsonl(tmp_path / "corpus.jsonl", [{"text": d} for d in docs])
+    data = prepare(config(source, tmp_path / "cache"))
+    victim = data.path / ("train_00000.bin" if damage == "shard" else "manifest.json")
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    damaged = folder_bytes(data.path)
+    with pytest.raises(DataError, match=f"truncated.*delete {data.path}"):
+        prepare(config(source, tmp_path / "cache"))
+    assert folder_bytes(data.path) == damaged  # the error names the fix; nothing is deleted behind the user's back
+
+
+def test_failed_run_leaves_prepared_results_alone(tmp_path, docs):
+    good = write_jsonl(tmp_path / "good.jsonl", [{"text": d} for d in docs])
+    data = prepare(config(good, tmp_path / "cache"))
+    before = folder_bytes(data.path)
+    tokenizer = tmp_path / "tokenizer.json"
+    data.tokenizer.save(str(tokenizer))
+    (tmp_path / "bad").mkdir()
+    write_jsonl(tmp_path / "bad" / "a.jsonl", [{"text": d} for d in docs * 100])  # > one tokenization chunk
+    (tmp_path / "bad" / "b.jsonl").write_text('{"text": "cut off mid-wri')
+    with pytest.raises(DataError, match="could not read documents"):
+        # num_proc=1 writes each chunk at once, so this fails after a shard was begun
+        prepare(config(tmp_path / "bad", tmp_path / "cache", tokenizer=str(tokenizer), num_proc=1))
+    assert os.listdir(tmp_path / "cache") == [data.path.name]
+    assert folder_bytes(data.path) == before
