@@ -1,0 +1,165 @@
+"""The CODA epilogue programs, written with quack's ``@gemm_epilogue`` frontend.
+
+Each program is a plain function called once per accumulator element (or per adjacent-column
+pair in ``acc_pair`` mode) at trace time; its parameters after ``acc`` are the epilogue operands
+(row vector ``(1, N)``, column vector ``(1, M)``, tile ``(M, N)``, scalar), and it returns the
+values to store (``"D"`` and declared tile outputs) and to reduce (declared sinks). quack lowers
+the function onto its Hopper GEMM; everything runs in fp32 registers before the single rounding
+store. Programs are module globals so quack's compile cache can re-import them by name.
+
+Vocabulary (quack.epilogue.ops): RowVecLoad / ColVecLoad (vector loads), TileLoad (inferred for
+(M, N) operands, or ``c`` = the GEMM C operand), TileStore (``outputs=``), ColVecReduce (per-row
+partial sums over each N tile -> (M, n_tiles)), RowVecReduce (per-column partial sums over each
+M tile -> (m_tiles, N)), OnlineLSEReduce (running max / sum-exp per row and N tile),
+ColVecSelect (pick the target column per row).
+"""
+
+from __future__ import annotations
+
+from cutlass import BFloat16, Float32
+
+import quack
+from quack.activation import dswiglu as _dswiglu, swiglu as _swiglu
+from quack.epilogue.frontend import gemm_epilogue, pack, unpack
+from quack.epilogue.math import pexp as _pexp
+from quack.epilogue.ops import (
+    ColVecLoad,
+    ColVecReduce,
+    ColVecSelect,
+    OnlineLSEReduce,
+    RowVecLoad,
+    RowVecReduce,
+    Scalar,
+)
+from quack.epilogue.rotary import rotary_cos_sin_load
+
+_QUACK_VERSION = quack.__version__
+
+
+class _Library:
+    """A quack math helper as an epilogue dependency with a fixed cache identity. quack keys its
+    kernel cache on a deep fingerprint of each epilogue fn; helpers built on cutlass'
+    ``dsl_user_op`` capture a ContextVar that the fingerprint rejects (seen on the GPU machine's
+    Python 3.12), so we key them by (module, name, quack version) instead."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    def __quack_semantic_key__(self):
+        return (self.fn.__module__, self.fn.__qualname__, _QUACK_VERSION)
+
+
+swiglu = _Library(_swiglu)  # silu(gate) * up
+dswiglu = _Library(_dswiglu)  # (d gate, d up, silu(gate) * up) given d out
+pexp = _Library(_pexp)  # fast exp
+
+
+def as_stored(v):
+    """Round an fp32 value to bf16 and back: the value exactly as the bf16 output stores it, so
+    statistics computed next to the store see the same x that later kernels read."""
+    return v.to(BFloat16).to(Float32)
+
+
+# F1: qkv = RoPE(r * h W^T) on the q/k columns. `cs` is the interleaved (cos, sin) table with one
+# row per token row (position = row % T expanded on the host, head_dim wide), `r` the row scale.
+@gemm_epilogue(ops={"cs": rotary_cos_sin_load("cs"), "r": ColVecLoad("r")}, mode="acc_pair")
+def rowscale_rope(acc, cs, r):
+    y0, y1 = unpack(acc * r)
+    c, s = unpack(cs)
+    return {"D": pack(y0 * c - y1 * s, y0 * s + y1 * c)}
+
+
+# F1 (v columns, no rotation): y = r * acc.
+@gemm_epilogue(ops={"r": ColVecLoad("r")})
+def rowscale(acc, r):
+    return {"D": acc * r}
+
+
+# F3/F6: x = residual + a W^T (C operand), stored bf16; h = x * gamma; per-tile sum of x^2.
+@gemm_epilogue(
+    outputs=("h",),
+    ops={"gamma": RowVecLoad("gamma")},
+    reduces={"sumsq": ColVecReduce("sumsq", scaled=True)},
+)
+def residual_rmsnorm_partial(acc, c, gamma):
+    x = as_stored(acc + c)
+    return {"D": x, "h": x * gamma, "sumsq": (x, x)}
+
+
+# F5: gu = r * h W_gu^T, a = silu(gate) * up. quack's concat_layout reads the weight's
+# [gate | up] row halves pair-interleaved (no copy), so gate column j and up column j arrive as one
+# accumulator pair; the rounded gate and up go to two half-width stores (the column halves of the
+# (M, 2F) gu buffer) and a is computed from the stored values.
+@gemm_epilogue(outputs=("gate", "up", "a"), ops={"r": ColVecLoad("r")}, mode="acc_pair")
+def rowscale_swiglu(acc, r):
+    g, u = unpack(acc * r)
+    g, u = as_stored(g), as_stored(u)
+    return {"gate": g, "up": u, "a": swiglu(g, u)}
+
+
+# H: logits y = r * h W_lm^T never leave the chip: online (max, sum-exp) partials per N tile and
+# the target column's logit. No D store.
+_target = ColVecLoad("target")
+
+
+@gemm_epilogue(
+    ops={"r": ColVecLoad("r")},
+    outs={"lse": OnlineLSEReduce("lse"), "target_logit": ColVecSelect("target_logit", idx_op=_target)},
+    extra_ops=(_target,),
+)
+def rowscale_lse_target(acc, r):
+    y = acc * r
+    return {"lse": y, "target_logit": y}
+
+
+# H': recompute y = r * acc; p = softmax(y) * grad_scale from the forward's lse; store r * p,
+# per-tile partials of sum p*y, and pick the target column's y. The one-hot term touches one
+# element per row: fixed up after the kernel from that exact y (see gemm_cross_entropy_backward).
+_target_bwd = ColVecLoad("target")
+
+
+@gemm_epilogue(
+    ops={"r": ColVecLoad("r"), "lse": ColVecLoad("lse"), "scale": Scalar("scale")},
+    reduces={"stat": ColVecReduce("stat", scaled=True)},
+    outs={"target_logit": ColVecSelect("target_logit", idx_op=_target_bwd)},
+    extra_ops=(_target_bwd,),
+)
+def ce_backward_target(acc, r, lse, scale):
+    y = acc * r
+    p = pexp(y - lse) * scale
+    return {"D": p * r, "stat": (p, y), "target_logit": y}
+
+
+# B1: acc = g_out W_down = g_a; dSwiGLU with the saved gate/up halves (two tile loads of column
+# slices of gu); D = recomputed a; stores r*g_gate and r*g_up into the halves of one (M, 2F)
+# buffer; per-tile partials of sum g_gu * gu.
+@gemm_epilogue(
+    outputs=("g_gate", "g_up"),
+    ops={"r": ColVecLoad("r")},
+    reduces={"stat": ColVecReduce("stat")},
+)
+def dswiglu_rowscale_stat(acc, gate, up, r):
+    dg, du, a = dswiglu(gate, up, acc)
+    return {"D": a, "g_gate": dg * r, "g_up": du * r, "stat": dg * gate + du * up}
+
+
+# B3/B6b/H'': acc = (r g_y) W = g_h; g_x = residual_grad (C) + gamma*acc + c*x; per-M-tile
+# partials of g_gamma = sum_rows acc * x. (quack.epilogue.library.rms_bwd_apply_epi is the same
+# program; ours names the operands after the op.)
+@gemm_epilogue(
+    ops={"gamma": RowVecLoad("gamma"), "coef": ColVecLoad("coef")},
+    reduces={"g_gamma": RowVecReduce("g_gamma", scaled=True)},
+)
+def rmsnorm_backward(acc, c, x, gamma, coef):
+    return {"D": acc * gamma + x * coef + c, "g_gamma": (acc, x)}
+
+
+@gemm_epilogue(
+    ops={"gamma": RowVecLoad("gamma"), "coef": ColVecLoad("coef")},
+    reduces={"g_gamma": RowVecReduce("g_gamma", scaled=True)},
+)
+def rmsnorm_backward_noresidual(acc, x, gamma, coef):
+    return {"D": acc * gamma + x * coef, "g_gamma": (acc, x)}
