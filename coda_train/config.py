@@ -1,0 +1,193 @@
+"""Typed run configuration: the schema hydra checks `configs/` and command-line overrides against.
+
+Each dataclass is one config group (model, data, optim, trainer, logger) or node (kernels, debug);
+`register_configs()` puts the whole tree in hydra's ConfigStore as `base_config`, which
+`configs/config.yaml` lists first, so an unknown key or a wrong type fails before anything runs.
+Cross-field checks that need the data (vocab size) or the preset live here too, in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
+
+from coda_train.data import DataConfig
+from coda_train.model import IMPLS, ConfigError, LlamaConfig, preset
+
+
+@dataclass
+class ModelConfig:
+    """A preset from coda_train/model/config.py PRESETS; every null field keeps the preset's value."""
+    preset: str = MISSING
+    impl: str = "coda"  # coda | eager | liger (coda_train.model.IMPLS)
+    dim: Optional[int] = None
+    n_layers: Optional[int] = None
+    n_heads: Optional[int] = None
+    n_kv_heads: Optional[int] = None
+    ffn_dim: Optional[int] = None
+    vocab_size: Optional[int] = None  # null: the tokenizer's vocabulary rounded up to vocab_multiple_of
+    vocab_multiple_of: int = 64  # round the default vocab up so the embedding GEMMs tile evenly
+    rope_theta: Optional[float] = None
+    norm_eps: Optional[float] = None
+    max_seq_len: Optional[int] = None
+    tie_embeddings: Optional[bool] = None
+    init_std: Optional[float] = None
+
+
+@dataclass
+class KernelsConfig:
+    backend: str = "auto"  # auto | reference | cute
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3e-3  # peak learning rate
+    min_lr_ratio: float = 0.1  # the schedule ends at lr * min_lr_ratio
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # matrices only; norms and embeddings are not decayed
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping (the norm is still logged)
+    schedule: str = "cosine"  # cosine (warmup + cosine decay) | wsd (warmup, stable, decay) | constant
+    warmup_steps: int = 20
+    decay_fraction: float = 0.2  # wsd: the last fraction of max_steps decays linearly to min_lr
+
+
+@dataclass
+class TrainerConfig:
+    seed: int = 1337  # model init, data order and every RNG
+    # the run's size is set in configs/trainer/*.yaml (default.yaml: the tiny CPU run)
+    max_steps: int = MISSING
+    batch_size: int = MISSING  # sequences per micro-batch (per process)
+    seq_len: int = MISSING
+    grad_accum_steps: int = 1  # micro-batches per optimizer step
+    device: str = "auto"  # auto (cuda when available) | cpu | cuda
+    compute_dtype: str = "auto"  # auto (bfloat16 on cuda, float32 on cpu) | bfloat16 | float32
+    log_every: int = 10  # steps between metrics lines (the last step is always logged)
+    eval_every: int = 100  # steps between validation losses (and at the last step); 0 = never
+    eval_batches: int = 8
+    ckpt_every: int = 100  # steps between checkpoints (and at the last step); 0 = only at the end/signal
+    keep_last: int = 3  # checkpoints kept in <run_dir>/checkpoints
+    resume: str = "auto"  # auto (newest good checkpoint in run_dir, if any) | never | <checkpoint dir>
+    run_dir: Optional[str] = None  # null: hydra's output dir (outputs/<date>/<time>)
+    peak_flops: float = 989e12  # per GPU, for MFU: H100/H200 dense bf16
+    progress_bar: bool = True  # tqdm, shown only when stderr is a terminal
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "jsonl"  # jsonl (metrics.jsonl only) | wandb (metrics.jsonl and wandb)
+    project: str = "coda-train"
+    entity: Optional[str] = None
+    run_name: Optional[str] = None
+    mode: str = "auto"  # auto (online when a key is set and the server answers, else offline) | online | offline
+
+
+@dataclass
+class DebugConfig:
+    """Test hooks that make failures happen on purpose; all null in real runs."""
+    nan_loss_at_step: Optional[int] = None  # multiply that step's loss by NaN
+    sigkill_after_step: Optional[int] = None  # SIGKILL this process after that step (and its checkpoint)
+    sigkill_in_checkpoint_at_step: Optional[int] = None  # SIGKILL halfway through writing that step's checkpoint
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+
+def _first_non_null(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def register_configs() -> None:
+    """Make the schema known to hydra (as `base_config`) and the resolver the run dir uses."""
+    ConfigStore.instance().store(name="base_config", node=Config)
+    if not OmegaConf.has_resolver("first_non_null"):
+        OmegaConf.register_new_resolver("first_non_null", _first_non_null)
+
+
+def _choose(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not one of {list(choices)}")
+
+
+def check_config(cfg: Config) -> None:
+    """Cross-field checks hydra's types cannot express; raises ConfigError naming the fix."""
+    t, o = cfg.trainer, cfg.optim
+    _choose("model.impl", cfg.model.impl, tuple(IMPLS))
+    _choose("kernels.backend", cfg.kernels.backend, ("auto", "reference", "cute"))
+    _choose("optim.name", o.name, ("adamw",))
+    _choose("optim.schedule", o.schedule, ("cosine", "wsd", "constant"))
+    _choose("trainer.device", t.device, ("auto", "cpu", "cuda"))
+    _choose("trainer.compute_dtype", t.compute_dtype, ("auto", "bfloat16", "float32"))
+    _choose("logger.name", cfg.logger.name, ("jsonl", "wandb"))
+    _choose("logger.mode", cfg.logger.mode, ("auto", "online", "offline"))
+    for name in ("max_steps", "batch_size", "seq_len", "grad_accum_steps", "log_every", "eval_batches", "keep_last"):
+        if getattr(t, name) < 1:
+            raise ConfigError(f"trainer.{name}={getattr(t, name)} must be >= 1")
+    for name in ("eval_every", "ckpt_every"):
+        if getattr(t, name) < 0:
+            raise ConfigError(f"trainer.{name}={getattr(t, name)} must be >= 0 (0 disables it)")
+    if not o.lr > 0:
+        raise ConfigError(f"optim.lr={o.lr} must be > 0")
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
+    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
+        raise ConfigError(f"optim.betas={list(o.betas)} must be two numbers in [0, 1), e.g. optim.betas=[0.9,0.95]")
+    if o.warmup_steps < 0 or o.weight_decay < 0 or o.grad_clip < 0:
+        raise ConfigError("optim.warmup_steps, optim.weight_decay and optim.grad_clip must be >= 0")
+    if not 0.0 < o.decay_fraction <= 1.0:
+        raise ConfigError(f"optim.decay_fraction={o.decay_fraction} must be in (0, 1]")
+    if cfg.model.vocab_multiple_of < 1:
+        raise ConfigError(f"model.vocab_multiple_of={cfg.model.vocab_multiple_of} must be >= 1")
+
+
+def resolve_model_config(model: ModelConfig, tokenizer_vocab_size: int, seq_len: int) -> LlamaConfig:
+    """The LlamaConfig this run trains: the preset, the non-null overrides, and a vocab that fits the tokenizer."""
+    fields = {f.name for f in dataclasses.fields(LlamaConfig)}
+    overrides = {k: v for k, v in dataclasses.asdict(model).items() if k in fields and v is not None}
+    if model.vocab_size is None:
+        m = model.vocab_multiple_of
+        overrides["vocab_size"] = -(-tokenizer_vocab_size // m) * m
+    elif model.vocab_size < tokenizer_vocab_size:
+        raise ConfigError(f"model.vocab_size={model.vocab_size} is smaller than the tokenizer's vocabulary "
+                          f"({tokenizer_vocab_size} tokens); set model.vocab_size>={tokenizer_vocab_size} "
+                          "or leave it null to follow the tokenizer")
+    llama = preset(model.preset, **overrides)
+    if seq_len > llama.max_seq_len:
+        raise ConfigError(f"trainer.seq_len={seq_len} exceeds the model's max_seq_len={llama.max_seq_len}; "
+                          f"lower trainer.seq_len or set model.max_seq_len={seq_len}")
+    return llama
+
+
+def _unknown_keys(node: Any, schema: type, prefix: str = "") -> list[str]:
+    fields = typing.get_type_hints(schema)
+    found = []
+    for key in node.keys():
+        if key not in fields:
+            found.append(prefix + str(key))
+        elif dataclasses.is_dataclass(fields[key]):
+            found += _unknown_keys(node[key], fields[key], f"{prefix}{key}.")
+    return found
+
+
+def to_dataclass(cfg: Any) -> Config:
+    """A hydra DictConfig (built on the Config schema) as plain typed dataclasses. Keys that hydra
+    let in with `+key=value` but the schema does not know are an error, not silently dropped."""
+    unknown = _unknown_keys(cfg, Config)
+    if unknown:
+        raise ConfigError(f"unknown config keys {unknown}: not fields of coda_train/config.py Config; "
+                          "remove them (see `python train.py --cfg job` for every key)")
+    return OmegaConf.to_object(cfg)

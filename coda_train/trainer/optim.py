@@ -1,0 +1,47 @@
+"""AdamW over fp32 master weights with weight-decay groups, and the learning-rate schedules."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from coda_train.config import OptimConfig
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW (fp32 state, like the fp32 parameters). Weight decay applies to the 2-D projection
+    matrices only: norm gains are scales whose decay toward 0 is not regularization, and the
+    embedding (also the tied LM head) is a lookup table whose rare tokens decay would erase."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (decay if p.dim() == 2 and name != "tok_emb" else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # fused on GPU (one kernel for all parameters), foreach (few large ops) on CPU
+    kind = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kind)
+
+
+def lr_multiplier(step: int, cfg: OptimConfig, max_steps: int) -> float:
+    """Fraction of the peak lr at optimizer step `step` (0-based): linear warmup, then
+    cosine to min_lr_ratio at max_steps, or WSD (stable at peak, then a linear decay over the last
+    decay_fraction of the run), or constant."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    floor = cfg.min_lr_ratio
+    if cfg.schedule == "cosine":
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps))
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    decay_steps = max(1, round(cfg.decay_fraction * max_steps))  # wsd
+    decay_start = max(cfg.warmup_steps, max_steps - decay_steps)
+    if step < decay_start:
+        return 1.0
+    progress = min(1.0, (step - decay_start) / max(1, max_steps - decay_start))
+    return 1.0 - (1.0 - floor) * progress
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, max_steps))

@@ -1,0 +1,111 @@
+"""The hydra config tree and its typed schema, the model resolution, schedules and decay groups (no training)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException, MissingConfigException
+
+from coda_train.config import check_config, register_configs, resolve_model_config, to_dataclass
+from coda_train.model import PRESETS, ConfigError, build_model, preset
+from coda_train.trainer.optim import build_optimizer, lr_multiplier
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def load(*overrides: str):
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        return to_dataclass(compose("config", overrides=list(overrides)))
+
+
+def test_default_config_is_the_tiny_preset_on_the_builtin_corpus():
+    cfg = load()
+    assert (cfg.model.preset, cfg.model.impl, cfg.data.source, cfg.logger.name) == ("tiny", "coda", "builtin", "jsonl")
+    assert cfg.kernels.backend == "auto" and cfg.trainer.resume == "auto"
+    check_config(cfg)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_each_model_group_names_its_preset_and_keeps_its_numbers(name):
+    cfg = load(f"model={name}")
+    llama = resolve_model_config(cfg.model, tokenizer_vocab_size=PRESETS[name].vocab_size, seq_len=128)
+    assert llama == PRESETS[name]  # the yaml adds no numbers of its own
+
+
+def test_model_fields_override_the_preset():
+    cfg = load("model=llama3_125m", "model.n_layers=2", "model.tie_embeddings=false")
+    llama = resolve_model_config(cfg.model, tokenizer_vocab_size=1000, seq_len=128)
+    assert (llama.n_layers, llama.tie_embeddings, llama.dim) == (2, False, PRESETS["llama3_125m"].dim)
+
+
+def test_default_vocab_follows_the_tokenizer_rounded_up():
+    cfg = load()
+    assert resolve_model_config(cfg.model, tokenizer_vocab_size=300, seq_len=128).vocab_size == 320
+    assert resolve_model_config(load("model.vocab_multiple_of=1").model, 300, 128).vocab_size == 300
+    assert resolve_model_config(load("model.vocab_size=500").model, 300, 128).vocab_size == 500
+    with pytest.raises(ConfigError, match="set model.vocab_size>=300 or leave it null"):
+        resolve_model_config(load("model.vocab_size=299").model, 300, 128)
+
+
+def test_seq_len_beyond_max_seq_len_names_the_fix():
+    with pytest.raises(ConfigError, match="lower trainer.seq_len or set model.max_seq_len=512"):
+        resolve_model_config(load().model, 300, seq_len=512)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.max_stepz=3", "Could not override 'trainer.max_stepz'"),
+    ("trainer.max_steps=abc", "Error merging override trainer.max_steps=abc"),
+    ("optim.lr=fast", "Error merging override optim.lr=fast"),
+])
+def test_typos_and_wrong_types_fail_at_composition(override, message):
+    with pytest.raises(ConfigCompositionException, match=message):
+        load(override)
+
+
+def test_unknown_group_option_lists_the_choices():
+    with pytest.raises(MissingConfigException, match="llama3_125m"):
+        load("model=llama3_2b")
+
+
+def test_keys_appended_with_plus_are_not_silently_dropped():
+    with pytest.raises(ConfigError, match=r"unknown config keys \['trainer.foo'\]"):
+        load("+trainer.foo=1")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.impl=jax", "model.impl='jax' is not one of"),
+    ("kernels.backend=triton", "kernels.backend='triton' is not one of"),
+    ("optim.schedule=linear", "optim.schedule='linear' is not one of"),
+    ("trainer.grad_accum_steps=0", "trainer.grad_accum_steps=0 must be >= 1"),
+    ("optim.betas=[0.9]", "must be two numbers in"),
+])
+def test_out_of_range_values_fail_the_cross_field_check(override, message):
+    with pytest.raises(ConfigError, match=message):
+        check_config(load(override))
+
+
+def test_schedules_warm_up_then_decay_to_the_floor():
+    cosine = load("optim.warmup_steps=10", "optim.min_lr_ratio=0.1").optim
+    values = [lr_multiplier(s, cosine, 100) for s in range(100)]
+    assert values[0] == pytest.approx(0.1) and values[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(values[9:], values[10:]))  # monotone decay after warmup
+    assert lr_multiplier(100, cosine, 100) == pytest.approx(0.1)
+
+    wsd = load("optim.schedule=wsd", "optim.warmup_steps=10", "optim.decay_fraction=0.2", "optim.min_lr_ratio=0.0").optim
+    assert [lr_multiplier(s, wsd, 100) for s in (10, 50, 79)] == [1.0, 1.0, 1.0]  # stable phase
+    assert lr_multiplier(90, wsd, 100) == pytest.approx(0.5) and lr_multiplier(100, wsd, 100) == pytest.approx(0.0)
+
+
+def test_weight_decay_skips_norms_and_the_embedding():
+    model = build_model(preset("tiny", dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=64), "eager")
+    optimizer = build_optimizer(model, load().optim, torch.device("cpu"))
+    decayed, plain = optimizer.param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert sorted(names[id(p)] for p in decayed["params"]) == [
+        "layers.0.w_down", "layers.0.w_gate_up", "layers.0.w_o", "layers.0.w_qkv"]
+    assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+    assert "tok_emb" in {names[id(p)] for p in plain["params"]}

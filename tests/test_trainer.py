@@ -1,0 +1,259 @@
+"""The trainer end to end on CPU: train.py subprocesses where the process matters (kills, signals,
+exit codes, multirun), in-process train() for the bad-input errors. One tiny corpus for all."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from coda_train.config import register_configs, to_dataclass
+from coda_train.data import DataConfig, prepare
+from coda_train.kernels import BackendError
+from coda_train.model import ConfigError
+from coda_train.trainer import CheckpointError, train
+from coda_train.trainer.checkpoint import list_checkpoints, load_state, verify_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+TIMING_KEYS = {"tokens_per_s", "elapsed_s"}  # wall-clock metrics; everything else must match exactly
+N = 24  # steps of the resume tests; checkpoints every N/4, so N/2 is one
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> list[str]:
+    """Overrides for a 2-layer dim-64 model on a prepared 60-document corpus with a 300-token BPE."""
+    root = tmp_path_factory.mktemp("corpus")
+    stdlib = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:60]
+    with open(root / "corpus.jsonl", "w") as f:
+        for path in stdlib:
+            f.write(json.dumps({"text": path.read_text(errors="ignore")[:3000]}) + "\n")
+    data = [f"data.source={root / 'corpus.jsonl'}", "data.vocab_size=300", "data.val_fraction=0.1",
+            f"data.cache_dir={root / 'cache'}", "data.num_proc=1"]
+    prepare(DataConfig(source=str(root / "corpus.jsonl"), vocab_size=300, val_fraction=0.1,
+                       cache_dir=str(root / "cache"), num_proc=1))  # once; every run below reuses it
+    return data + ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
+                   "trainer.batch_size=4", "trainer.seq_len=32", "trainer.log_every=1", "trainer.eval_every=6",
+                   "trainer.eval_batches=2", "optim.warmup_steps=4", "trainer.progress_bar=false"]
+
+
+def run_train(*overrides: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "train.py", *overrides], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def train_in_process(run_dir: Path, *overrides: str):
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        cfg = compose("config", overrides=[f"trainer.run_dir={run_dir}", *overrides])
+    return train(to_dataclass(cfg), run_dir)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def without_timing(lines: list[dict]) -> list[dict]:
+    return [{k: v for k, v in line.items() if k not in TIMING_KEYS} for line in lines]
+
+
+def snapshot(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="session")
+def straight_run(tiny, tmp_path_factory) -> Path:
+    """N steps in one uninterrupted process: the reference the interrupted runs must reproduce."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    result = run_train(*tiny, f"trainer.run_dir={run_dir}", f"trainer.max_steps={N}", f"trainer.ckpt_every={N // 4}",
+                       "trainer.keep_last=2")
+    assert result.returncode == 0, result.stderr
+    return run_dir
+
+
+def test_loss_falls_for_both_impls_in_a_multirun(tiny, tmp_path):
+    result = run_train("-m", *tiny, "model.impl=coda,eager", "trainer.max_steps=40", "trainer.eval_every=20",
+                       f"trainer.run_dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    first_losses = []
+    for job, impl in ((0, "coda"), (1, "eager")):
+        lines = metrics(tmp_path / str(job))
+        assert (tmp_path / str(job) / "config.yaml").read_text().count(f"impl: {impl}") == 1
+        assert [m["step"] for m in lines] == list(range(1, 41))
+        assert lines[-1]["loss"] < lines[0]["loss"] - 1.0, (impl, lines[0]["loss"], lines[-1]["loss"])
+        assert lines[-1]["val_loss"] < lines[19]["val_loss"]
+        first_losses.append(lines[0]["loss"])
+    # same seed -> same initial weights and batches, so both impls start from the same loss
+    assert first_losses[0] == pytest.approx(first_losses[1], abs=1e-4)
+
+
+def test_run_dir_holds_config_metrics_and_last_k_checkpoints(straight_run):
+    lines = metrics(straight_run)
+    assert [m["step"] for m in lines] == list(range(1, N + 1))
+    assert {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "elapsed_s"} <= set(lines[0])
+    assert [m["step"] for m in lines if "val_loss" in m] == [6, 12, 18, 24]
+    assert lines[-1]["tokens"] == N * 4 * 32
+    assert "resolved_model" in (straight_run / "config.yaml").read_text()
+    assert [p.name for p in list_checkpoints(straight_run / "checkpoints")] == ["step_00000024", "step_00000018"]
+
+
+def test_resume_after_sigkill_is_exact(tiny, straight_run, tmp_path):
+    common = [*tiny, f"trainer.run_dir={tmp_path}", f"trainer.max_steps={N}", f"trainer.ckpt_every={N // 4}", "trainer.keep_last=2"]
+    killed = run_train(*common, "debug.sigkill_after_step=14")  # checkpoint at 12 = N/2, then 2 more steps
+    assert killed.returncode == -signal.SIGKILL
+    assert metrics(tmp_path)[-1]["step"] == 14
+    resumed = run_train(*common)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stderr + resumed.stdout and "step_00000012" in resumed.stderr + resumed.stdout
+    assert without_timing(metrics(tmp_path)) == without_timing(metrics(straight_run))
+    final, reference = (load_state(d / "checkpoints" / f"step_{N:08d}") for d in (tmp_path, straight_run))
+    for name, tensor in reference["model"].items():
+        assert torch.equal(final["model"][name], tensor), name
+    assert final["optimizer"]["state"][0]["exp_avg_sq"].equal(reference["optimizer"]["state"][0]["exp_avg_sq"])
+
+
+def test_crash_during_checkpoint_write_keeps_previous_and_auto_resumes_it(tiny, straight_run, tmp_path):
+    common = [*tiny, f"trainer.run_dir={tmp_path}", f"trainer.max_steps={N}", f"trainer.ckpt_every={N // 4}"]
+    crashed = run_train(*common, "debug.sigkill_in_checkpoint_at_step=18")
+    assert crashed.returncode == -signal.SIGKILL
+    ckpts = tmp_path / "checkpoints"
+    assert [p.name for p in list_checkpoints(ckpts)] == ["step_00000012", "step_00000006"]
+    partial = list(ckpts.glob(".tmp-step_00000018-*"))
+    assert len(partial) == 1 and (partial[0] / "state.pt").exists() and not (partial[0] / "meta.json").exists()
+    verify_checkpoint(ckpts / "step_00000012")
+    resumed = run_train(*common)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "step_00000012 (step 12)" in resumed.stderr + resumed.stdout
+    assert without_timing(metrics(tmp_path)) == without_timing(metrics(straight_run))
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
+def test_stop_signal_saves_a_resumable_checkpoint(tiny, tmp_path, stop_signal):
+    proc = subprocess.Popen([sys.executable, "train.py", *tiny, f"trainer.run_dir={tmp_path}", "trainer.max_steps=100000",
+                             "trainer.ckpt_every=0"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 90
+    metrics_file = tmp_path / "metrics.jsonl"
+    while not (metrics_file.exists() and metrics_file.read_text().count("\n") >= 3):  # 3 steps done, handler installed
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() is not None else "timeout"
+        time.sleep(0.2)
+    proc.send_signal(stop_signal)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, output
+    assert f"received {stop_signal.name}" in output
+    (saved,) = list_checkpoints(tmp_path / "checkpoints")
+    step = int(saved.name.removeprefix("step_"))
+    assert step >= 3 and verify_checkpoint(saved)["step"] == step
+    last = train_in_process(tmp_path, *tiny, f"trainer.max_steps={step + 2}", "trainer.ckpt_every=0")
+    assert last["step"] == step + 2
+    assert [m["step"] for m in metrics(tmp_path)][-3:] == [step, step + 1, step + 2]
+
+
+def test_nan_loss_stops_without_checkpointing_it(tiny, tmp_path):
+    result = run_train(*tiny, f"trainer.run_dir={tmp_path}", "trainer.max_steps=20", "trainer.ckpt_every=5",
+                       "debug.nan_loss_at_step=8")
+    assert result.returncode == 3
+    assert "step 8: loss=nan" in result.stderr + result.stdout and "not finite" in result.stderr + result.stdout
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000005"]
+    assert metrics(tmp_path)[-1]["step"] == 7
+
+
+def test_cli_rejects_unknown_and_ill_typed_keys_before_training(tmp_path):
+    typo = run_train("trainer.max_stepz=3", f"trainer.run_dir={tmp_path}")
+    assert typo.returncode != 0 and "max_stepz" in typo.stderr
+    wrong_type = run_train("trainer.max_steps=three", f"trainer.run_dir={tmp_path}")
+    assert wrong_type.returncode != 0 and "could not be converted to Integer" in wrong_type.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_inconsistent_model_shapes_are_rejected(tiny, tmp_path):
+    with pytest.raises(ConfigError, match="n_heads=3 must divide dim=64"):
+        train_in_process(tmp_path, *tiny, "model.n_heads=3", "trainer.max_steps=2")
+    with pytest.raises(ConfigError, match=r"model.vocab_size=100 is smaller than the tokenizer's vocabulary \(300"):
+        train_in_process(tmp_path, *tiny, "model.vocab_size=100", "trainer.max_steps=2")
+    with pytest.raises(ConfigError, match="trainer.seq_len=64 exceeds the model's max_seq_len=32"):
+        train_in_process(tmp_path, *tiny, "model.max_seq_len=32", "trainer.seq_len=64", "trainer.max_steps=2")
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_cute_backend_without_gpu_is_rejected(tiny, tmp_path):
+    with pytest.raises(BackendError, match="kernels.backend=reference"):
+        train_in_process(tmp_path, *tiny, "kernels.backend=cute", "trainer.max_steps=2")
+
+
+def test_resume_with_another_model_shape_is_rejected_and_deletes_nothing(tiny, straight_run):
+    before = snapshot(straight_run)
+    with pytest.raises(CheckpointError, match=r"different model shape \(dim: checkpoint 64 vs this run 32"):
+        train_in_process(straight_run, *tiny, "model.dim=32", f"trainer.max_steps={N + 2}")
+    assert snapshot(straight_run) == before
+
+
+def test_resume_never_refuses_a_dir_holding_a_run(tiny, straight_run):
+    before = snapshot(straight_run)
+    with pytest.raises(CheckpointError, match="already holds a run"):
+        train_in_process(straight_run, *tiny, "trainer.resume=never", f"trainer.max_steps={N}")
+    assert snapshot(straight_run) == before
+
+
+def test_corrupt_checkpoint_is_skipped_by_auto_and_rejected_by_path(tiny, straight_run, tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight_run, run_dir)
+    newest = run_dir / "checkpoints" / f"step_{N:08d}"
+    state = bytearray((newest / "state.pt").read_bytes())
+    state[len(state) // 2] ^= 0xFF
+    (newest / "state.pt").write_bytes(bytes(state))
+    with pytest.raises(CheckpointError, match="does not match its checksum.*choose another checkpoint"):
+        train_in_process(run_dir, *tiny, f"trainer.resume={newest}", f"trainer.max_steps={N}")
+    last = train_in_process(run_dir, *tiny, f"trainer.max_steps={N}")  # auto: step 24 is corrupt, so from 18
+    assert "skipping damaged checkpoint" in caplog.text
+    assert last["step"] == N
+    verify_checkpoint(newest)  # rewritten; the damaged one is set aside, not deleted
+    assert len(list((run_dir / "checkpoints").glob(f".damaged-step_{N:08d}-*"))) == 1
+    assert without_timing(metrics(run_dir)) == without_timing(metrics(straight_run))
+
+
+def test_auto_resume_refuses_to_restart_when_every_checkpoint_is_damaged(tiny, straight_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight_run, run_dir)
+    for ckpt in list_checkpoints(run_dir / "checkpoints"):
+        (ckpt / "state.pt").write_bytes((ckpt / "state.pt").read_bytes()[:1000])  # truncated
+    before = snapshot(run_dir)
+    with pytest.raises(CheckpointError, match="every checkpoint in .* is damaged"):
+        train_in_process(run_dir, *tiny, f"trainer.max_steps={N}")
+    assert snapshot(run_dir) == before
+
+
+def test_wandb_logger_runs_offline_without_network_or_key(tiny, tmp_path):
+    env_without_key = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    result = subprocess.run([sys.executable, "train.py", *tiny, "logger=wandb", f"trainer.run_dir={tmp_path}",
+                             "trainer.max_steps=3"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env={**env_without_key, "HOME": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(metrics(tmp_path)) == 3
+
+
+def test_ddp_two_ranks_match_one_process_with_the_whole_batch(tiny, tmp_path):
+    """Rank r takes every 2nd window of the shared order, so 2 ranks x batch 2 see the same 4 windows
+    per step as 1 process x batch 4, and DDP's gradient average is the mean over them."""
+    steps = ["trainer.max_steps=6", "trainer.eval_every=3", "trainer.ckpt_every=0"]
+    ddp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+                          *tiny, *steps, "trainer.batch_size=2", f"trainer.run_dir={tmp_path / 'ddp'}"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert ddp.returncode == 0, ddp.stderr + ddp.stdout
+    single = run_train(*tiny, *steps, "trainer.batch_size=4", f"trainer.run_dir={tmp_path / 'single'}")
+    assert single.returncode == 0, single.stderr
+    for a, b in zip(metrics(tmp_path / "ddp"), metrics(tmp_path / "single"), strict=True):
+        assert a["tokens"] == b["tokens"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert ("val_loss" in a) == ("val_loss" in b) and a.get("val_loss", 0) == pytest.approx(b.get("val_loss", 0), rel=1e-5)
+    assert [p.name for p in list_checkpoints(tmp_path / "ddp" / "checkpoints")] == ["step_00000006"]

@@ -1,0 +1,43 @@
+"""Pretrain a Llama: python train.py [hydra overrides], e.g.
+
+    python train.py                                    # tiny model, embedded corpus, a few CPU minutes
+    python train.py model=llama3_125m trainer.max_steps=2000 trainer.run_dir=runs/125m
+    python train.py -m model.impl=coda,eager           # one run per value (multirun)
+
+Exit codes: 0 finished, or stopped by SIGTERM/SIGINT after saving a checkpoint (run again with the
+same trainer.run_dir to continue); 1 bad input (config, data, backend, checkpoint; nothing trained);
+3 the loss or gradient norm became non-finite (that state is not saved).
+"""
+
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from coda_train.config import register_configs, to_dataclass
+from coda_train.data import DataError
+from coda_train.kernels import BackendError
+from coda_train.model import ConfigError
+from coda_train.trainer import EXIT_BAD_INPUT, EXIT_NON_FINITE, CheckpointError, NonFiniteError, train
+
+log = logging.getLogger("train")
+register_configs()
+
+
+@hydra.main(config_path="configs", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    try:
+        train(to_dataclass(cfg), Path(HydraConfig.get().runtime.output_dir))
+    except (ConfigError, DataError, BackendError, CheckpointError) as e:
+        log.error("%s", e)
+        sys.exit(EXIT_BAD_INPUT)
+    except NonFiniteError as e:
+        log.error("%s", e)
+        sys.exit(EXIT_NON_FINITE)
+
+
+if __name__ == "__main__":
+    main()
