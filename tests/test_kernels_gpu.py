@@ -10,7 +10,6 @@ against eager in float64, for `tiny` and a 2-layer `llama3_1b`.
 import importlib.util
 import io
 import os
-import sys
 
 import pytest
 import torch

@@ -1,7 +1,6 @@
 """The CODA model on the reference backend against the eager model (autograd), and the ops'
 hand-written backwards against autograd of their forward formulas."""
 
-import dataclasses
 
 import pytest
 import torch
@@ -182,7 +181,6 @@ def test_rope_backward_and_statistic():
 def test_dswiglu_and_norm_backward_match_autograd():
     g = torch.Generator().manual_seed(6)
     M, d, f = 9, 8, 10
-    h = torch.randn(M, d, generator=g, dtype=torch.float64)
     x = torch.randn(M, d, generator=g, dtype=torch.float64, requires_grad=True)
     gamma = torch.rand(d, generator=g, dtype=torch.float64, requires_grad=True)
     w_gu = torch.randn(2 * f, d, generator=g, dtype=torch.float64, requires_grad=True)

@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -18,7 +17,6 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from coda_train.config import register_configs, to_dataclass
-from coda_train.data import DataConfig, prepare
 from coda_train.kernels import BackendError
 from coda_train.model import ConfigError
 from coda_train.trainer import CheckpointError, train
@@ -27,23 +25,6 @@ from coda_train.trainer.checkpoint import list_checkpoints, load_state, verify_c
 REPO = Path(__file__).resolve().parents[1]
 TIMING_KEYS = {"tokens_per_s", "elapsed_s"}  # wall-clock metrics; everything else must match exactly
 N = 24  # steps of the resume tests; checkpoints every N/4, so N/2 is one
-
-
-@pytest.fixture(scope="session")
-def tiny(tmp_path_factory) -> list[str]:
-    """Overrides for a 2-layer dim-64 model on a prepared 60-document corpus with a 300-token BPE."""
-    root = tmp_path_factory.mktemp("corpus")
-    stdlib = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:60]
-    with open(root / "corpus.jsonl", "w") as f:
-        for path in stdlib:
-            f.write(json.dumps({"text": path.read_text(errors="ignore")[:3000]}) + "\n")
-    data = [f"data.source={root / 'corpus.jsonl'}", "data.vocab_size=300", "data.val_fraction=0.1",
-            f"data.cache_dir={root / 'cache'}", "data.num_proc=1"]
-    prepare(DataConfig(source=str(root / "corpus.jsonl"), vocab_size=300, val_fraction=0.1,
-                       cache_dir=str(root / "cache"), num_proc=1))  # once; every run below reuses it
-    return data + ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
-                   "trainer.batch_size=4", "trainer.seq_len=32", "trainer.log_every=1", "trainer.eval_every=6",
-                   "trainer.eval_batches=2", "optim.warmup_steps=4", "trainer.progress_bar=false"]
 
 
 def run_train(*overrides: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -1,0 +1,172 @@
+"""Compare training runs: loss curves (raw and smoothed) and their difference, plus a table.
+
+    python scripts/compare_runs.py RUN_DIR [RUN_DIR ...] [--out compare.png] [--smooth 50]
+
+Each RUN_DIR holds `metrics.jsonl` (one JSON line per logged step, from train.py) and
+`config.yaml`. The first run is the reference for the difference panel and the |Δloss| columns.
+Writes the PNG, and the table as Markdown (`.md`) and JSON (`.json`) beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass
+class Run:
+    name: str
+    steps: np.ndarray
+    loss: np.ndarray
+    tokens: np.ndarray
+    elapsed_s: np.ndarray
+    tokens_per_s: float
+    val_steps: np.ndarray
+    val_loss: np.ndarray
+
+
+def read_run(run_dir: Path) -> Run:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        sys.exit(f"error: {path} not found; pass run directories written by train.py")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    train = [r for r in rows if "loss" in r]
+    if not train:
+        sys.exit(f"error: {path} has no training steps logged")
+    # A resumed run may log a step twice (from before the crash and after): keep the last.
+    by_step = {r["step"]: r for r in train}
+    train = [by_step[s] for s in sorted(by_step)]
+    val = {r["step"]: r["val_loss"] for r in rows if r.get("val_loss") is not None}
+    name = run_dir.name
+    config = run_dir / "config.yaml"
+    if config.is_file():
+        impl = next((line.split(":", 1)[1].strip() for line in config.read_text().splitlines()
+                     if line.strip().startswith("impl:")), None)
+        name = f"{impl} ({run_dir.name})" if impl else name
+    tps = [r["tokens_per_s"] for r in train if r.get("tokens_per_s")]
+    # Steady-state throughput: median over the second half of the run (skips compile/warm-up).
+    return Run(name=name,
+               steps=np.array([r["step"] for r in train]),
+               loss=np.array([r["loss"] for r in train], dtype=np.float64),
+               tokens=np.array([r.get("tokens", math.nan) for r in train], dtype=np.float64),
+               elapsed_s=np.array([r.get("elapsed_s", math.nan) for r in train], dtype=np.float64),
+               tokens_per_s=float(np.median(tps[len(tps) // 2:])) if tps else math.nan,
+               val_steps=np.array(sorted(val)), val_loss=np.array([val[s] for s in sorted(val)], dtype=np.float64))
+
+
+def smooth(y: np.ndarray, window: int) -> np.ndarray:
+    """Trailing moving average (the first points average what exists so far)."""
+    c = np.cumsum(np.insert(y, 0, 0.0))
+    n = np.arange(1, len(y) + 1)
+    lo = np.maximum(n - window, 0)
+    return (c[n] - c[lo]) / (n - lo)
+
+
+def compare(runs: list[Run], window: int) -> list[dict]:
+    """One table row per run; |Δ| columns are against runs[0] on the steps both logged."""
+    ref = runs[0]
+    table = []
+    for run in runs:
+        common, i_ref, i_run = np.intersect1d(ref.steps, run.steps, return_indices=True)
+        d_raw = np.abs(run.loss[i_run] - ref.loss[i_ref])
+        d_smooth = np.abs(smooth(run.loss, window)[i_run] - smooth(ref.loss, window)[i_ref])
+        tail = common >= common[0] + 0.9 * (common[-1] - common[0]) if len(common) else common
+        table.append({
+            "run": run.name, "steps": int(run.steps[-1]),
+            "final_train_loss": float(smooth(run.loss, window)[-1]),
+            "final_val_loss": float(run.val_loss[-1]) if len(run.val_loss) else None,
+            "mean_abs_dloss": float(d_raw.mean()) if len(common) else None,
+            "max_abs_dloss": float(d_raw.max()) if len(common) else None,
+            "mean_abs_dloss_smoothed_last10pct": float(d_smooth[tail].mean()) if len(common) else None,
+            "max_abs_dloss_smoothed_last10pct": float(d_smooth[tail].max()) if len(common) else None,
+            "tokens_per_s": run.tokens_per_s,
+        })
+    return table
+
+
+def markdown(table: list[dict], window: int) -> str:
+    cols = ["run", "steps", "final_train_loss", "final_val_loss", "mean_abs_dloss", "max_abs_dloss",
+            "mean_abs_dloss_smoothed_last10pct", "max_abs_dloss_smoothed_last10pct", "tokens_per_s"]
+    heads = ["run", "steps", f"train loss (smoothed {window})", "val loss", "mean |Δ|", "max |Δ|",
+             "mean |Δ| smoothed, last 10%", "max |Δ| smoothed, last 10%", "tokens/s"]
+
+    def fmt(v):
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.0f}" if abs(v) >= 1000 else f"{v:.2e}" if 0 < abs(v) < 1e-3 else f"{v:.5f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    lines += ["| " + " | ".join(fmt(row[c]) for c in cols) + " |" for row in table]
+    return "\n".join(lines)
+
+
+def plot(runs: list[Run], window: int, x_axis: str, out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def xs(run: Run) -> np.ndarray:
+        return {"step": run.steps, "tokens": run.tokens, "time": run.elapsed_s}[x_axis]
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 8), sharex=x_axis == "step",
+                                      gridspec_kw={"height_ratios": [2, 1]})
+    for i, run in enumerate(runs):
+        color = f"C{i}"
+        top.plot(xs(run), run.loss, color=color, alpha=0.25, linewidth=0.7)
+        top.plot(xs(run), smooth(run.loss, window), color=color, linewidth=1.8, label=f"{run.name} (smoothed {window})")
+        if len(run.val_loss):
+            top.plot(run.val_steps if x_axis == "step" else np.interp(run.val_steps, run.steps, xs(run)),
+                     run.val_loss, "o--", color=color, markersize=4, label=f"{run.name} validation")
+    top.set_ylabel("loss")
+    top.set_title("training loss")
+    top.legend(fontsize=8)
+    top.grid(alpha=0.3)
+    ref = runs[0]
+    for i, run in enumerate(runs[1:], start=1):
+        common, i_ref, i_run = np.intersect1d(ref.steps, run.steps, return_indices=True)
+        x = xs(run)[i_run]
+        bottom.plot(x, run.loss[i_run] - ref.loss[i_ref], color=f"C{i}", alpha=0.3, linewidth=0.7)
+        bottom.plot(x, smooth(run.loss, window)[i_run] - smooth(ref.loss, window)[i_ref], color=f"C{i}",
+                    linewidth=1.8, label=f"{run.name} − {ref.name}")
+    bottom.axhline(0.0, color="black", linewidth=0.6)
+    bottom.set_ylabel("Δ loss")
+    bottom.set_xlabel({"step": "step", "tokens": "tokens", "time": "wall time (s)"}[x_axis])
+    if len(runs) > 1:
+        bottom.legend(fontsize=8)
+    bottom.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="+", type=Path, help="run directories (the first is the reference)")
+    p.add_argument("--out", type=Path, default=None, help="PNG path (default: compare.png beside the first run)")
+    p.add_argument("--smooth", type=int, default=0, help="moving-average window in logged steps (default: 2%% of the run, at least 1)")
+    p.add_argument("--x", choices=["step", "tokens", "time"], default="step", help="x axis of the plot")
+    args = p.parse_args(argv)
+    runs = [read_run(d) for d in args.runs]
+    window = args.smooth or max(1, len(runs[0].steps) // 50)
+    out = args.out or args.runs[0].parent / "compare.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    table = compare(runs, window)
+    plot(runs, window, args.x, out)
+    md = markdown(table, window)
+    out.with_suffix(".md").write_text(md + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"smooth_window": window, "runs": table}, indent=2) + "\n")
+    print(md)
+    print(f"\nwrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.json')}")
+    return table
+
+
+if __name__ == "__main__":
+    main()
