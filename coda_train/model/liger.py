@@ -21,7 +21,7 @@ class LigerLlama(EagerLlama):
         if not tokens.is_cuda:
             raise RuntimeError("model.impl=liger runs Liger's Triton kernels and needs a CUDA GPU; "
                                "use model.impl=eager on this machine")
-        from liger_kernel.ops.swiglu import LigerFusedGateUpSiLUMulFunction
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
         from liger_kernel.transformers.functional import (liger_fused_linear_cross_entropy, liger_rms_norm,
                                                           liger_rope)
 
@@ -41,7 +41,8 @@ class LigerLlama(EagerLlama):
                                                enable_gqa=H != Hkv)
             x = x + F.linear(o.transpose(1, 2).reshape(B, T, H * hd), layer.w_o.to(dt))
             h = liger_rms_norm(x, layer.mlp_norm.to(dt), cfg.norm_eps, in_place=False)
-            a = LigerFusedGateUpSiLUMulFunction.apply(F.linear(h, layer.w_gate_up.to(dt)))
+            gate, up = F.linear(h, layer.w_gate_up.to(dt)).chunk(2, dim=-1)
+            a = LigerSiLUMulFunction.apply(gate, up)
             x = x + F.linear(a, layer.w_down.to(dt))
         h = liger_rms_norm(x, self.norm.to(dt), cfg.norm_eps, in_place=False)
         return liger_fused_linear_cross_entropy(h.view(B * T, -1), self.lm_weight.to(dt), targets.reshape(-1))
