@@ -19,6 +19,7 @@ from typing import Iterator, Optional
 import numpy as np
 from tokenizers import Tokenizer
 
+from ..durable import fsync_dir, sha256_file, write_synced
 from .config import DataConfig, DataError
 from .sources import Source, iter_documents, resolve_source
 from .tokenizer import encode_documents, find_eos, fingerprint, load_tokenizer, token_dtype, train_bpe
@@ -93,7 +94,7 @@ class PreparedData:
         for split in SPLITS:
             for shard in self._split(split)["shards"]:
                 file = self.path / shard["file"]
-                if _sha256_file(file) != shard["sha256"]:
+                if sha256_file(file) != shard["sha256"]:
                     raise DataError(f"shard {file} does not match its checksum; delete {self.path} and run prepare again")
 
     def _split(self, split: str) -> dict:
@@ -123,7 +124,7 @@ def prepare(cfg: DataConfig) -> PreparedData:
     try:
         _build(cfg, source, requested, config_eos, inputs, tmp)
         tmp.chmod(0o755)
-        _fsync(tmp)
+        fsync_dir(tmp)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -131,7 +132,7 @@ def prepare(cfg: DataConfig) -> PreparedData:
                 raise
             log.info("another process prepared %s first; using it", final)
         else:
-            _fsync(cache_dir)
+            fsync_dir(cache_dir)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -164,7 +165,7 @@ def _build(
     eos_token, eos_id = find_eos(tokenizer, cfg.eos_token, config_eos)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     dtype = token_dtype(vocab_size)
-    _write_synced(out / TOKENIZER_FILE, tokenizer.to_str(pretty=True).encode())
+    write_synced(out / TOKENIZER_FILE, tokenizer.to_str(pretty=True).encode())
     tokenizer_seconds = time.perf_counter() - start
 
     log.info("tokenizing %s with %d process(es)", source.name, cfg.num_proc)
@@ -213,7 +214,7 @@ def _build(
         "seconds": {"tokenizer": round(tokenizer_seconds, 3), "total": round(seconds, 3)},
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    _write_synced(out / MANIFEST, json.dumps(manifest, indent=2).encode())  # written last: its presence marks a complete folder
+    write_synced(out / MANIFEST, json.dumps(manifest, indent=2).encode())  # written last: its presence marks a complete folder
 
 
 def _tokenize(
@@ -300,24 +301,3 @@ class _ShardWriter:
         self.shards.append({"file": self._name, "num_tokens": self._count, "bytes": size, "sha256": self._hash.hexdigest()})
 
 
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):
-            digest.update(block)
-    return digest.hexdigest()

@@ -20,6 +20,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from ..durable import fsync_dir, sha256_file
+
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -46,20 +48,6 @@ class _HashingWriter:
         self.f.flush()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256(path: Path) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            sha.update(chunk)
-    return sha.hexdigest()
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -100,9 +88,9 @@ def save_checkpoint(root: Path, step: int, state: dict[str, Any], meta: dict[str
         json.dump(meta, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     os.rename(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     for old in list_checkpoints(root)[keep_last:]:
         doomed = root / f".tmp-delete-{old.name}"  # rename first: a half-deleted directory must not look complete
         os.rename(old, doomed)
@@ -121,7 +109,7 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
     state_file = path / STATE_FILE
     if not state_file.is_file() or state_file.stat().st_size != meta["bytes"]:
         raise CheckpointError(f"checkpoint {path}: {STATE_FILE} is missing or truncated")
-    if _sha256(state_file) != meta["sha256"]:
+    if sha256_file(state_file) != meta["sha256"]:
         raise CheckpointError(f"checkpoint {path}: {STATE_FILE} does not match its checksum (corrupt)")
     return meta
 
