@@ -9,6 +9,10 @@ Supported: bfloat16 activations and weights on an sm_90 GPU; every inner dimensi
 (16-byte rows for TMA); any number of token rows M (ragged tiles are predicated in the kernels).
 Anything else raises ValueError naming the constraint.
 
+The functions below are registered as the CUDA kernels of the `coda::<op>` custom ops
+(../library.py); the names this module exports call `torch.ops.coda.<op>` (see the wiring at the
+end), and `KERNELS` maps each name to the undispatched implementation.
+
 Importing this module imports cutlass, quack and flash_attn; `import coda_train` never does.
 `compile_only()` (see _compile.py) runs the same code paths with CPU tensors and no launches, so
 every kernel can be compiled on a machine without a GPU (QUACK_ARCH=90).
@@ -264,3 +268,31 @@ def embedding_backward(tokens: Tensor, g_x: Tensor, vocab_size: int) -> Tensor:
     """Scatter-add in fp32 (plain torch index_add_)."""
     g = torch.zeros(vocab_size, g_x.shape[1], dtype=torch.float32, device=g_x.device)
     return g.index_add_(0, tokens.reshape(-1), g_x.float()).to(g_x.dtype)
+
+
+# ---- dispatcher wiring --------------------------------------------------------------------
+# The functions above become the CUDA kernels of the coda::<op> custom ops (../library.py), and
+# this module's public names become callables through torch.ops.coda, so the model's calls are
+# one opaque op each for torch.compile, fake tensors and CUDA graphs. Under compile_only() (CPU
+# tensors, no launch) the kernels are called directly: the CPU kernel of the ops is the reference.
+
+from .. import library  # noqa: E402
+
+assert CFG_DEFAULT.tile_N == library.STAT_TILE_N, "library.py's partial-sum widths must follow CFG_DEFAULT"
+
+KERNELS = {name: globals()[name] for name in __all__}  # the undispatched cute implementations
+
+
+def _through_dispatcher(name: str):
+    kernel, op = KERNELS[name], library.dispatched(name)
+
+    def call(*args, **kwargs):
+        return kernel(*args, **kwargs) if compiling_only() else op(*args, **kwargs)
+
+    call.__name__, call.__qualname__, call.__doc__ = name, name, kernel.__doc__
+    return call
+
+
+for _name, _kernel in KERNELS.items():
+    library.register_cuda_kernel(_name, _kernel)
+    globals()[_name] = _through_dispatcher(_name)
