@@ -129,7 +129,9 @@ def train(cfg: Config, run_dir: Path) -> Optional[dict[str, Any]]:
     device = pick_device(cfg.trainer.device)
     world = init_world(device.type)
     try:
-        return _train(cfg, from_main(run_dir, world), backend, device, world)
+        result = _train(cfg, from_main(run_dir, world), backend, device, world)
+        barrier(world)  # every rank done (rank 0's last checkpoint too) before gloo/NCCL tear down
+        return result
     finally:
         close_world(world)
 
