@@ -53,3 +53,11 @@ def test_liger_matches_eager_on_gpu():
     assert abs(losses[0] - losses[1]) < 1e-4 * losses[0]
     for (n, pe), (_, pl) in zip(eager.named_parameters(), liger.named_parameters()):
         assert ((pe.grad - pl.grad).norm() / pe.grad.norm()).item() < 1e-3, n
+
+
+def test_liger_without_gpu_is_a_config_error():
+    from coda_train.model import ConfigError
+    from coda_train.model.liger import require_liger
+
+    with pytest.raises(ConfigError, match="needs a CUDA GPU"):
+        require_liger(torch.device("cpu"))

@@ -15,12 +15,23 @@ from torch import Tensor
 from .eager import EagerLlama
 
 
+def require_liger(device: torch.device) -> None:
+    """Fail before any work where the Liger baseline cannot run."""
+    from .config import ConfigError
+
+    if device.type != "cuda":
+        raise ConfigError("model.impl=liger runs Liger's Triton kernels and needs a CUDA GPU; "
+                          "use model.impl=eager on this machine")
+    try:
+        import liger_kernel  # noqa: F401
+    except ImportError as e:
+        raise ConfigError("model.impl=liger needs liger-kernel: pip install -e '.[baselines]'") from e
+
+
 class LigerLlama(EagerLlama):
     def forward(self, tokens: Tensor, targets: Tensor) -> Tensor:
         self._check_batch(tokens, targets)
-        if not tokens.is_cuda:
-            raise RuntimeError("model.impl=liger runs Liger's Triton kernels and needs a CUDA GPU; "
-                               "use model.impl=eager on this machine")
+        require_liger(tokens.device)
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
         from liger_kernel.transformers.functional import (liger_fused_linear_cross_entropy, liger_rms_norm,
                                                           liger_rope)

@@ -23,6 +23,7 @@ import coda_train.kernels as K
 from coda_train.config import Config, check_config, resolve_model_config
 from coda_train.data import TokenLoader, prepare
 from coda_train.model import ConfigError, LlamaConfig, build_model
+from coda_train.model.liger import require_liger
 
 from .checkpoint import (CheckpointError, list_checkpoints, load_state, newest_good_checkpoint, rng_state, save_checkpoint,
                          set_rng_state, verify_checkpoint)
@@ -127,6 +128,8 @@ def train(cfg: Config, run_dir: Path) -> Optional[dict[str, Any]]:
     check_config(cfg)
     backend = K.set_backend(cfg.kernels.backend)  # BackendError (e.g. cute without Hopper) before anything else
     device = pick_device(cfg.trainer.device)
+    if cfg.model.impl == "liger":
+        require_liger(device)
     world = init_world(device.type)
     try:
         result = _train(cfg, from_main(run_dir, world), backend, device, world)
