@@ -8,6 +8,8 @@ alike, so attention, and the whole model, compute the same function.
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -22,10 +24,8 @@ def require_liger(device: torch.device) -> None:
     if device.type != "cuda":
         raise ConfigError("model.impl=liger runs Liger's Triton kernels and needs a CUDA GPU; "
                           "use model.impl=eager on this machine")
-    try:
-        import liger_kernel  # noqa: F401
-    except ImportError as e:
-        raise ConfigError("model.impl=liger needs liger-kernel: pip install -e '.[baselines]'") from e
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise ConfigError("model.impl=liger needs liger-kernel: pip install -e '.[baselines]'")
 
 
 class LigerLlama(EagerLlama):
