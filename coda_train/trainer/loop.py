@@ -144,6 +144,10 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, world
     if world.distributed and device.type == "cuda":
         device = torch.device("cuda", world.local_rank)
     compute_dtype = pick_compute_dtype(t.compute_dtype, device)
+    if backend == "cute" and cfg.model.impl == "coda" and compute_dtype != torch.bfloat16:
+        raise ConfigError(f"kernels.backend={cfg.kernels.backend} runs the cute kernels, which compute in bfloat16 only, "
+                          f"but trainer.compute_dtype={t.compute_dtype} gives {compute_dtype}; use "
+                          "trainer.compute_dtype=bfloat16 (or auto), or kernels.backend=reference")
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt_root = run_dir / "checkpoints"
     if t.resume == "never" and (list_checkpoints(ckpt_root) or (run_dir / METRICS_FILE).exists()):
