@@ -299,5 +299,3 @@ class _ShardWriter:
         self._file = None
         size = self._count * self.dtype.itemsize
         self.shards.append({"file": self._name, "num_tokens": self._count, "bytes": size, "sha256": self._hash.hexdigest()})
-
-

@@ -48,8 +48,6 @@ class _HashingWriter:
         self.f.flush()
 
 
-
-
 def list_checkpoints(root: Path) -> list[Path]:
     """Complete-by-name checkpoint directories under root, newest step first."""
     if not root.is_dir():
