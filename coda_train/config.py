@@ -134,9 +134,15 @@ def check_config(cfg: Config) -> None:
     _choose("trainer.compute_dtype", t.compute_dtype, ("auto", "bfloat16", "float32"))
     _choose("logger.name", cfg.logger.name, ("jsonl", "wandb"))
     _choose("logger.mode", cfg.logger.mode, ("auto", "online", "offline"))
-    for name in ("max_steps", "batch_size", "seq_len", "grad_accum_steps", "log_every", "eval_batches", "keep_last"):
+    for name in ("max_steps", "batch_size", "seq_len", "grad_accum_steps", "log_every", "keep_last"):
         if getattr(t, name) < 1:
             raise ConfigError(f"trainer.{name}={getattr(t, name)} must be >= 1")
+    if t.eval_every and t.eval_batches < 1:
+        raise ConfigError(f"trainer.eval_batches={t.eval_batches} must be >= 1 (or trainer.eval_every=0 to skip validation)")
+    if not 0 <= t.seed < 2**32:
+        raise ConfigError(f"trainer.seed={t.seed} must be in [0, 2**32) (numpy's seed range)")
+    if not t.peak_flops > 0:
+        raise ConfigError(f"trainer.peak_flops={t.peak_flops} must be > 0 (per-GPU peak FLOP/s, for MFU)")
     for name in ("eval_every", "ckpt_every"):
         if getattr(t, name) < 0:
             raise ConfigError(f"trainer.{name}={getattr(t, name)} must be >= 0 (0 disables it)")
@@ -146,8 +152,8 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
     if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
         raise ConfigError(f"optim.betas={list(o.betas)} must be two numbers in [0, 1), e.g. optim.betas=[0.9,0.95]")
-    if o.warmup_steps < 0 or o.weight_decay < 0 or o.grad_clip < 0:
-        raise ConfigError("optim.warmup_steps, optim.weight_decay and optim.grad_clip must be >= 0")
+    if o.warmup_steps < 0 or o.weight_decay < 0 or o.grad_clip < 0 or o.eps < 0:
+        raise ConfigError("optim.warmup_steps, optim.weight_decay, optim.grad_clip and optim.eps must be >= 0")
     if not 0.0 < o.decay_fraction <= 1.0:
         raise ConfigError(f"optim.decay_fraction={o.decay_fraction} must be in (0, 1]")
     if cfg.model.vocab_multiple_of < 1:

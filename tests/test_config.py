@@ -82,10 +82,18 @@ def test_keys_appended_with_plus_are_not_silently_dropped():
     ("optim.schedule=linear", "optim.schedule='linear' is not one of"),
     ("trainer.grad_accum_steps=0", "trainer.grad_accum_steps=0 must be >= 1"),
     ("optim.betas=[0.9]", "must be two numbers in"),
+    ("trainer.seed=-1", "numpy's seed range"),
+    ("trainer.peak_flops=0", "must be > 0"),
+    ("optim.eps=-1e-8", "optim.eps must be >= 0"),
+    ("trainer.eval_batches=0", "or trainer.eval_every=0"),
 ])
 def test_out_of_range_values_fail_the_cross_field_check(override, message):
     with pytest.raises(ConfigError, match=message):
         check_config(load(override))
+
+
+def test_eval_batches_is_free_when_validation_is_off():
+    check_config(load("trainer.eval_batches=0", "trainer.eval_every=0"))
 
 
 def test_schedules_warm_up_then_decay_to_the_floor():

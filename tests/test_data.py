@@ -271,12 +271,17 @@ def test_shards_from_another_tokenizer(tmp_path, docs):
     assert folder_bytes(first.path) == before
 
 
-@pytest.mark.parametrize("damage", ["shard", "manifest"])
+@pytest.mark.parametrize("damage", ["shard", "manifest", "manifest field"])
 def test_truncated_shard_or_manifest(tmp_path, docs, damage):
     source = write_jsonl(tmp_path / "corpus.jsonl", [{"text": d} for d in docs])
     data = prepare(config(source, tmp_path / "cache"))
     victim = data.path / ("train_00000.bin" if damage == "shard" else "manifest.json")
-    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    if damage == "manifest field":  # valid JSON that lost a shard's token count
+        manifest = json.loads(victim.read_text())
+        del manifest["splits"]["train"]["shards"][0]["num_tokens"]
+        victim.write_text(json.dumps(manifest))
+    else:
+        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
     damaged = folder_bytes(data.path)
     with pytest.raises(DataError, match=f"truncated.*delete {data.path}"):
         prepare(config(source, tmp_path / "cache"))

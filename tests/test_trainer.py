@@ -102,6 +102,23 @@ def test_resume_after_sigkill_is_exact(tiny, straight_run, tmp_path):
     assert final["optimizer"]["state"][0]["exp_avg_sq"].equal(reference["optimizer"]["state"][0]["exp_avg_sq"])
 
 
+def test_resume_from_an_older_checkpoint_with_a_new_lr(tiny, straight_run, tmp_path):
+    """The config's optim.lr wins over the checkpoint's, and the newer checkpoints of the abandoned
+    trajectory are set aside (not deleted) as this run writes its own."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight_run, run_dir)
+    older = run_dir / "checkpoints" / f"step_{3 * N // 4:08d}"
+    result = run_train(*tiny, f"trainer.run_dir={run_dir}", f"trainer.max_steps={N}", f"trainer.ckpt_every={N // 4}",
+                       "trainer.keep_last=2", f"trainer.resume={older}", "optim.lr=1e-3")  # default 3e-3
+    assert result.returncode == 0, result.stderr
+    lines, reference = metrics(run_dir), metrics(straight_run)
+    assert lines[:3 * N // 4] == reference[:3 * N // 4]
+    assert all(new["lr"] == pytest.approx(old["lr"] / 3) for new, old in zip(lines[3 * N // 4:], reference[3 * N // 4:]))
+    assert len(list((run_dir / "checkpoints").glob(f".replaced-step_{N:08d}-*"))) == 1
+    final = load_state(run_dir / "checkpoints" / f"step_{N:08d}")
+    assert not torch.equal(final["model"]["norm"], load_state(straight_run / "checkpoints" / f"step_{N:08d}")["model"]["norm"])
+
+
 def test_crash_during_checkpoint_write_keeps_previous_and_auto_resumes_it(tiny, straight_run, tmp_path):
     common = [*tiny, f"trainer.run_dir={tmp_path}", f"trainer.max_steps={N}", f"trainer.ckpt_every={N // 4}"]
     crashed = run_train(*common, "debug.sigkill_in_checkpoint_at_step=18")
@@ -198,7 +215,7 @@ def test_corrupt_checkpoint_is_skipped_by_auto_and_rejected_by_path(tiny, straig
     assert "skipping damaged checkpoint" in caplog.text
     assert last["step"] == N
     verify_checkpoint(newest)  # rewritten; the damaged one is set aside, not deleted
-    assert len(list((run_dir / "checkpoints").glob(f".damaged-step_{N:08d}-*"))) == 1
+    assert len(list((run_dir / "checkpoints").glob(f".replaced-step_{N:08d}-*"))) == 1
     assert without_timing(metrics(run_dir)) == without_timing(metrics(straight_run))
 
 

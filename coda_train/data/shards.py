@@ -61,13 +61,15 @@ class PreparedData:
         if manifest.get("format_version") != FORMAT_VERSION:
             version = manifest.get("format_version")
             raise DataError(f"{path} was prepared by format version {version}, this code reads {FORMAT_VERSION}; {fix}")
-        for split in SPLITS:
-            for shard in splits[split]["shards"]:
-                file = path / shard["file"]
-                expected = shard["num_tokens"] * dtype.itemsize
-                actual = file.stat().st_size if file.is_file() else None
-                if actual != expected:
-                    raise DataError(f"shard {file} is truncated or missing ({actual} bytes, manifest says {expected}); {fix}")
+        try:
+            expected_sizes = {path / shard["file"]: shard["num_tokens"] * dtype.itemsize
+                              for split in SPLITS for shard in splits[split]["shards"]}
+        except (KeyError, TypeError) as e:
+            raise DataError(f"the manifest {path / MANIFEST} is truncated or corrupt ({e!r}); {fix}") from e
+        for file, expected in expected_sizes.items():
+            actual = file.stat().st_size if file.is_file() else None
+            if actual != expected:
+                raise DataError(f"shard {file} is truncated or missing ({actual} bytes, manifest says {expected}); {fix}")
         try:
             tokenizer = Tokenizer.from_file(str(path / TOKENIZER_FILE))
         except Exception as e:  # missing or malformed file; the Rust parser raises a bare Exception

@@ -62,14 +62,11 @@ def save_checkpoint(root: Path, step: int, state: dict[str, Any], meta: dict[str
     before_meta runs between the two files (a test hook that simulates a crash mid-write)."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
-    if final.exists():  # saved before at this step: keep it if intact (e.g. a signal right after resuming)
-        try:
-            verify_checkpoint(final)
-            return final
-        except CheckpointError as e:  # the damaged one that resume skipped: set aside, not deleted
-            aside = root / f".damaged-{final.name}-{os.getpid()}"
-            log.warning("%s; moving it to %s and writing a new one", e, aside)
-            os.rename(final, aside)
+    if final.exists():  # a damaged one resume skipped, or one of a trajectory resumed from before it
+        aside = root / f".replaced-{final.name}-{os.getpid()}"
+        log.warning("checkpoint %s exists from an earlier run of this dir; moving it to %s (not deleted) "
+                    "and writing this run's", final, aside)
+        os.rename(final, aside)
     for stale in root.glob(".tmp-*"):  # leftovers of a crashed write; never complete, safe to drop
         shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
@@ -102,7 +99,7 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
         meta = json.loads((path / META_FILE).read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path} has no readable {META_FILE} ({e})") from e
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION or "sha256" not in meta:
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION or not {"sha256", "bytes"} <= meta.keys():
         raise CheckpointError(f"checkpoint {path} has an unknown {META_FILE} format")
     state_file = path / STATE_FILE
     if not state_file.is_file() or state_file.stat().st_size != meta["bytes"]:
@@ -138,7 +135,8 @@ def rng_state() -> dict[str, Any]:
         "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        # this process's GPU only: a resuming machine may have fewer GPUs than the saving one
+        "cuda": [torch.cuda.get_rng_state()] if torch.cuda.is_available() else [],
     }
 
 
@@ -148,4 +146,4 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"][0])

@@ -29,7 +29,7 @@ from .checkpoint import (CheckpointError, list_checkpoints, load_state, newest_g
                          set_rng_state, verify_checkpoint)
 from .distributed import World, any_rank, barrier, close_world, from_main, init_world, mean_over_ranks
 from .metrics import METRICS_FILE, MetricsLogger, format_line, rewind_metrics
-from .optim import build_optimizer, build_scheduler
+from .optim import apply_config_after_resume, build_optimizer, build_scheduler
 
 log = logging.getLogger(__name__)
 
@@ -154,13 +154,13 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, world
         raise CheckpointError(f"trainer.run_dir={run_dir} already holds a run and trainer.resume=never would mix "
                               "a new one into it; choose a new trainer.run_dir or use trainer.resume=auto")
 
+    resume_from = find_resume_checkpoint(t.resume, ckpt_root)  # before data preparation, which can be long
     if not world.is_main:  # rank 0 prepares (or finds) the data first; the others then open it
         barrier(world)
     data = prepare(cfg.data)
     if world.is_main:
         barrier(world)
     llama = resolve_model_config(cfg.model, data.vocab_size, t.seq_len)
-    resume_from = find_resume_checkpoint(t.resume, ckpt_root)
     if resume_from is not None:
         check_same_model(resume_from[0], resume_from[1]["model"], llama)
 
@@ -181,6 +181,7 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, world
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
+        apply_config_after_resume(optimizer, scheduler, o)
         train_loader.load_state_dict(state["train_loader"])  # the same on every rank: each takes its own windows
         set_rng_state(state["rng"])
         step, tokens_seen, elapsed_before = state["step"], state["tokens"], state["elapsed_s"]
@@ -189,6 +190,7 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, world
     forward = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None) if world.distributed else model
 
     config_dict = OmegaConf.to_container(OmegaConf.structured(cfg))
+    config_dict["trainer"]["run_dir"] = str(run_dir)  # this job's dir (a multirun gives each job its own)
     tokens_per_step = t.batch_size * t.seq_len * t.grad_accum_steps * world.world_size
     flops_per_token = llama.flops_per_token(t.seq_len)
     metrics_logger = None
@@ -203,6 +205,8 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, world
     def checkpoint(at_step: int) -> Optional[Path]:
         if not world.is_main:  # ranks hold identical weights, optimizer and loader state
             return None
+        if resume_from is not None and at_step == resume_from[1]["step"]:  # nothing trained since: it is saved
+            return resume_from[0]
         crash = None
         if cfg.debug.sigkill_in_checkpoint_at_step == at_step:
             crash = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731 (test hook: die mid-write)

@@ -45,3 +45,14 @@ def lr_multiplier(step: int, cfg: OptimConfig, max_steps: int) -> float:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, max_steps))
+
+
+def apply_config_after_resume(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
+                              cfg: OptimConfig) -> None:
+    """Loading a checkpoint restores the saved lr, betas, eps and weight decay; the run's config wins,
+    so resuming with e.g. a lower optim.lr takes effect (unchanged values give the same floats)."""
+    decay_group, _ = optimizer.param_groups  # the order build_optimizer makes
+    decay_group["weight_decay"] = cfg.weight_decay
+    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    for group, lr_lambda in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group.update(betas=tuple(cfg.betas), eps=cfg.eps, lr=cfg.lr * lr_lambda(scheduler.last_epoch))
