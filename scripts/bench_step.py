@@ -2,8 +2,8 @@
 
     python scripts/bench_step.py --preset llama3_125m --batch 8 --seq 2048 [--layers N] [--out results.json]
 
-Variants: eager (PyTorch autograd), eager + torch.compile, CODA on the reference backend, CODA on
-the cute backend (Hopper only). Same weights, same batch, bf16 compute with fp32 master weights.
+Variants: eager (PyTorch autograd), eager + torch.compile, eager with Liger kernels, CODA on the
+reference backend, CODA on the cute backend (Hopper only). Same weights, same batch, bf16 compute with fp32 master weights.
 Median of CUDA-event timings after warm-up; prints a table and writes JSON.
 """
 
