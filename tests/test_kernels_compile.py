@@ -69,3 +69,24 @@ with compile_only():
 '''
     run = subprocess.run([sys.executable, "-c", code], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+def test_model_shape_errors(stack):
+    code = r'''
+import dataclasses
+import coda_train.kernels.cute as C
+from coda_train.model import PRESETS
+assert "model_shape_errors" not in C.__all__ and "model_shape_errors" not in C.KERNELS
+for name, cfg in PRESETS.items():
+    assert C.model_shape_errors(cfg) == [], (name, C.model_shape_errors(cfg))
+for overrides, words in [
+    (dict(dim=200, n_heads=4), ("model.dim=200", "model.n_heads", "head_dim=50")),
+    (dict(ffn_dim=100), ("model.ffn_dim=100", "104")),
+    (dict(vocab_size=1001), ("model.vocab_size=1001", "1008")),
+]:
+    errors = C.model_shape_errors(dataclasses.replace(PRESETS["tiny"], **overrides))
+    assert len(errors) == 1, (overrides, errors)
+    assert all(w in errors[0] for w in words), (overrides, words, errors)
+'''
+    run = subprocess.run([sys.executable, "-c", code], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

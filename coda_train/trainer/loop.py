@@ -161,6 +161,10 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, world
     if world.is_main:
         barrier(world)
     llama = resolve_model_config(cfg.model, data.vocab_size, t.seq_len)
+    if backend == "cute" and cfg.model.impl == "coda":  # the kernels' shape limits, before any GPU work
+        from coda_train.kernels.cute import model_shape_errors
+        if errors := model_shape_errors(llama):
+            raise ConfigError("kernels.backend=cute cannot run this model: " + "; ".join(errors))
     if resume_from is not None:
         check_same_model(resume_from[0], resume_from[1]["model"], llama)
 

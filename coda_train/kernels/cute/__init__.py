@@ -7,7 +7,8 @@ fix-ups. docs/kernels.md lists, per op, the primitives used and what runs as pla
 
 Supported: bfloat16 activations and weights on an sm_90 GPU; every inner dimension a multiple of 8
 (16-byte rows for TMA); any number of token rows M (ragged tiles are predicated in the kernels).
-Anything else raises ValueError naming the constraint.
+Anything else raises ValueError naming the constraint; `model_shape_errors(cfg)` lists, before any
+work, the constraints a model config would violate (from the same checks).
 
 The functions below are registered as the CUDA kernels of the `coda::<op>` custom ops
 (../library.py); the names this module exports go through `torch.ops.coda.<op>` while
@@ -42,6 +43,17 @@ from ._launch import (
     sink_rows,
 )
 
+# Plain torch is the right implementation of these on the GPU too (a gather + one elementwise
+# pass, a tiny reduction, cuBLAS GEMMs, an fp32 index_add_; see docs/kernels.md), so the cute
+# backend uses reference.py's functions rather than copies of them.
+from ..reference import (
+    embedding_backward,
+    embedding_rmsnorm_partial,
+    matmul,
+    matmul_tn,
+    rstd_from_partials,
+)
+
 __all__ = [
     "embedding_rmsnorm_partial", "rstd_from_partials", "gemm_rowscale_rope", "attention",
     "gemm_residual_rmsnorm_partial", "gemm_rowscale_swiglu", "gemm_rowscale_cross_entropy",
@@ -51,19 +63,108 @@ __all__ = [
 ]
 
 
+# ---- shape constraints shared by the per-call checks and model_shape_errors -------------------
+
+def _need_rope_head_dim(op: str, hd: int) -> None:
+    """The RoPE epilogue's cos/sin table tiling (CFG_ROPE.tile_N = 128 columns per tile)."""
+    need(hd > 0 and hd % 8 == 0 and (128 % hd == 0 or hd % 128 == 0),
+         f"{op}: head_dim={hd} must be a multiple of 8 that divides 128 or is a multiple of 128 "
+         "(RoPE table tiling)")
+
+
+def _need_swiglu_width(op: str, n2: int) -> None:
+    """gate and up column halves of gu, each a multiple of 8 columns."""
+    need(n2 % 16 == 0, f"{op}: 2*ffn_dim={n2} must be a multiple of 16 (ffn_dim multiple of 8)")
+
+
+def _need_attention_head_dim(hd: int) -> None:
+    """FlashAttention 4's head_dim check (_attention._heads) on a shape-only qkv, 1 q + 1 kv head."""
+    from ._attention import _heads
+
+    _heads(torch.empty(1, 3 * hd, device="meta"), 1, 1, 1, "attention")
+
+
+def _need_attention_gqa(n_heads: int, n_kv_heads: int) -> None:
+    """FlashAttention 4's GQA grouping check (_attention._heads) on a shape-only qkv, head_dim 8."""
+    from ._attention import _heads
+
+    _heads(torch.empty(1, (n_heads + 2 * n_kv_heads) * 8, device="meta"), n_heads, n_kv_heads, 1, "attention")
+
+
+def _failures(*checks) -> list[str]:
+    """The ValueError messages of the checks (callables raising through `need`) that fail."""
+    msgs = []
+    for check in checks:
+        try:
+            check()
+        except ValueError as e:
+            msgs.append(str(e))
+    return msgs
+
+
+def _head_dim_failures(cfg, hd: int) -> list[str]:
+    H, G = cfg.n_heads, cfg.n_kv_heads
+    return _failures(lambda: _need_rope_head_dim("gemm_rowscale_rope", hd),
+                     lambda: _need_attention_head_dim(hd),
+                     lambda: need_inner("gemm_residual_rmsnorm_partial", K=H * hd),   # o-projection
+                     lambda: need_inner("gemm_rowscale_rope", N=(H + 2 * G) * hd))   # qkv_dim
+
+
+def model_shape_errors(cfg) -> list[str]:
+    """The constraints of the cute kernels that the model `cfg` (a coda_train.model.LlamaConfig)
+    violates, one message per model field to change, naming the field and a fix; [] = supported.
+
+    Each constraint is evaluated by the same check the ops run per call (the `_need_*` helpers
+    above, _attention._heads, _launch.need_inner), on the inner dims the model produces: dim,
+    head_dim (n_heads*head_dim, qkv_dim), n_kv_heads, ffn_dim (2*ffn_dim), vocab_size. The row
+    count M = batch * seq_len is free (ragged tiles are predicated)."""
+    fields = ("dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+    bad = [f for f in fields if not (isinstance(getattr(cfg, f), int) and getattr(cfg, f) > 0)]
+    if bad:
+        return [f"model.{f}={getattr(cfg, f)!r} must be a positive integer" for f in bad]
+    d, H, G, F, V = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.vocab_size
+    hd = d // H
+    errors = []
+
+    def report(what: str, msgs: list[str], fix: str) -> None:
+        if msgs:
+            errors.append(f"{what}: {fix} (cute kernel checks: {'; '.join(msgs)})")
+
+    def next_ok(n: int, failures) -> int:
+        while failures(n):
+            n += 1
+        return n
+
+    dim_fail = lambda n: _failures(lambda: need_inner("gemm_residual_rmsnorm_partial", N=n))  # noqa: E731
+    report(f"model.dim={d}", dim_fail(d), "every inner dim of the cute GEMMs must be a multiple of 8; "
+           f"choose model.dim={next_ok(d, dim_fail)} or another multiple of 8")
+
+    msgs = _head_dim_failures(cfg, hd)
+    if msgs:
+        ok = [h for h in range(2, 1025, 2) if not _head_dim_failures(cfg, h)]
+        heads = [n for n in range(1, d + 1) if d % n == 0 and d // n in ok]
+        fix = (f"model.n_heads in {heads}, with model.n_kv_heads a divisor of it" if heads else
+               f"none divides dim={d} so; change model.dim too (e.g. to a multiple of 128)")
+        report(f"model.dim={d} with model.n_heads={H} gives head_dim={hd}", msgs,
+               f"the cute attention/RoPE kernels need head_dim in {ok} (a multiple of 8 that divides 128 or is "
+               f"a multiple of 128, and <= 256 for FlashAttention 4 on sm90); choose model.n_heads so that "
+               f"dim/n_heads is one of those: {fix}")
+
+    report(f"model.n_kv_heads={G}", _failures(lambda: _need_attention_gqa(H, G)),
+           f"choose model.n_kv_heads a divisor of n_heads={H}")
+
+    ffn_fail = lambda n: _failures(lambda: _need_swiglu_width("gemm_rowscale_swiglu", 2 * n),  # noqa: E731
+                                   lambda: need_inner("gemm_dswiglu_rowscale_stat", ffn_dim=n))
+    report(f"model.ffn_dim={F}", ffn_fail(F), f"choose model.ffn_dim={next_ok(F, ffn_fail)} or another multiple of 8")
+
+    vocab_fail = lambda n: _failures(lambda: need_inner("gemm_rowscale_cross_entropy", V=n))  # noqa: E731
+    report(f"model.vocab_size={V}", vocab_fail(V),
+           f"pad the vocabulary: choose model.vocab_size={next_ok(V, vocab_fail)} or another multiple of 8 "
+           "(the extra embedding rows are never token ids)")
+    return errors
+
+
 # ---- forward ------------------------------------------------------------------------------
-
-def embedding_rmsnorm_partial(tokens: Tensor, emb: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(E) plain torch: a gather plus one elementwise pass (not GEMM-adjacent)."""
-    x = emb[tokens.reshape(-1)]
-    xf = x.float()
-    return x, (xf * gamma.float()).to(x.dtype), xf.square().sum(-1, keepdim=True)
-
-
-def rstd_from_partials(sumsq_partials: Tensor, dim: int, eps: float) -> Tensor:
-    """(F4) tiny reduction over P partials per row (plain torch)."""
-    return torch.rsqrt(sumsq_partials.float().sum(-1) / dim + eps)
-
 
 _rope_tables: dict = {}
 
@@ -94,8 +195,7 @@ def gemm_rowscale_rope(h: Tensor, r: Tensor, w: Tensor, cos: Tensor, sin: Tensor
     need(M % T == 0, f"gemm_rowscale_rope: rows M={M} must be a multiple of seq_len T=cos.shape[0]={T}")
     need(n_rope_cols % hd == 0 and 0 <= n_rope_cols <= N,
          f"gemm_rowscale_rope: n_rope_cols={n_rope_cols} must be a multiple of head_dim={hd} within N={N}")
-    need(hd % 8 == 0 and (128 % hd == 0 or hd % 128 == 0),
-         f"gemm_rowscale_rope: head_dim={hd} must divide 128 or be a multiple of it (RoPE table tiling)")
+    _need_rope_head_dim("gemm_rowscale_rope", hd)
     out = empty(M, N, dtype=h.dtype, device=h.device)
     rv = colvec(r)
     if n_rope_cols:
@@ -127,7 +227,7 @@ def gemm_rowscale_swiglu(h: Tensor, r: Tensor, w_gate_up: Tensor) -> tuple[Tenso
     M, K = h.shape
     N2 = w_gate_up.shape[0]
     need_bf16("gemm_rowscale_swiglu", h=h, w_gate_up=w_gate_up)
-    need(N2 % 16 == 0, f"gemm_rowscale_swiglu: 2*ffn_dim={N2} must be a multiple of 16 (ffn_dim multiple of 8)")
+    _need_swiglu_width("gemm_rowscale_swiglu", N2)
     need_inner("gemm_rowscale_swiglu", K=K)
     gu = empty(M, N2, dtype=h.dtype, device=h.device)
     a = empty(M, N2 // 2, dtype=h.dtype, device=h.device)
@@ -222,7 +322,7 @@ def gemm_dswiglu_rowscale_stat(g_out: Tensor, w_down: Tensor, gu: Tensor, r: Ten
 
 def rope_backward_rowscale_stat(g_qkv: Tensor, qkv: Tensor, r: Tensor, cos: Tensor, sin: Tensor,
                                 n_rope_cols: int) -> tuple[Tensor, Tensor]:
-    """(B6a) one elementwise pass + row sum (Triton kernel; torch fallback off-GPU)."""
+    """(B6a) one elementwise pass + row sum (Triton kernel)."""
     from ._elementwise import rope_backward_rowscale_stat as impl
 
     return impl(g_qkv, qkv, r, cos, sin, n_rope_cols)
@@ -253,22 +353,6 @@ def gemm_rmsnorm_backward(g_y_scaled: Tensor, w: Tensor, residual_grad: Optional
     if compiling_only():
         return g_x, g_gamma
     return g_x, g_gamma.sum(0)
-
-
-def matmul(a: Tensor, b: Tensor) -> Tensor:
-    """Plain GEMM: cuBLAS (torch.matmul); see docs/kernels.md for quack vs cuBLAS."""
-    return a @ b
-
-
-def matmul_tn(a: Tensor, b: Tensor) -> Tensor:
-    """Weight gradient a^T b (contraction over tokens): cuBLAS on the transposed view."""
-    return a.t() @ b
-
-
-def embedding_backward(tokens: Tensor, g_x: Tensor, vocab_size: int) -> Tensor:
-    """Scatter-add in fp32 (plain torch index_add_)."""
-    g = torch.zeros(vocab_size, g_x.shape[1], dtype=torch.float32, device=g_x.device)
-    return g.index_add_(0, tokens.reshape(-1), g_x.float()).to(g_x.dtype)
 
 
 # ---- dispatcher wiring --------------------------------------------------------------------
