@@ -37,6 +37,7 @@ class LlamaWeights(nn.Module):
         self.lm_head = None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim))
         # Compute copies of the weights are made in this dtype at each use (fp32 master weights).
         self.compute_dtype = torch.float32
+        self._rope_cache: dict[tuple, tuple[Tensor, Tensor]] = {}  # (seq_len, device, dtype) -> (cos, sin)
         self.reset_parameters()
 
     @property
@@ -66,11 +67,14 @@ class LlamaWeights(nn.Module):
         if seq_len > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds model.max_seq_len={self.cfg.max_seq_len}; "
                              "raise model.max_seq_len or shorten the sequences")
-        hd = self.cfg.head_dim
-        inv_freq = self.cfg.rope_theta ** (-torch.arange(0, hd, 2, dtype=torch.float64, device=device) / hd)
-        angles = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=device), inv_freq)
         dtype = torch.float64 if self.compute_dtype == torch.float64 else torch.float32
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        key = (seq_len, torch.device(device), dtype)
+        if key not in self._rope_cache:  # the same few tables every step: build each once
+            hd = self.cfg.head_dim
+            inv_freq = self.cfg.rope_theta ** (-torch.arange(0, hd, 2, dtype=torch.float64, device=device) / hd)
+            angles = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=device), inv_freq)
+            self._rope_cache[key] = (angles.cos().to(dtype), angles.sin().to(dtype))
+        return self._rope_cache[key]
 
     def _check_batch(self, tokens: Tensor, targets: Tensor) -> None:
         if tokens.dim() != 2 or tokens.shape != targets.shape:

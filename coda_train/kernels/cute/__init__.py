@@ -44,13 +44,14 @@ from ._launch import (
 )
 
 # Plain torch is the right implementation of these on the GPU too (a gather + one elementwise
-# pass, a tiny reduction, cuBLAS GEMMs, an fp32 index_add_; see docs/kernels.md), so the cute
+# pass, two tiny reductions, cuBLAS GEMMs, an fp32 index_add_; see docs/kernels.md), so the cute
 # backend uses reference.py's functions rather than copies of them.
 from ..reference import (
     embedding_backward,
     embedding_rmsnorm_partial,
     matmul,
     matmul_tn,
+    rmsnorm_backward_coeff,
     rstd_from_partials,
 )
 
@@ -171,16 +172,17 @@ _rope_tables: dict = {}
 
 def _rope_table(cos: Tensor, sin: Tensor, M: int) -> Tensor:
     """(M, head_dim) fp32 table, cos at even / sin at odd columns, row m = position m % T.
-    M * head_dim * 4 bytes (4 MiB at M=8192, hd=128); cached per (cos, sin, M)."""
-    key = (cos.data_ptr(), sin.data_ptr(), cos._version, sin._version, tuple(cos.shape), M, cos.device)
-    table = _rope_tables.get(key)
-    if table is None:
+    M * head_dim * 4 bytes (4 MiB at M=8192, hd=128); cached per (cos, sin, M). The entry holds
+    cos and sin themselves, so their memory (and id) cannot be reused by other tables while cached."""
+    key = (id(cos), id(sin), M)
+    entry = _rope_tables.get(key)
+    if entry is None or entry[0] is not cos or entry[1] is not sin or entry[2] != (cos._version, sin._version):
         T = cos.shape[0]
         table = torch.stack((cos.float(), sin.float()), dim=-1).reshape(T, -1).repeat(M // T, 1)
         if len(_rope_tables) > 16:
             _rope_tables.clear()
-        _rope_tables[key] = table
-    return table
+        entry = _rope_tables[key] = (cos, sin, (cos._version, sin._version), table)
+    return entry[3]
 
 
 def gemm_rowscale_rope(h: Tensor, r: Tensor, w: Tensor, cos: Tensor, sin: Tensor, n_rope_cols: int) -> Tensor:
@@ -326,12 +328,6 @@ def rope_backward_rowscale_stat(g_qkv: Tensor, qkv: Tensor, r: Tensor, cos: Tens
     from ._elementwise import rope_backward_rowscale_stat as impl
 
     return impl(g_qkv, qkv, r, cos, sin, n_rope_cols)
-
-
-def rmsnorm_backward_coeff(stat_partials: Tensor, r: Tensor, dim: int) -> Tensor:
-    """(B2) tiny reduction over P partials per row (plain torch)."""
-    rf = r.float()
-    return -(rf * rf / dim) * stat_partials.float().sum(-1)
 
 
 def gemm_rmsnorm_backward(g_y_scaled: Tensor, w: Tensor, residual_grad: Optional[Tensor], x: Tensor,
