@@ -17,12 +17,13 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
+from ..errors import ConfigError
 from . import reference
 
 BACKENDS = ("auto", "reference", "cute")
 
 
-class BackendError(RuntimeError):
+class BackendError(ConfigError):
     """The requested kernel backend cannot run on this machine."""
 
 
@@ -58,6 +59,22 @@ def set_backend(name: str) -> str:
     else:
         _impl = reference if name == "reference" else _load_cute()
     return get_backend()
+
+
+def resolve_backend(name: str) -> str:
+    """The backend `name` ('auto', 'reference' or 'cute') runs as on this machine: 'reference' or
+    'cute'. Raises BackendError naming the fix when it cannot run here."""
+    if name not in BACKENDS:
+        raise BackendError(f"unknown kernels.backend={name!r}; choose one of {list(BACKENDS)}")
+    if name == "reference":
+        return name
+    try:
+        _load_cute()
+        return "cute"
+    except BackendError:
+        if name == "cute":
+            raise
+        return "reference"
 
 
 def get_backend() -> str:

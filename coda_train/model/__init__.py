@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import torch
+
 from .coda import CodaLlama
-from .config import PRESETS, ConfigError, LlamaConfig, preset
+from .config import PRESETS, ConfigError, LlamaConfig, kernel_shape_errors, preset
 from .eager import EagerLlama
 from .liger import LigerLlama
 from .weights import LlamaWeights
@@ -12,11 +14,19 @@ from .weights import LlamaWeights
 IMPLS = {"coda": CodaLlama, "eager": EagerLlama, "liger": LigerLlama}
 
 
-def build_model(cfg: LlamaConfig, impl: str) -> LlamaWeights:
-    """The model for `model.impl` ('coda', 'eager' or 'liger'), initialized from torch's current RNG state."""
+def build_model(cfg: LlamaConfig, impl: str, *, backend: str = "reference",
+                compute_dtype: torch.dtype = torch.float32) -> LlamaWeights:
+    """The model for `model.impl` ('coda', 'eager' or 'liger'), initialized from torch's current RNG
+    state, computing in `compute_dtype` (fp32 master weights) with the CODA ops of `backend`
+    ('auto', 'reference' or 'cute'; only the coda model calls CODA ops)."""
     if impl not in IMPLS:
         raise ConfigError(f"unknown model.impl={impl!r}; choose one of {sorted(IMPLS)}")
-    return IMPLS[impl](cfg)
+    from .. import kernels
+
+    kernels.set_backend(backend)  # interface skeleton: the per-model op set replaces this global
+    model = IMPLS[impl](cfg)
+    model.compute_dtype = compute_dtype
+    return model
 
 
-__all__ = ["LlamaConfig", "PRESETS", "ConfigError", "preset", "build_model", "CodaLlama", "EagerLlama", "LigerLlama", "LlamaWeights"]
+__all__ = ["LlamaConfig", "PRESETS", "ConfigError", "kernel_shape_errors", "preset", "build_model", "CodaLlama", "EagerLlama", "LigerLlama", "LlamaWeights"]

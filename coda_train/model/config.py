@@ -5,9 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-
-class ConfigError(ValueError):
-    """A model configuration that cannot describe a valid Llama."""
+from ..errors import ConfigError
 
 
 @dataclass
@@ -88,3 +86,13 @@ def preset(name: str, **overrides) -> LlamaConfig:
     if unknown:
         raise ConfigError(f"unknown model config fields {sorted(unknown)}")
     return dataclasses.replace(PRESETS[name], **overrides).validate()
+
+
+def kernel_shape_errors(cfg: LlamaConfig, backend: str) -> list[str]:
+    """What the resolved kernel `backend` ('reference' or 'cute') cannot run of model `cfg`: one
+    message per model.* key to change, naming a value that works; [] = it runs."""
+    if backend != "cute":
+        return []
+    from ..kernels.cute import model_shape_errors  # interface skeleton: kernels will state limits in kernel terms
+
+    return model_shape_errors(cfg)
