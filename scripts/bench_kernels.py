@@ -93,7 +93,6 @@ def main():
             rows.append(row)
             print(f"{preset:10s} {name:40s} cute {t_cute:8.3f} ms | {base:13s} {t_base:8.3f} ms | x{t_base / t_cute:5.2f}"
                   + (f" | bare GEMM {t_gemm:7.3f} ms" if t_gemm else ""), flush=True)
-            del kw, base_fn
             torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, M=M, seq_len=T,

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from . import reference  # noqa: F401  (fills OPS)
+from . import reference  # noqa: F401  (its @declare decorators fill OPS)
 from .declare import OPS, Op
 
 

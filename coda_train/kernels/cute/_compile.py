@@ -37,8 +37,8 @@ def compile_cases(dims):
     from ..library import CUTE_IMPLS  # filled when this package (coda_train.kernels.cute) was imported
 
     example = Example(dims, torch.bfloat16, "cpu", None)
-    return [(case, kwargs, CUTE_IMPLS[name].kernel)
-            for name, op in OPS.items() if CUTE_IMPLS[name].gpu_blind_compile
+    compiled = {name: impl.kernel for name, impl in CUTE_IMPLS.items() if impl.gpu_blind_compile}
+    return [(case, kwargs, compiled[name]) for name, op in OPS.items() if name in compiled
             for case, kwargs in op.cases(example)]
 
 
