@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 
-import coda_train.kernels as K
 from coda_train.model import build_model, preset
 
 
@@ -59,21 +58,17 @@ def main() -> None:
     rows = []
     for variant in args.variants.split(","):
         impl = {"compile": "eager", "liger": "liger", "eager": "eager"}.get(variant, "coda")
+        backend = variant.removeprefix("coda-") if variant.startswith("coda-") else "reference"
         torch.manual_seed(0)
-        model = build_model(cfg, impl).cuda()
-        model.compute_dtype = torch.bfloat16
         t0 = time.perf_counter()
         try:
-            if variant.startswith("coda-"):
-                K.set_backend(variant.removeprefix("coda-"))
+            model = build_model(cfg, impl, backend=backend, compute_dtype=torch.bfloat16).cuda()
             step_model = torch.compile(model) if variant == "compile" else model
             ms = time_step(step_model, tokens, targets, args.iters, args.warmup)
         except Exception as e:  # a variant that cannot run here is reported, not fatal
             rows.append({"variant": variant, "error": f"{type(e).__name__}: {e}"[:300]})
             print(f"{variant}: failed: {rows[-1]['error']}", flush=True)
             continue
-        finally:
-            K.set_backend("reference")
         rows.append({"variant": variant, "ms_per_step": ms, "tokens_per_s": args.batch * args.seq / ms * 1e3,
                      "tflops": flops / ms / 1e9, "setup_s": time.perf_counter() - t0})
         print(f"{variant}: {ms:.2f} ms", flush=True)

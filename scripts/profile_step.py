@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import coda_train.kernels as K
+from coda_train.kernels import resolve_backend
 from coda_train.model import build_model, preset
 
 
@@ -35,12 +35,11 @@ def main() -> None:
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    backend = K.set_backend(args.backend)
+    backend = resolve_backend(args.backend)
     overrides = {"n_layers": args.layers} if args.layers else {}
     cfg = preset(args.preset, max_seq_len=max(args.seq, preset(args.preset).max_seq_len), **overrides)
     torch.manual_seed(0)
-    model = build_model(cfg, args.impl).to(device)
-    model.compute_dtype = torch.bfloat16 if cuda else torch.float32
+    model = build_model(cfg, args.impl, backend=backend, compute_dtype=torch.bfloat16 if cuda else torch.float32).to(device)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=device)
     targets = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=device)
 

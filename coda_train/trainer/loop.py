@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 import coda_train.kernels as K
 from coda_train.config import Config, check_config, resolve_model_config
 from coda_train.data import TokenLoader, prepare
-from coda_train.model import ConfigError, LlamaConfig, build_model
+from coda_train.model import ConfigError, LlamaConfig, build_model, kernel_shape_errors
 from coda_train.model.liger import require_liger
 
 from .checkpoint import (CheckpointError, list_checkpoints, load_state, newest_good_checkpoint, rng_state, save_checkpoint,
@@ -126,7 +126,7 @@ def train(cfg: Config, run_dir: Path) -> Optional[dict[str, Any]]:
     """Train per cfg, writing into run_dir; returns the last metrics line (None if nothing ran).
     Under torchrun every rank calls this; rank 0's run_dir is used and only rank 0 writes."""
     check_config(cfg)
-    backend = K.set_backend(cfg.kernels.backend)  # BackendError (e.g. cute without Hopper) before anything else
+    backend = K.resolve_backend(cfg.kernels.backend)  # BackendError (e.g. cute without Hopper) before anything else
     device = pick_device(cfg.trainer.device)
     if cfg.model.impl == "liger":
         require_liger(device)
@@ -162,8 +162,7 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, world
         barrier(world)
     llama = resolve_model_config(cfg.model, data.vocab_size, t.seq_len)
     if backend == "cute" and cfg.model.impl == "coda":  # the kernels' shape limits, before any GPU work
-        from coda_train.kernels.cute import model_shape_errors
-        if errors := model_shape_errors(llama):
+        if errors := kernel_shape_errors(llama, backend):
             raise ConfigError("kernels.backend=cute cannot run this model: " + "; ".join(errors))
     if resume_from is not None:
         check_same_model(resume_from[0], resume_from[1]["model"], llama)
@@ -172,8 +171,7 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, world
     random.seed(t.seed)
     np.random.seed(t.seed)
     torch.manual_seed(t.seed)
-    model = build_model(llama, cfg.model.impl).to(device)
-    model.compute_dtype = compute_dtype
+    model = build_model(llama, cfg.model.impl, backend=backend, compute_dtype=compute_dtype).to(device)
     optimizer = build_optimizer(model, o, device)
     scheduler = build_scheduler(optimizer, o, t.max_steps)
     train_loader = TokenLoader(data, "train", t.batch_size, t.seq_len, t.seed, world.rank, world.world_size)
