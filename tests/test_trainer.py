@@ -17,10 +17,10 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from coda_train.config import register_configs, to_dataclass
+from coda_train.errors import ConfigError
 from coda_train.kernels import BackendError
-from coda_train.model import ConfigError
-from coda_train.trainer import CheckpointError, train
-from coda_train.trainer.checkpoint import list_checkpoints, load_state, verify_checkpoint
+from coda_train.trainer.checkpoint import CheckpointError, list_checkpoints, load_state, verify_checkpoint
+from coda_train.trainer.loop import train
 
 REPO = Path(__file__).resolve().parents[1]
 TIMING_KEYS = {"tokens_per_s", "elapsed_s"}  # wall-clock metrics; everything else must match exactly
