@@ -24,7 +24,8 @@ from coda_train.trainer.build import build_train_state, prepare_data, resolve_mo
 from coda_train.trainer.checkpoint import CheckpointError, list_checkpoints, load_state, verify_checkpoint
 from coda_train.trainer.distributed import World
 from coda_train.trainer.loop import train
-from coda_train.trainer.step import NonFiniteError, train_step
+from coda_train.trainer.metrics import metrics_line, mfu
+from coda_train.trainer.step import NonFiniteError, StepResult, train_step
 
 REPO = Path(__file__).resolve().parents[1]
 TIMING_KEYS = {"tokens_per_s", "elapsed_s"}  # wall-clock metrics; everything else must match exactly
@@ -114,6 +115,14 @@ def test_train_state_round_trip_takes_the_same_next_steps(tiny, tmp_path):
     with pytest.raises(NonFiniteError, match="step 7: loss=nan"):
         train_step(loaded, loaded.model, world, cpu, 2, cfg.optim.grad_clip, poison_loss=True)
     assert loaded.step == 6 and all(torch.equal(loaded.model.state_dict()[k], v) for k, v in weights.items())
+
+
+def test_metrics_line_carries_mfu_only_where_measured():
+    result = StepResult(step=3, loss=2.5, lr=1e-3, grad_norm=0.75, tokens=256)
+    assert metrics_line(result, 768, 100.0, 7.5) == {"step": 3, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.75,
+                                                      "tokens": 768, "tokens_per_s": 100.0, "elapsed_s": 7.5}
+    # 1000 tokens/s x 1e9 FLOPs per token on 2 GPUs of 1e12 peak each: half the peak
+    assert metrics_line(result, 768, 1000.0, 7.5, mfu(1000.0, 1e9, 1e12, 2))["mfu"] == 0.5
 
 
 def test_run_dir_holds_config_metrics_and_last_k_checkpoints(straight_run):

@@ -50,17 +50,18 @@ class Throughput:
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops_per_gpu: float, n_gpus: int) -> float:
-    """Model FLOPs utilization: the training FLOP/s the model's arithmetic needs over the GPUs' peak."""
+    """Model FLOPs utilization: the training FLOP/s the model's arithmetic needs (flops_per_token from
+    LlamaConfig.flops_per_token) over the GPUs' peak."""
     return flops_per_token * tokens_per_s / (peak_flops_per_gpu * n_gpus)
 
 
 def metrics_line(result: StepResult, tokens: int, tokens_per_s: float, elapsed_s: float,
-                 mfu: Optional[float] = None) -> dict[str, Any]:
+                 utilization: Optional[float] = None) -> dict[str, Any]:
     """One metrics.jsonl line; val_loss is added by the caller on evaluation steps."""
     line = {"step": result.step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
             "tokens": tokens, "tokens_per_s": tokens_per_s, "elapsed_s": elapsed_s}
-    if mfu is not None:
-        line["mfu"] = mfu
+    if utilization is not None:
+        line["mfu"] = utilization
     return line
 
 
