@@ -55,6 +55,7 @@ SHAPES = {
     "1b-4x4096": Shape("llama3_1b", 4, 4096),
     "1b-2x8192": Shape("llama3_1b", 2, 8192),
     "8b-slice": Shape("llama3_8b", 2, 4096, n_layers=4),  # full width, 4 layers
+    "smoke": Shape("tiny", 2, 64, n_layers=2),  # the harness itself, on CPU too (tests/test_bench.py)
 }
 MODEL_VARIANTS = {  # variant -> (model impl, torch.compile mode or None)
     "eager": ("eager", None),
@@ -68,6 +69,21 @@ DEFAULT_VARIANTS = "eager,compile,compile-graphs,liger,coda,floor"
 NOT_YET = {"coda-graphs": "CUDA-graph capture of the CODA step is not implemented yet (the speed issue adds it)"}
 
 
+# bf16 on the GPU; the CPU smoke run checks the harness in fp32 (CPU bf16 GEMMs are slow and odd)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+COMPUTE_DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+
+
+def reset_peak_memory() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory() -> int:
+    """Peak bytes allocated on the GPU since the last reset (0 on CPU: not measured there)."""
+    return torch.cuda.max_memory_allocated() if DEVICE.type == "cuda" else 0
+
+
 def model_config(shape: Shape):
     from coda_train.model import preset
 
@@ -77,10 +93,18 @@ def model_config(shape: Shape):
 
 # ---- timing primitives --------------------------------------------------------------------
 
-def cuda_times(fn: Callable[[], None], iters: int, warmup: int) -> list[float]:
-    """Milliseconds of each of `iters` calls of fn after `warmup` calls, by CUDA events."""
+def step_times(fn: Callable[[], None], iters: int, warmup: int) -> list[float]:
+    """Milliseconds of each of `iters` calls of fn after `warmup` calls: CUDA events on a GPU,
+    the host clock on CPU (the smoke shape)."""
     for _ in range(warmup):
         fn()
+    if not torch.cuda.is_available():
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return times
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
@@ -98,7 +122,10 @@ def summary(times: list[float]) -> dict:
 
 
 def do_bench(fn: Callable[[], None]) -> float:
-    """Median ms of a single kernel-sized call (triton's do_bench clears L2 between calls)."""
+    """Median ms of a single kernel-sized call (triton's do_bench clears L2 between calls; on CPU
+    the median of a few host-timed calls)."""
+    if not torch.cuda.is_available():
+        return statistics.median(step_times(fn, 5, 1))
     from triton.testing import do_bench as _do_bench
 
     return _do_bench(fn, warmup=10, rep=60, return_mode="median")
@@ -108,15 +135,15 @@ def gemm_peak_tflops() -> dict:
     """The bf16 dense GEMM rate of this GPU, measured now: 8192^3 on cuBLAS and on quack."""
     from quack.gemm_interface import gemm as quack_gemm
 
-    n = 8192
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    n = 8192 if torch.cuda.is_available() else 512
+    a = torch.randn(n, n, device=DEVICE, dtype=COMPUTE_DTYPE)
+    b = torch.randn(n, n, device=DEVICE, dtype=COMPUTE_DTYPE)
     flops = 2 * n**3
     rates = {"cublas": flops / do_bench(lambda: a @ b) / 1e9}
     try:
         quack_gemm(a, b, tuned=False)
         rates["quack"] = flops / do_bench(lambda: quack_gemm(a, b, tuned=False)) / 1e9
-    except Exception as e:  # quack missing or failing: the peak is cuBLAS's
+    except Exception as e:  # no GPU, or quack failing: the peak is cuBLAS's
         rates["quack_error"] = f"{type(e).__name__}: {e}"[:200]
     rates["peak"] = max(v for k, v in rates.items() if k in ("cublas", "quack"))
     return rates
@@ -127,8 +154,8 @@ def gemm_peak_tflops() -> dict:
 def build(impl: str, cfg, state: dict):
     from coda_train.model import build_model
 
-    backend = "cute" if impl == "coda" else "reference"
-    model = build_model(cfg, impl, backend=backend, compute_dtype=torch.bfloat16).cuda()
+    backend = "cute" if impl == "coda" and DEVICE.type == "cuda" else "reference"
+    model = build_model(cfg, impl, backend=backend, compute_dtype=COMPUTE_DTYPE).to(DEVICE)
     model.load_state_dict(state)
     return model
 
@@ -152,29 +179,30 @@ def bench_model(variant: str, cfg, state: dict, batch, iters: int, warmup: int) 
     fwd_bwd()  # compiles: every kernel, and torch.compile's graphs
     torch.cuda.synchronize()
     setup_s = time.perf_counter() - t0
-    torch.cuda.reset_peak_memory_stats()
-    fb = cuda_times(fwd_bwd, iters, warmup)
-    peak_fb = torch.cuda.max_memory_allocated()
+    reset_peak_memory()
+    fb = step_times(fwd_bwd, iters, warmup)
+    peak_fb = peak_memory()
 
     from coda_train.config import OptimConfig
     from coda_train.trainer.optim import build_optimizer
 
-    optimizer = build_optimizer(model, OptimConfig(), torch.device("cuda"))
+    optimizer = build_optimizer(model, OptimConfig(), DEVICE)
 
     def train_step() -> None:
         fwd_bwd()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
 
-    torch.cuda.reset_peak_memory_stats()
-    step = cuda_times(train_step, iters, warmup)
-    peak_step = torch.cuda.max_memory_allocated()
+    reset_peak_memory()
+    step = step_times(train_step, iters, warmup)
+    peak_step = peak_memory()
     n_tokens = tokens.numel()
     result = {
         "variant": variant, "setup_s": setup_s, "fwd_bwd": summary(fb), "step": summary(step),
         "tokens_per_s": n_tokens / statistics.median(step) * 1e3,
-        "peak_fwd_bwd_gib": peak_fb / 2**30, "peak_above_weights_gib": (peak_fb - weight_bytes) / 2**30,
-        "peak_step_gib": peak_step / 2**30,
+        "peak_fwd_bwd_gib": peak_fb / 2**30 if peak_fb else None,
+        "peak_above_weights_gib": (peak_fb - weight_bytes) / 2**30 if peak_fb else None,
+        "peak_step_gib": peak_step / 2**30 if peak_step else None,
     }
     del runner, model, optimizer
     return result
@@ -198,18 +226,16 @@ def step_gemms(cfg, M: int) -> list[tuple[str, int, int, int, str]]:
 
 def gemm_operands(m: int, n: int, k: int, layout: str):
     """a (m,k), b (k,n) in the memory layout the model's GEMM of that kind reads."""
-    bf = torch.bfloat16
+    rn = lambda *s: torch.randn(*s, device=DEVICE, dtype=COMPUTE_DTYPE)  # noqa: E731
     if layout == "nt":
-        return torch.randn(m, k, device="cuda", dtype=bf), torch.randn(n, k, device="cuda", dtype=bf).t()
+        return rn(m, k), rn(n, k).t()
     if layout == "nn":
-        return torch.randn(m, k, device="cuda", dtype=bf), torch.randn(k, n, device="cuda", dtype=bf)
-    return torch.randn(k, m, device="cuda", dtype=bf).t(), torch.randn(k, n, device="cuda", dtype=bf)
+        return rn(m, k), rn(k, n)
+    return rn(k, m).t(), rn(k, n)
 
 
 def bench_floor(cfg, shape: Shape) -> dict:
     """Sum over the step's GEMMs of the faster of cuBLAS and quack, plus FA4 forward + backward."""
-    from quack.gemm_interface import gemm as quack_gemm
-
     from coda_train.kernels import op_set
 
     M = shape.batch * shape.seq
@@ -218,18 +244,20 @@ def bench_floor(cfg, shape: Shape) -> dict:
         a, b = gemm_operands(m, n, k, layout)
         row = {"gemm": name, "m": m, "n": n, "k": k, "count": count, "cublas_ms": do_bench(lambda: a @ b)}
         try:
+            from quack.gemm_interface import gemm as quack_gemm
+
             quack_gemm(a, b, tuned=False)
             row["quack_ms"] = do_bench(lambda: quack_gemm(a, b, tuned=False))
-        except Exception as e:  # a layout quack's default cannot run: cuBLAS alone
+        except Exception as e:  # no GPU, or a layout quack's default cannot run: cuBLAS alone
             row["quack_error"] = f"{type(e).__name__}: {e}"[:200]
         row["best_ms"] = min(row["cublas_ms"], row.get("quack_ms", math.inf))
         row["best"] = "quack" if row.get("quack_ms", math.inf) < row["cublas_ms"] else "cublas"
         total += count * row["best_ms"]
         rows.append(row)
         del a, b
-    ops = op_set("cute")
+    ops = op_set("cute" if DEVICE.type == "cuda" else "reference")
     H, G, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    qkv = torch.randn(M, (H + 2 * G) * hd, device="cuda", dtype=torch.bfloat16)
+    qkv = torch.randn(M, (H + 2 * G) * hd, device=DEVICE, dtype=COMPUTE_DTYPE)
     o, lse = ops.attention(qkv, H, G, shape.seq)
     g_o = torch.randn_like(o)
     attn_fwd = do_bench(lambda: ops.attention(qkv, H, G, shape.seq))
@@ -250,7 +278,7 @@ def profile_coda(cfg, state: dict, batch, steps: int = 3) -> dict:
     from coda_train.model import build_model
 
     tokens, targets = batch
-    model = build_model(cfg, "coda", backend="cute", compute_dtype=torch.bfloat16, profile_ops=True).cuda()
+    model = build_model(cfg, "coda", backend="cute", compute_dtype=COMPUTE_DTYPE, profile_ops=True).to(DEVICE)
     model.load_state_dict(state)
 
     def fwd_bwd() -> None:
@@ -335,8 +363,8 @@ def run(shape_name: str, variants: list[str], iters: int, warmup: int, profile_s
     from coda_train.model import build_model
 
     state = build_model(cfg, "eager").state_dict()  # one init (CPU, fp32) for every variant
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    batch = tuple(torch.randint(0, cfg.vocab_size, (shape.batch, shape.seq), device="cuda", generator=gen)
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    batch = tuple(torch.randint(0, cfg.vocab_size, (shape.batch, shape.seq), device=DEVICE, generator=gen)
                   for _ in range(2))
     result = {"shape": shape_name, **shape.__dict__, "n_layers": cfg.n_layers, "model": cfg.__dict__,
               "tokens": shape.batch * shape.seq, "flops_per_step": cfg.flops_per_token(shape.seq) * shape.batch * shape.seq,
@@ -358,7 +386,7 @@ def run(shape_name: str, variants: list[str], iters: int, warmup: int, profile_s
             print(f"  {variant:22s} FAILED {result['failed'][variant]}\n{traceback.format_exc()[-1500:]}", flush=True)
         gc.collect()
         torch.cuda.empty_cache()
-    if profile_steps and "coda" in result["variants"]:
+    if profile_steps and "coda" in result["variants"] and DEVICE.type == "cuda":
         try:
             result["coda_profile"] = profile_coda(cfg, state, batch, profile_steps)
         except Exception as e:
@@ -393,7 +421,8 @@ def environment() -> dict:
         except md.PackageNotFoundError:
             versions[pkg] = None
     versions["torch"] = torch.__version__
-    return {"gpu": torch.cuda.get_device_name(), "cuda": torch.version.cuda, "packages": versions,
+    gpu = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "CPU (smoke run: not a measurement)"
+    return {"gpu": gpu, "cuda": torch.version.cuda, "packages": versions,
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
 
@@ -408,7 +437,7 @@ def print_table(result: dict) -> None:
                  f"{st['median_ms']:9.2f}" if st else f"{'-':>9s}",
                  f"{r['tokens_per_s']:10.0f}" if "tokens_per_s" in r else f"{'-':>10s}",
                  f"{100 * r['mfu_fwd_bwd']:5.1f}%",
-                 f"{r['peak_fwd_bwd_gib']:9.1f}" if "peak_fwd_bwd_gib" in r else f"{'-':>9s}",
+                 f"{r['peak_fwd_bwd_gib']:9.1f}" if r.get("peak_fwd_bwd_gib") else f"{'-':>9s}",
                  f"{r['over_coda']:7.2f}" if r["over_coda"] else f"{'-':>7s}",
                  f"{r['over_floor']:7.2f}" if r["over_floor"] else f"{'-':>7s}"]
         print(f"{name:22s}" + "".join(cells))
@@ -436,8 +465,8 @@ def main() -> None:
     unknown = [v for v in variants if v not in MODEL_VARIANTS and v not in ("floor", *NOT_YET)]
     if unknown:
         p.error(f"unknown variants {unknown}")
-    if not torch.cuda.is_available():
-        p.error("bench.py times GPU steps; run it on the GPU machine")
+    if not torch.cuda.is_available() and args.shape != "smoke":
+        p.error("bench.py times GPU steps; run it on the GPU machine (only --shape smoke runs on CPU)")
     result = run(args.shape, variants, args.iters, args.warmup, args.profile_steps)
     skipped = [v for v in (*MODEL_VARIANTS, "floor", *NOT_YET) if v not in variants]
     result["not_run"] = skipped
