@@ -165,6 +165,7 @@ def bench_model(variant: str, cfg, state: dict, batch, iters: int, warmup: int) 
     impl, mode = MODEL_VARIANTS[variant]
     tokens, targets = batch
     model = build(impl, cfg, state)
+    model.rope_tables(tokens.shape[1], tokens.device)  # cached outside torch.compile: CUDA graphs must not own it
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     runner = model if mode is None else torch.compile(model, mode=mode)
     graphs = mode in ("reduce-overhead", "max-autotune")
@@ -288,7 +289,7 @@ def profile_coda(cfg, state: dict, batch, steps: int = 3) -> dict:
     fwd_bwd()
     fwd_bwd()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True) as prof:
         for _ in range(steps):
             fwd_bwd()
         torch.cuda.synchronize()
@@ -298,24 +299,24 @@ def profile_coda(cfg, state: dict, batch, steps: int = 3) -> dict:
 def kernel_breakdown(prof, steps: int) -> dict:
     """Per-step kernel time by owner (the coda op range around the launch, else a kernel-name
     class), launches, and the GPU idle fraction: 1 - (union of kernel intervals) / (first kernel
-    start .. last kernel end). A kernel's linked correlation id names the innermost profiler
-    range (aten op or annotation) that launched it; that range's start places it in a coda op."""
+    start .. last kernel end). A device event shares its correlation id with the host runtime call
+    that launched it (cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync...); that call's start
+    time places it inside a coda op range."""
     from torch.autograd import DeviceType
 
     events = prof.events()
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    device = [e for e in events if e.device_type == DeviceType.CUDA]
     cpu = [e for e in events if e.device_type == DeviceType.CPU]
-    launcher = {e.id: e for e in cpu if e.linked_correlation_id == 0}
+    launched_at = {e.id: e.time_range.start for e in cpu if e.name.startswith(("cuda", "cu")) and e.id}
     op_ranges = sorted((e.time_range.start, e.time_range.end, e.name.removeprefix("coda::"))
                        for e in cpu if e.name.startswith("coda::"))
     by_owner: dict[str, float] = {}
-    for k in kernels:
-        parent = launcher.get(k.linked_correlation_id)
-        owner = _innermost(op_ranges, parent.time_range.start) if parent is not None else None
-        owner = owner or _kernel_class(k.name)
+    for k in device:
+        t = launched_at.get(k.id)
+        owner = (_innermost(op_ranges, t) if t is not None else None) or _kernel_class(k.name)
         by_owner[owner] = by_owner.get(owner, 0.0) + k.time_range.elapsed_us() / 1e3 / steps
-    busy, window = _union_and_window(sorted((k.time_range.start, k.time_range.end) for k in kernels))
-    return {"kernel_ms_per_step": sum(by_owner.values()), "launches_per_step": len(kernels) / steps,
+    busy, window = _union_and_window(sorted((k.time_range.start, k.time_range.end) for k in device))
+    return {"kernel_ms_per_step": sum(by_owner.values()), "launches_per_step": len(device) / steps,
             "gpu_window_ms_per_step": window / 1e3 / steps, "gpu_idle_fraction": 1 - busy / window if window else None,
             "by_owner_ms": dict(sorted(by_owner.items(), key=lambda kv: -kv[1]))}
 
