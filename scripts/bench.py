@@ -79,6 +79,11 @@ def reset_peak_memory() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+def sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def peak_memory() -> int:
     """Peak bytes allocated on the GPU since the last reset (0 on CPU: not measured there)."""
     return torch.cuda.max_memory_allocated() if DEVICE.type == "cuda" else 0
@@ -178,7 +183,7 @@ def bench_model(variant: str, cfg, state: dict, batch, iters: int, warmup: int) 
 
     t0 = time.perf_counter()
     fwd_bwd()  # compiles: every kernel, and torch.compile's graphs
-    torch.cuda.synchronize()
+    sync()
     setup_s = time.perf_counter() - t0
     reset_peak_memory()
     fb = step_times(fwd_bwd, iters, warmup)
@@ -279,8 +284,9 @@ def profile_coda(cfg, state: dict, batch, steps: int = 3) -> dict:
     from coda_train.model import build_model
 
     tokens, targets = batch
-    model = build_model(cfg, "coda", backend="cute", compute_dtype=COMPUTE_DTYPE, profile_ops=True).to(DEVICE)
+    model = build_model(cfg, "coda", backend="cute", compute_dtype=COMPUTE_DTYPE).to(DEVICE)
     model.load_state_dict(state)
+    model.ops = annotated(model.ops)
 
     def fwd_bwd() -> None:
         model.zero_grad(set_to_none=True)
@@ -288,12 +294,26 @@ def profile_coda(cfg, state: dict, batch, steps: int = 3) -> dict:
 
     fwd_bwd()
     fwd_bwd()
-    torch.cuda.synchronize()
+    sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True) as prof:
         for _ in range(steps):
             fwd_bwd()
         torch.cuda.synchronize()
     return kernel_breakdown(prof, steps)
+
+
+def annotated(ops):
+    """The same op set with each call inside a profiler range "coda::<op>" (only for profiling:
+    a range costs host time on every call)."""
+    from coda_train.kernels import OPS, OpSet
+
+    def wrap(name: str, fn: Callable) -> Callable:
+        def call(*args, **kwargs):
+            with torch.profiler.record_function(f"coda::{name}"):
+                return fn(*args, **kwargs)
+        return call
+
+    return OpSet(ops.backend, {name: wrap(name, getattr(ops, name)) for name in OPS})
 
 
 def kernel_breakdown(prof, steps: int) -> dict:
@@ -386,7 +406,8 @@ def run(shape_name: str, variants: list[str], iters: int, warmup: int, profile_s
             result["failed"][variant] = f"{type(e).__name__}: {e}"[:500]
             print(f"  {variant:22s} FAILED {result['failed'][variant]}\n{traceback.format_exc()[-1500:]}", flush=True)
         gc.collect()
-        torch.cuda.empty_cache()
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
     if profile_steps and "coda" in result["variants"] and DEVICE.type == "cuda":
         try:
             result["coda_profile"] = profile_coda(cfg, state, batch, profile_steps)
