@@ -275,31 +275,42 @@ def bench_floor(cfg, shape: Shape) -> dict:
 
 # ---- where a coda step's time goes ---------------------------------------------------------
 
-def profile_coda(cfg, state: dict, batch, steps: int = 3) -> dict:
-    """Kernel time by CODA op, launches per step and GPU idle fraction of `steps` back-to-back
-    coda forward+backward steps. Kernels are attributed to the innermost coda op range that
-    launched them (the op set's profiling annotation); the rest by kernel name."""
-    from torch.profiler import ProfilerActivity, profile
+PROFILE_VERSION = 2  # 1 counted the GPU-side copies of profiler ranges as kernels (double counting)
 
+
+def profile_coda(cfg, state: dict, batch, steps: int = 3) -> dict:
+    """Where a coda forward+backward step goes, from the profiler's kernel timeline, in two passes
+    of `steps` back-to-back steps: the plain model gives launches per step and the GPU idle
+    fraction; the model with every op call in a "coda::<op>" range gives kernel time by op (the
+    ranges cost host time, so the idle fraction is not read from that pass)."""
     from coda_train.model import build_model
 
     tokens, targets = batch
     model = build_model(cfg, "coda", backend="cute", compute_dtype=COMPUTE_DTYPE).to(DEVICE)
     model.load_state_dict(state)
-    model.ops = annotated(model.ops)
 
     def fwd_bwd() -> None:
         model.zero_grad(set_to_none=True)
         model(tokens, targets).backward()
 
-    fwd_bwd()
-    fwd_bwd()
+    plain = timeline(_profiled(fwd_bwd, steps), steps)
+    model.ops = annotated(model.ops)
+    by_op = timeline(_profiled(fwd_bwd, steps), steps)
+    return {"version": PROFILE_VERSION, **plain, "by_owner_ms": by_op["by_owner_ms"],
+            "annotated_kernel_ms_per_step": by_op["kernel_ms_per_step"]}
+
+
+def _profiled(fn: Callable[[], None], steps: int):
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    fn()
     sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True) as prof:
         for _ in range(steps):
-            fwd_bwd()
-        torch.cuda.synchronize()
-    return kernel_breakdown(prof, steps)
+            fn()
+        sync()
+    return prof
 
 
 def annotated(ops):
@@ -316,16 +327,18 @@ def annotated(ops):
     return OpSet(ops.backend, {name: wrap(name, getattr(ops, name)) for name in OPS})
 
 
-def kernel_breakdown(prof, steps: int) -> dict:
+def timeline(prof, steps: int) -> dict:
     """Per-step kernel time by owner (the coda op range around the launch, else a kernel-name
     class), launches, and the GPU idle fraction: 1 - (union of kernel intervals) / (first kernel
-    start .. last kernel end). A device event shares its correlation id with the host runtime call
-    that launched it (cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync...); that call's start
-    time places it inside a coda op range."""
+    start .. last kernel end). Device work = kernels, memcpy and memset, not the GPU-side copies
+    of profiler ranges. A device event shares its correlation id with the host runtime call that
+    launched it (cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync...); that call's start time
+    places it inside a coda op range."""
     from torch.autograd import DeviceType
 
     events = prof.events()
-    device = [e for e in events if e.device_type == DeviceType.CUDA]
+    device = [e for e in events if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+              and not e.name.startswith("coda::")]
     cpu = [e for e in events if e.device_type == DeviceType.CPU]
     launched_at = {e.id: e.time_range.start for e in cpu if e.name.startswith(("cuda", "cu")) and e.id}
     op_ranges = sorted((e.time_range.start, e.time_range.end, e.name.removeprefix("coda::"))
@@ -336,8 +349,9 @@ def kernel_breakdown(prof, steps: int) -> dict:
         owner = (_innermost(op_ranges, t) if t is not None else None) or _kernel_class(k.name)
         by_owner[owner] = by_owner.get(owner, 0.0) + k.time_range.elapsed_us() / 1e3 / steps
     busy, window = _union_and_window(sorted((k.time_range.start, k.time_range.end) for k in device))
-    return {"kernel_ms_per_step": sum(by_owner.values()), "launches_per_step": len(device) / steps,
-            "gpu_window_ms_per_step": window / 1e3 / steps, "gpu_idle_fraction": 1 - busy / window if window else None,
+    return {"kernel_ms_per_step": sum(by_owner.values()), "busy_ms_per_step": busy / 1e3 / steps,
+            "launches_per_step": len(device) / steps, "gpu_window_ms_per_step": window / 1e3 / steps,
+            "gpu_idle_fraction": 1 - busy / window if window else None,
             "by_owner_ms": dict(sorted(by_owner.items(), key=lambda kv: -kv[1]))}
 
 
@@ -468,7 +482,8 @@ def print_table(result: dict) -> None:
     prof = result.get("coda_profile")
     if prof:
         print(f"coda step: {prof['kernel_ms_per_step']:.2f} ms of kernels, {prof['launches_per_step']:.0f} launches, "
-              f"GPU idle {100 * prof['gpu_idle_fraction']:.0f}% of its {prof['gpu_window_ms_per_step']:.2f} ms window")
+              f"GPU idle {100 * prof['gpu_idle_fraction']:.0f}% of its {prof['gpu_window_ms_per_step']:.2f} ms window "
+              f"(by op, with op ranges: {prof['annotated_kernel_ms_per_step']:.2f} ms of kernels)")
         for owner, ms in prof["by_owner_ms"].items():
             print(f"    {owner:40s}{ms:9.3f} ms")
 
@@ -481,6 +496,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--profile-steps", type=int, default=3, help="profiled coda steps (0: no breakdown)")
+    p.add_argument("--tag", default="", help="suffix of the JSON name (bench_<shape><tag>.json), e.g. for a profile-only run")
     p.add_argument("--out", type=Path, default=Path("runs/bench"))
     args = p.parse_args()
     variants = args.variants.split(",")
@@ -493,7 +509,7 @@ def main() -> None:
     skipped = [v for v in (*MODEL_VARIANTS, "floor", *NOT_YET) if v not in variants]
     result["not_run"] = skipped
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"bench_{args.shape}.json"
+    path = args.out / f"bench_{args.shape}{args.tag}.json"
     path.write_text(json.dumps(result, indent=1, default=str))
     print_table(result)
     print(f"\nwrote {path}")
