@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="compute dtype; auto: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--tokenizer", help="tokenizer.json or HF dir (default: the run's own, from its prepared data)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("coda_train").setLevel(logging.INFO)  # our progress (data preparation) on stderr
     try:
         ckpt = open_checkpoint(args.checkpoint, args.tokenizer)
         trainer = ckpt.meta["config"]["trainer"]

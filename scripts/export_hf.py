@@ -32,8 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB or 500MB")
     parser.add_argument("--tokenizer", help="tokenizer.json or HF dir (default: the run's own, from its prepared data)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    logging.getLogger("huggingface_hub").setLevel(logging.WARNING)  # it names the temporary dir we rename
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("coda_train").setLevel(logging.INFO)  # our progress (data preparation) on stderr
     try:
         ckpt = open_checkpoint(args.checkpoint, args.tokenizer)
         out = export_hf(ckpt.weights, ckpt.model_config, args.out, tokenizer_file=ckpt.tokenizer_file,

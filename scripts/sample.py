@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", help="tokenizer.json or HF dir (default: the run's own, from its prepared data)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("coda_train").setLevel(logging.INFO)  # on stderr: the text alone goes to stdout
     try:
         ckpt = open_checkpoint(args.checkpoint, args.tokenizer)
         device = pick_device(args.device)
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         model = load_eager_model(ckpt, device, dtype)
         prompt = ckpt.tokenizer.encode(args.prompt, add_special_tokens=False).ids if args.prompt else [ckpt.eos_id]
         tokens = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, generator=torch.Generator(device).manual_seed(args.seed),
+                          top_p=args.top_p, generator=torch.Generator(device=device).manual_seed(args.seed),
                           vocab_limit=ckpt.tokenizer.get_vocab_size(), stop_token=ckpt.eos_id)
         stream = DecodeStream(skip_special_tokens=True)
         for token in prompt:  # the decoder's context, so the first new token is spaced/merged as in the full text

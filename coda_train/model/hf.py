@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Optional
@@ -75,8 +76,10 @@ def from_hf_state_dict(hf: dict[str, Tensor], cfg: LlamaConfig) -> dict[str, Ten
     """transformers' LlamaForCausalLM tensors as our state_dict; ConfigError names missing or extra tensors."""
     with torch.device("meta"):  # names and shapes only: no memory, no init work
         expected = set(to_hf_state_dict(LlamaWeights(cfg).state_dict(), cfg))
-    # a tied checkpoint may still carry lm_head.weight (a copy of the embedding); it is not needed
-    present = set(hf) - ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    # a tied checkpoint may still carry lm_head.weight (a copy of the embedding), and old ones the
+    # rotary inv_freq buffers (a function of rope_theta): neither is needed
+    present = {name for name in hf if not name.endswith("rotary_emb.inv_freq")}
+    present -= {"lm_head.weight"} if cfg.tie_embeddings else set()
     missing, unexpected = sorted(expected - present), sorted(present - expected)
     if missing or unexpected:
         raise ConfigError(f"the Hugging Face weights do not fit the model of its config.json: missing {missing[:8]}, "
@@ -212,6 +215,9 @@ def export_hf(state_dict: dict[str, Tensor], cfg: LlamaConfig, out_dir: str | Pa
     save_torch_state_dict(weights, tmp, max_shard_size=max_shard_size, metadata={"format": "pt"})
     transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=bos_token, eos_token=eos_token,
                                          unk_token=unk_token, model_max_length=cfg.max_seq_len).save_pretrained(tmp)
+    # ours byte for byte (transformers adds a no-op post-processor): the same fingerprint, so
+    # data.tokenizer=DIR is recognized as the tokenizer the model was trained with
+    shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
     transformers.GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=eos_id,
                                   suppress_tokens=padding_ids).save_pretrained(tmp)
     tmp.chmod(0o755)  # mkdtemp makes it private; the export is for others to read
