@@ -8,6 +8,10 @@ The two layouts compute the same function once three conventions are mapped:
 - Fused projections: w_qkv = [q heads | k heads | v heads], w_gate_up = [gate | up].
 - Tied embeddings: the LM head is tok_emb (`tie_word_embeddings`), so no lm_head tensor is written.
 transformers and safetensors are the `hf` extra; only this module needs them.
+
+Starting a run from a Hugging Face directory DIR: cfg = llama_config_from_hf(DIR) (its shape, not a
+preset's), model = build_model(cfg, ...), load_hf_weights(model, DIR); DIR's tokenizer.json is the
+data tokenizer unless one is given (data.tokenizer=DIR).
 """
 
 from __future__ import annotations
