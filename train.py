@@ -19,9 +19,10 @@ from omegaconf import DictConfig
 
 from coda_train.config import register_configs, to_dataclass
 from coda_train.data import DataError
-from coda_train.kernels import BackendError
-from coda_train.model import ConfigError
-from coda_train.trainer import EXIT_BAD_INPUT, EXIT_NON_FINITE, CheckpointError, NonFiniteError, train
+from coda_train.errors import ConfigError
+from coda_train.trainer.checkpoint import CheckpointError
+from coda_train.trainer.loop import EXIT_BAD_INPUT, EXIT_NON_FINITE, train
+from coda_train.trainer.step import NonFiniteError
 
 log = logging.getLogger("train")
 register_configs()
@@ -31,7 +32,7 @@ register_configs()
 def main(cfg: DictConfig) -> None:
     try:
         train(to_dataclass(cfg), Path(HydraConfig.get().runtime.output_dir))
-    except (ConfigError, DataError, BackendError, CheckpointError) as e:
+    except (ConfigError, DataError, CheckpointError) as e:  # kernels.BackendError is a ConfigError
         log.error("%s", e)
         sys.exit(EXIT_BAD_INPUT)
     except NonFiniteError as e:

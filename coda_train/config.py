@@ -1,9 +1,11 @@
 """Typed run configuration: the schema hydra checks `configs/` and command-line overrides against.
 
 Each dataclass is one config group (model, data, optim, trainer, logger) or node (kernels, debug);
-`register_configs()` puts the whole tree in hydra's ConfigStore as `base_config`, which
-`configs/config.yaml` lists first, so an unknown key or a wrong type fails before anything runs.
-Cross-field checks that need the data (vocab size) or the preset live here too, in one place.
+a group's dataclass and its choices live with the code that uses them (DataConfig in data/,
+OptimConfig in trainer/optim.py, LoggerConfig in trainer/metrics.py), and ModelConfig is derived
+from the model's LlamaConfig. `register_configs()` puts the whole tree in hydra's ConfigStore as
+`base_config`, which `configs/config.yaml` lists first, so an unknown key or a wrong type fails
+before anything runs. Cross-field checks that need the data (vocab size) or the preset live here too.
 """
 
 from __future__ import annotations
@@ -17,45 +19,34 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from coda_train.data import DataConfig
-from coda_train.model import IMPLS, ConfigError, LlamaConfig, preset
+from coda_train.errors import ConfigError
+from coda_train.kernels import BACKENDS
+from coda_train.model import IMPLS, LlamaConfig, preset
+from coda_train.trainer.device import COMPUTE_DTYPES, DEVICES
+from coda_train.trainer.metrics import LOGGERS, WANDB_MODES, LoggerConfig
+from coda_train.trainer.optim import OPTIMIZERS, SCHEDULES, OptimConfig
 
 
-@dataclass
-class ModelConfig:
-    """A preset from coda_train/model/config.py PRESETS; every null field keeps the preset's value."""
-    preset: str = MISSING
-    impl: str = "coda"  # coda | eager | liger (coda_train.model.IMPLS)
-    dim: Optional[int] = None
-    n_layers: Optional[int] = None
-    n_heads: Optional[int] = None
-    n_kv_heads: Optional[int] = None
-    ffn_dim: Optional[int] = None
-    vocab_size: Optional[int] = None  # null: the tokenizer's vocabulary rounded up to vocab_multiple_of
-    vocab_multiple_of: int = 64  # round the default vocab up so the embedding GEMMs tile evenly
-    rope_theta: Optional[float] = None
-    norm_eps: Optional[float] = None
-    max_seq_len: Optional[int] = None
-    tie_embeddings: Optional[bool] = None
-    init_std: Optional[float] = None
+def _model_schema() -> type:
+    """ModelConfig, derived from LlamaConfig so a field added there is overridable with no other edit."""
+    doc = ("A preset (coda_train/model/config.py PRESETS), the impl, and every LlamaConfig field as an override; "
+           "null keeps the preset's value (vocab_size null: the tokenizer's vocabulary rounded up to vocab_multiple_of).")
+    types = typing.get_type_hints(LlamaConfig)
+    overrides = [(f.name, Optional[types[f.name]], dataclasses.field(default=None)) for f in dataclasses.fields(LlamaConfig)]
+    return dataclasses.make_dataclass("ModelConfig", [
+        ("preset", str, dataclasses.field(default=MISSING)),  # a name in coda_train/model/config.py PRESETS
+        ("impl", str, dataclasses.field(default="coda")),  # a name in coda_train.model.IMPLS
+        *overrides,
+        ("vocab_multiple_of", int, dataclasses.field(default=64)),  # so the embedding GEMMs tile evenly
+    ], namespace={"__module__": __name__, "__doc__": doc})
+
+
+ModelConfig = _model_schema()
 
 
 @dataclass
 class KernelsConfig:
-    backend: str = "auto"  # auto | reference | cute
-
-
-@dataclass
-class OptimConfig:
-    name: str = "adamw"
-    lr: float = 3e-3  # peak learning rate
-    min_lr_ratio: float = 0.1  # the schedule ends at lr * min_lr_ratio
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1  # matrices only; norms and embeddings are not decayed
-    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping (the norm is still logged)
-    schedule: str = "cosine"  # cosine (warmup + cosine decay) | wsd (warmup, stable, decay) | constant
-    warmup_steps: int = 20
-    decay_fraction: float = 0.2  # wsd: the last fraction of max_steps decays linearly to min_lr
+    backend: str = "auto"  # one of coda_train.kernels.BACKENDS; auto: cute on a Hopper GPU, else reference
 
 
 @dataclass
@@ -66,8 +57,8 @@ class TrainerConfig:
     batch_size: int = MISSING  # sequences per micro-batch (per process)
     seq_len: int = MISSING
     grad_accum_steps: int = 1  # micro-batches per optimizer step
-    device: str = "auto"  # auto (cuda when available) | cpu | cuda
-    compute_dtype: str = "auto"  # auto (bfloat16 on cuda, float32 on cpu) | bfloat16 | float32
+    device: str = "auto"  # one of trainer/device.py DEVICES
+    compute_dtype: str = "auto"  # one of trainer/device.py COMPUTE_DTYPES; parameters stay fp32
     log_every: int = 10  # steps between metrics lines (the last step is always logged)
     eval_every: int = 100  # steps between validation losses (and at the last step); 0 = never
     eval_batches: int = 8
@@ -77,15 +68,6 @@ class TrainerConfig:
     run_dir: Optional[str] = None  # null: hydra's output dir (outputs/<date>/<time>)
     peak_flops: float = 989e12  # per GPU, for MFU: H100/H200 dense bf16
     progress_bar: bool = True  # tqdm, shown only when stderr is a terminal
-
-
-@dataclass
-class LoggerConfig:
-    name: str = "jsonl"  # jsonl (metrics.jsonl only) | wandb (metrics.jsonl and wandb)
-    project: str = "coda-train"
-    entity: Optional[str] = None
-    run_name: Optional[str] = None
-    mode: str = "auto"  # auto (online when a key is set and the server answers, else offline) | online | offline
 
 
 @dataclass
@@ -127,13 +109,13 @@ def check_config(cfg: Config) -> None:
     """Cross-field checks hydra's types cannot express; raises ConfigError naming the fix."""
     t, o = cfg.trainer, cfg.optim
     _choose("model.impl", cfg.model.impl, tuple(IMPLS))
-    _choose("kernels.backend", cfg.kernels.backend, ("auto", "reference", "cute"))
-    _choose("optim.name", o.name, ("adamw",))
-    _choose("optim.schedule", o.schedule, ("cosine", "wsd", "constant"))
-    _choose("trainer.device", t.device, ("auto", "cpu", "cuda"))
-    _choose("trainer.compute_dtype", t.compute_dtype, ("auto", "bfloat16", "float32"))
-    _choose("logger.name", cfg.logger.name, ("jsonl", "wandb"))
-    _choose("logger.mode", cfg.logger.mode, ("auto", "online", "offline"))
+    _choose("kernels.backend", cfg.kernels.backend, BACKENDS)
+    _choose("optim.name", o.name, OPTIMIZERS)
+    _choose("optim.schedule", o.schedule, SCHEDULES)
+    _choose("trainer.device", t.device, DEVICES)
+    _choose("trainer.compute_dtype", t.compute_dtype, tuple(COMPUTE_DTYPES))
+    _choose("logger.name", cfg.logger.name, LOGGERS)
+    _choose("logger.mode", cfg.logger.mode, WANDB_MODES)
     for name in ("max_steps", "batch_size", "seq_len", "grad_accum_steps", "log_every", "keep_last"):
         if getattr(t, name) < 1:
             raise ConfigError(f"trainer.{name}={getattr(t, name)} must be >= 1")

@@ -3,7 +3,7 @@
     python scripts/compare_runs.py RUN_DIR [RUN_DIR ...] [--out compare.png] [--smooth 50]
 
 Each RUN_DIR holds `metrics.jsonl` (one JSON line per logged step, from train.py) and
-`config.yaml`. The first run is the reference for the difference panel and the |Δloss| columns.
+`config.yaml` (the resolved config; its model.impl names the run). The first run is the reference for the difference panel and the |Δloss| columns.
 Writes the PNG, and the table as Markdown (`.md`) and JSON (`.json`) beside it.
 """
 
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 
 @dataclass
@@ -43,12 +44,8 @@ def read_run(run_dir: Path) -> Run:
     by_step = {r["step"]: r for r in train}
     train = [by_step[s] for s in sorted(by_step)]
     val = {r["step"]: r["val_loss"] for r in rows if r.get("val_loss") is not None}
-    name = run_dir.name
-    config = run_dir / "config.yaml"
-    if config.is_file():
-        impl = next((line.split(":", 1)[1].strip() for line in config.read_text().splitlines()
-                     if line.strip().startswith("impl:")), None)
-        name = f"{impl} ({run_dir.name})" if impl else name
+    impl = run_impl(run_dir / "config.yaml")
+    name = f"{impl} ({run_dir.name})" if impl else run_dir.name
     tps = [r["tokens_per_s"] for r in train if r.get("tokens_per_s")]
     # Steady-state throughput: median over the second half of the run (skips compile/warm-up).
     return Run(name=name,
@@ -58,6 +55,19 @@ def read_run(run_dir: Path) -> Run:
                elapsed_s=np.array([r.get("elapsed_s", math.nan) for r in train], dtype=np.float64),
                tokens_per_s=float(np.median(tps[len(tps) // 2:])) if tps else math.nan,
                val_steps=np.array(sorted(val)), val_loss=np.array([val[s] for s in sorted(val)], dtype=np.float64))
+
+
+def run_impl(config_path: Path) -> str | None:
+    """model.impl of a run's config.yaml; None when the file or the key is absent."""
+    if not config_path.is_file():
+        return None
+    try:
+        config = yaml.safe_load(config_path.read_text())
+    except yaml.YAMLError as e:
+        sys.exit(f"error: {config_path} is not valid YAML ({e}); pass run directories written by train.py")
+    model = config.get("model") if isinstance(config, dict) else None
+    impl = model.get("impl") if isinstance(model, dict) else None
+    return str(impl) if impl is not None else None
 
 
 def smooth(y: np.ndarray, window: int) -> np.ndarray:

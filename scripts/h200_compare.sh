@@ -3,7 +3,6 @@
 #   bash scripts/h200_compare.sh [STEPS]
 # 1. CODA (cute kernels) vs eager, llama3_125m on the embedded corpus: one hydra multirun, same
 #    seed, data and initial weights, bf16 compute; then compare_runs.py -> compare.png/.md/.json.
-# 2. Step times side by side: eager, torch.compile, Liger, CODA (cute).
 # Everything lands in $OUT (default runs/h200): at most 8 files, as the device tool returns them.
 set -uo pipefail
 STEPS=${1:-1000}
@@ -18,5 +17,3 @@ python3 train.py -m model=llama3_125m model.impl=eager,coda kernels.backend=cute
   2>&1 | grep -v "^{" | tail -n 40 > "$OUT/train.log"
 cp "$RUNS/0/metrics.jsonl" "$OUT/eager_metrics.jsonl"; cp "$RUNS/1/metrics.jsonl" "$OUT/coda_metrics.jsonl"
 python3 scripts/compare_runs.py "$RUNS/0" "$RUNS/1" --out "$OUT/compare.png"
-timeout 240 python3 scripts/bench_step.py --preset llama3_125m --batch 8 --seq 2048 \
-  --variants eager,compile,liger,coda-cute --out "$OUT/bench_step.json" 2>&1 | tail -n 12 | tee "$OUT/bench_step.txt"

@@ -1,12 +1,23 @@
-"""Issue 6 on CPU: CODA (reference backend) and eager trained by one multirun on identical data,
-seed and initial weights give the same curve; compare_runs.py writes the PNG and the table."""
+"""CODA (reference backend) and eager trained by one multirun on identical data, seed and initial
+weights give the same curve on CPU; compare_runs.py writes the PNG and the table."""
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
+
+
+def compare_runs_module():
+    spec = importlib.util.spec_from_file_location("compare_runs", REPO / "scripts" / "compare_runs.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_multirun_coda_vs_eager_curves_agree_and_compare_writes_png(tiny, tmp_path):
@@ -28,3 +39,20 @@ def test_multirun_coda_vs_eager_curves_agree_and_compare_writes_png(tiny, tmp_pa
     assert coda["steps"] == 30 and coda["max_abs_dloss"] < 1e-4, coda
     assert coda["final_val_loss"] is not None and abs(coda["final_val_loss"] - table[0]["final_val_loss"]) < 1e-4
     assert "| coda" in cmp.stdout and out.with_suffix(".md").read_text().startswith("| run |")
+
+
+def test_run_name_is_model_impl_read_as_yaml(tmp_path):
+    compare_runs = compare_runs_module()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0, "tokens_per_s": 10.0}) + "\n")
+    # flow style, and an `impl:` key outside model that comes first: only model.impl names the run
+    (run / "config.yaml").write_text("data: {impl: shadow}\nmodel: {preset: tiny, impl: eager}\n")
+    assert compare_runs.read_run(run).name == "eager (run)"
+    (run / "config.yaml").write_text("model:\n  preset: tiny\n")
+    assert compare_runs.read_run(run).name == "run"
+    (run / "config.yaml").unlink()
+    assert compare_runs.read_run(run).name == "run"
+    (run / "config.yaml").write_text("model: [impl: coda\n")
+    with pytest.raises(SystemExit, match="is not valid YAML"):
+        compare_runs.read_run(run)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -9,8 +10,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
-from coda_train.config import check_config, register_configs, resolve_model_config, to_dataclass
-from coda_train.model import PRESETS, ConfigError, build_model, preset
+from coda_train.config import ModelConfig, check_config, register_configs, resolve_model_config, to_dataclass
+from coda_train.errors import ConfigError
+from coda_train.model import PRESETS, LlamaConfig, build_model, preset
 from coda_train.trainer.optim import build_optimizer, lr_multiplier
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -40,6 +42,30 @@ def test_model_fields_override_the_preset():
     cfg = load("model=llama3_125m", "model.n_layers=2", "model.tie_embeddings=false")
     llama = resolve_model_config(cfg.model, tokenizer_vocab_size=1000, seq_len=128)
     assert (llama.n_layers, llama.tie_embeddings, llama.dim) == (2, False, PRESETS["llama3_125m"].dim)
+
+
+def test_the_model_schema_is_every_llama_field_plus_the_choices():
+    llama_fields = [f.name for f in dataclasses.fields(LlamaConfig)]
+    assert [f.name for f in dataclasses.fields(ModelConfig)] == ["preset", "impl", *llama_fields, "vocab_multiple_of"]
+    assert all(getattr(load().model, name) is None for name in llama_fields)  # null: the preset's value
+
+
+def _another_valid_value(value):
+    """A value the tiny preset accepts in place of `value`: the other bool, or twice the number."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value * 2
+    raise AssertionError(f"no test value for {value!r}; teach _another_valid_value this field's type")
+
+
+@pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(LlamaConfig)])
+def test_every_llama_field_is_overridable_and_reaches_the_resolved_model(name):
+    tiny = PRESETS["tiny"]
+    value = _another_valid_value(getattr(tiny, name))
+    cfg = load("model=tiny", f"model.{name}={str(value).lower() if isinstance(value, bool) else value}")
+    llama = resolve_model_config(cfg.model, tokenizer_vocab_size=tiny.vocab_size, seq_len=128)
+    assert llama == dataclasses.replace(tiny, **{name: value})  # this field changed, every other one the preset's
 
 
 def test_default_vocab_follows_the_tokenizer_rounded_up():

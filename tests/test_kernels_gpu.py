@@ -1,58 +1,69 @@
 """Every `cute` op against the reference oracle on a Hopper GPU (marked gpu; skipped elsewhere).
 
-Same harness as scripts/check_kernels.py: random inputs at each preset's widths with a ragged row
-count, every output/partial buffer NaN-poisoned, error relative to the reference in float64 on
-the GPU, and err(cute) <= 1.5 * err(reference in bf16; SDPA too for attention) + 1e-4. Plus the
-whole model: CODA on cute vs CODA on reference vs eager (bf16 compute), loss and every gradient
-against eager in float64, for `tiny` and a 2-layer `llama3_1b`.
+The harness of scripts/check_kernels.py (coda_train.kernels.testing): every example case of every
+declared op at each preset's widths with a ragged row count, every output/partial buffer
+NaN-poisoned, error relative to the reference in float64 on the GPU, and err(cute) <= 1.5 *
+err(reference in bf16; SDPA too for attention) + 1e-4. Plus the whole model
+(coda_train.model.testing): CODA on cute vs CODA on reference vs eager (bf16 compute), loss and
+every gradient against eager in float64, for `tiny` and a 2-layer `llama3_1b`.
 """
-
-import importlib.util
-import io
-import os
 
 import pytest
 import torch
 
+from coda_train.kernels import OPS, Example
+from coda_train.kernels.testing import check_case, example_cases, poisoned_cute_outputs
+from coda_train.model.testing import MODEL_CASES, OP_CHECK_SHAPES, check_model, op_check_dims
+
 pytestmark = pytest.mark.gpu
 
-_spec = importlib.util.spec_from_file_location(
-    "check_kernels", os.path.join(os.path.dirname(__file__), "..", "scripts", "check_kernels.py"))
-ck = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ck)
-
-
-def _hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+# (preset, case name) of every example case; shapes only (meta tensors), so collection needs no GPU
+CASES = [(preset, case) for preset in OP_CHECK_SHAPES for op in OPS.values()
+         for case, _ in op.cases(Example(op_check_dims(preset), torch.bfloat16, "meta", None))]
 
 
 @pytest.fixture(scope="module")
 def cute():
-    if not _hopper():
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
         pytest.skip("needs a Hopper (sm_90) GPU")
-    from coda_train import kernels
+    from coda_train.kernels import op_set
 
-    kernels.set_backend("cute")
-    import coda_train.kernels.cute as mod
-    import coda_train.kernels.cute._launch as launch
-
-    launch.POISON = True
-    yield mod
-    launch.POISON = False
-    kernels.set_backend("reference")
+    return op_set("cute")
 
 
-@pytest.mark.parametrize("preset", list(ck.SHAPES))
-@pytest.mark.parametrize("op", ck.OPS)
-def test_cute_op_matches_reference(cute, op, preset):
-    rows = ck.check(op, preset, cute, io.StringIO())
+@pytest.mark.parametrize("preset,case", CASES, ids=[f"{p}-{c}" for p, c in CASES])
+def test_cute_op_matches_reference(cute, preset, case):
+    (op, _, kwargs), = [c for c in example_cases(op_check_dims(preset), "cuda", ops=[case]) if c[1] == case]
+    with poisoned_cute_outputs():
+        rows = check_case(op, case, kwargs, getattr(cute, op.name))
     for r in rows:
-        assert r["finite"], f"{op} out{r['out']}: NaN/inf (unwritten tile?)"
-        assert r["ok"], f"{op} out{r['out']}: err cute {r['err_cute']:.2e} vs baseline {r['err_base']:.2e}"
+        assert r["finite"], f"{case} out{r['out']}: NaN/inf (unwritten tile?)"
+        assert r["ok"], f"{case} out{r['out']}: err cute {r['err_cute']:.2e} vs baseline {r['err_base']:.2e}"
 
 
-@pytest.mark.parametrize("name", list(ck.MODEL_CASES))
+@pytest.mark.parametrize("name", list(MODEL_CASES))
 def test_whole_model_cute_vs_reference_vs_eager(cute, name):
-    rows = ck.check_model(name, io.StringIO())
+    rows = check_model(name)
     bad = [r for r in rows if not r["ok"]]
     assert not bad, [(r["tensor"], r["err_cute"], r["err_eager"]) for r in bad]
+
+
+def test_logits_cute_vs_reference(cute):
+    """CodaLlama.logits (op gemm_rowscale after the blocks) on cute: no less accurate than the
+    reference backend in bf16, both against the reference backend in float64."""
+    from coda_train.kernels.testing import passes, relative_error
+    from coda_train.model import build_model, preset
+
+    cfg = preset("tiny", n_layers=2)
+    torch.manual_seed(0)
+    oracle = build_model(cfg, "coda", backend="reference", compute_dtype=torch.float64).cuda().double()
+    tokens = torch.randint(0, cfg.vocab_size, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    want = oracle.logits(tokens)
+    errs = {}
+    for backend in ("cute", "reference"):
+        model = build_model(cfg, "coda", backend=backend, compute_dtype=torch.bfloat16).cuda()
+        model.load_state_dict({k: v.float() for k, v in oracle.state_dict().items()})
+        got = model.logits(tokens)
+        assert got.shape == want.shape and got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+        errs[backend] = relative_error(got, want)
+    assert passes(errs["cute"], errs["reference"]), errs

@@ -16,8 +16,7 @@ def rotate_half_rope(x, cos, sin):
 
 def test_weight_row_gather_turns_halves_rope_into_interleaved_rope():
     cfg = preset("tiny", dim=32, n_heads=4, n_kv_heads=2, ffn_dim=16, vocab_size=17, n_layers=1, max_seq_len=8)
-    model = build_model(cfg, "liger").double()
-    model.compute_dtype = torch.float64
+    model = build_model(cfg, "liger", compute_dtype=torch.float64).double()
     B, T, H, Hkv, hd = 2, 6, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     cos, sin = model.rope_tables(T, torch.device("cpu"))
     h = torch.randn(B, T, cfg.dim, dtype=torch.float64)

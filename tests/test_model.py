@@ -2,23 +2,28 @@
 hand-written backwards against autograd of their forward formulas."""
 
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import coda_train.kernels as K
 from coda_train.kernels import reference as R
 from coda_train.model import ConfigError, LlamaConfig, build_model, preset
-from coda_train.model.coda import BlockShape, CodaBlock, LMHeadLoss
+from coda_train.model.coda import BlockShape, CodaBlock, CodaLlama, LMHeadLoss
 
 SMALL = dict(dim=64, n_heads=4, ffn_dim=96, vocab_size=101, max_seq_len=32)
 
 
-def make_pair(cfg: LlamaConfig, dtype: torch.dtype, seed: int = 0):
+def make_pair(cfg: LlamaConfig, dtype: torch.dtype, seed: int = 0, compute_dtype=None):
+    """Eager and CODA (reference backend) models with the same weights in dtype, computing in
+    compute_dtype (default: dtype)."""
     torch.manual_seed(seed)
-    eager = build_model(cfg, "eager").to(dtype)
-    coda = build_model(cfg, "coda").to(dtype)
+    compute_dtype = compute_dtype or dtype
+    eager = build_model(cfg, "eager", compute_dtype=compute_dtype).to(dtype)
+    coda = build_model(cfg, "coda", backend="reference", compute_dtype=compute_dtype).to(dtype)
     coda.load_state_dict(eager.state_dict())
-    eager.compute_dtype = coda.compute_dtype = dtype
     return eager, coda
 
 
@@ -55,8 +60,7 @@ def test_coda_matches_eager_float64(name, batch, seq):
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
     targets = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
-    with K.use_backend("reference"):
-        loss_c, grads_c = loss_and_grads(coda, tokens, targets)
+    loss_c, grads_c = loss_and_grads(coda, tokens, targets)
     loss_e, grads_e = loss_and_grads(eager, tokens, targets)
     assert abs(loss_c - loss_e).item() / loss_e.item() < 1e-12
     assert grads_c.keys() == grads_e.keys()
@@ -69,8 +73,7 @@ def test_coda_close_to_eager_low_precision(dtype, loss_tol, grad_tol):
     """fp32: loss to 1e-5 rel, grads to 1e-4 rel. bf16: loss to 2e-2 rel, each grad to 0.1 rel
     (bf16 rounds to 8 bits; the two models round at different places by design)."""
     cfg = preset("tiny", n_layers=2, n_kv_heads=2, **SMALL)
-    eager, coda = make_pair(cfg, torch.float32)
-    eager.compute_dtype = coda.compute_dtype = dtype
+    eager, coda = make_pair(cfg, torch.float32, compute_dtype=dtype)
     ref, _ = make_pair(cfg, torch.float64)
     ref.load_state_dict(eager.state_dict())
     tokens = torch.randint(0, cfg.vocab_size, (4, 32), generator=torch.Generator().manual_seed(2))
@@ -116,21 +119,19 @@ def test_block_backward_gradcheck():
     cfg = preset("tiny", dim=16, n_heads=4, n_kv_heads=2, ffn_dim=24, vocab_size=11, max_seq_len=8, n_layers=1)
     batch, seq = 2, 5
     x, p = _block_inputs(cfg, batch, seq)
-    model = build_model(cfg, "coda").double()
-    model.compute_dtype = torch.float64
-    cos, sin = model.rope_tables(seq, x.device)
+    model = build_model(cfg, "coda", compute_dtype=torch.float64).double()
+    rope = model.rope_rows(batch * seq, seq, x.device)
     shape = BlockShape(cfg.n_heads, cfg.n_kv_heads, seq, cfg.norm_eps)
 
     def block(x, attn_norm, w_qkv, w_o, mlp_norm, w_gate_up, w_down):
         h = x * attn_norm  # the producer's caches, as functions of x (detached inside the Function)
         r = torch.rsqrt(x.pow(2).mean(-1) + cfg.norm_eps)
         x2, _, _ = CodaBlock.apply(x, h.detach(), r.detach(), attn_norm, w_qkv, w_o, mlp_norm, w_gate_up,
-                                   w_down, p["next_norm"], cos, sin, shape)
+                                   w_down, p["next_norm"], rope, shape, model.ops)
         return x2
 
     args = (x, p["attn_norm"], p["w_qkv"], p["w_o"], p["mlp_norm"], p["w_gate_up"], p["w_down"])
-    with K.use_backend("reference"):
-        assert torch.autograd.gradcheck(block, args, eps=1e-6, atol=1e-7, rtol=1e-5)
+    assert torch.autograd.gradcheck(block, args, eps=1e-6, atol=1e-7, rtol=1e-5)
 
 
 def test_lm_head_backward_gradcheck():
@@ -143,7 +144,7 @@ def test_lm_head_backward_gradcheck():
 
     def head(x, norm, w):
         r = torch.rsqrt(x.pow(2).mean(-1) + 1e-5)
-        return LMHeadLoss.apply(x, (x * norm).detach(), r.detach(), norm, w, targets)
+        return LMHeadLoss.apply(x, (x * norm).detach(), r.detach(), norm, w, targets, K.op_set("reference"))
 
     assert torch.autograd.gradcheck(head, (x, norm, w), eps=1e-6, atol=1e-8)
 
@@ -168,12 +169,12 @@ def test_rope_backward_and_statistic():
     M, T, n_cols, n_rope, hd = 12, 6, 24, 16, 4
     y = torch.randn(M, n_cols, generator=g, dtype=torch.float64, requires_grad=True)
     r = torch.rand(M, generator=g, dtype=torch.float64) + 0.5
-    angles = torch.rand(T, hd // 2, generator=g, dtype=torch.float64) * 6
-    cos, sin = angles.cos(), angles.sin()
-    post = R._rotate_pairs(y, cos, sin, n_rope, inverse=False)
+    angles = (torch.rand(T, hd // 2, generator=g, dtype=torch.float64) * 6).repeat(M // T, 1)
+    rope = torch.stack((angles.cos(), angles.sin()), dim=-1).reshape(M, hd)
+    post = R._rotate_pairs(y, rope, n_rope, inverse=False)
     g_post = torch.randn_like(post)
     (g_y,) = torch.autograd.grad(post, y, g_post)
-    g_y_scaled, stat = R.rope_backward_rowscale_stat(g_post, post.detach(), r, cos, sin, n_rope)
+    g_y_scaled, stat = R.rope_backward_rowscale_stat(g_post, post.detach(), r, rope, n_rope)
     assert rel(g_y_scaled, g_y * r[:, None]) < 1e-13
     assert rel(stat.sum(-1), (g_y * y).sum(-1)) < 1e-12  # rotation preserves the dot product
 
@@ -203,10 +204,11 @@ def test_dswiglu_and_norm_backward_match_autograd():
     assert rel(R.matmul_tn(g_out, a), ex[3]) < 1e-12
 
 
-def test_ops_signatures_are_the_reference_signatures():
-    import inspect
-    for name in K.OPS:
-        assert inspect.signature(getattr(K, name)) == inspect.signature(getattr(R, name)), name
+def test_reference_op_set_is_the_declared_references():
+    ops = K.op_set("reference")
+    assert ops.backend == "reference"
+    for name, op in K.OPS.items():
+        assert getattr(ops, name) is op.reference is getattr(R, name), name
 
 
 # ---- config and backend errors ----------------------------------------------------------------
@@ -235,14 +237,93 @@ def test_presets():
         preset("tiny", dims=3)
 
 
-def test_backend_switch_errors_without_gpu():
+def test_backend_errors_without_gpu():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    with pytest.raises(K.BackendError, match="needs a CUDA GPU"):
-        K.set_backend("cute")
-    with pytest.raises(K.BackendError, match="unknown kernels.backend"):
-        K.set_backend("triton")
-    assert K.set_backend("auto") == "reference"
+    cfg = preset("tiny", **SMALL, n_layers=1)
+    for call in (lambda: K.resolve_backend("cute"), lambda: K.op_set("cute"),
+                 lambda: build_model(cfg, "coda", backend="cute")):
+        with pytest.raises(K.BackendError, match="needs a CUDA GPU"):
+            call()
+    for call in (lambda: K.resolve_backend("triton"), lambda: build_model(cfg, "eager", backend="triton")):
+        with pytest.raises(K.BackendError, match="unknown kernels.backend"):
+            call()
+    assert K.resolve_backend("auto") == "reference" and K.op_set("auto").backend == "reference"
+    assert build_model(cfg, "coda", backend="auto").ops.backend == "reference"
+
+
+def test_each_model_holds_its_own_op_set_and_kernels_hold_no_backend_state():
+    """Two CODA models in one process, each with the op set it was built with; nothing in
+    coda_train.kernels says which backend runs."""
+    cfg = preset("tiny", **SMALL, n_layers=1)
+    a = build_model(cfg, "coda", backend="reference", compute_dtype=torch.float64).double()
+    b = build_model(cfg, "coda", backend="reference", compute_dtype=torch.float32)
+    assert isinstance(a, CodaLlama) and a.ops is not b.ops and a.ops.backend == "reference"
+    for gone in ("set_backend", "get_backend", "use_backend", "_impl"):
+        assert not hasattr(K, gone), gone
+    # Swapping one model's op set for a recording one changes only that model's calls.
+    calls = []
+
+    def recording(name):
+        fn = getattr(a.ops, name)
+        return lambda *args: calls.append(name) or fn(*args)
+
+    a.ops = K.OpSet("recording", {name: recording(name) for name in K.OPS})
+    b.load_state_dict(a.state_dict())
+    tokens = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    loss_b = b(tokens, tokens)
+    assert not calls
+    loss_a = a(tokens, tokens)
+    assert "gemm_rowscale_rope" in calls and "gemm_rowscale_cross_entropy" in calls
+    assert abs(loss_a.item() - loss_b.item()) < 1e-5
+
+
+def test_compute_dtype_is_fixed_at_construction():
+    model = build_model(preset("tiny", **SMALL, n_layers=1), "eager", compute_dtype=torch.float64)
+    assert model.compute_dtype == torch.float64
+    with pytest.raises(AttributeError):
+        model.compute_dtype = torch.float32
+
+
+def test_kernels_import_nothing_of_model_trainer_or_config():
+    code = ("import sys, coda_train.kernels, coda_train.kernels.library, coda_train.kernels.testing, "
+            "coda_train.kernels.cute_limits; "
+            "bad = [m for m in sys.modules if m.startswith(('coda_train.model', 'coda_train.trainer', 'coda_train.config'))]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+# ---- the LM-head logits (op gemm_rowscale) ----------------------------------------------------
+
+@pytest.mark.parametrize("name", ["gqa_tied_3layers", "mha_untied_1layer"])
+def test_coda_logits_match_eager_loss_float64(name):
+    """CodaLlama.logits in float64: the cross-entropy of the logits is the eager model's loss for
+    every target draw, so each row's logits agree with eager's at the targets and in logsumexp."""
+    cfg = preset("tiny", **SMALL, **CONFIGS[name])
+    eager, coda = make_pair(cfg, torch.float64)
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, cfg.vocab_size, (3, 7), generator=g)
+    logits = coda.logits(tokens)
+    assert logits.shape == (3, 7, cfg.vocab_size) and logits.dtype == torch.float64
+    for _ in range(5):
+        targets = torch.randint(0, cfg.vocab_size, (3, 7), generator=g)
+        ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        with torch.no_grad():
+            assert abs(ce - eager(tokens, targets)).item() < 1e-12 * ce.item()
+    # per row: the fused CE op's lse and target logit are the logits' logsumexp and target entry
+    x, h, r, norm, w_lm = coda._blocks(tokens)
+    lse, target_logit = coda.ops.gemm_rowscale_cross_entropy(h, r, w_lm, targets.flatten())
+    assert rel(logits.flatten(0, 1).logsumexp(-1), lse) < 1e-14
+    assert rel(logits.flatten(0, 1).gather(1, targets.reshape(-1, 1)).squeeze(1), target_logit) < 1e-14
+
+
+def test_coda_logits_bf16_close_to_float64():
+    cfg = preset("tiny", **SMALL, n_layers=2)
+    _, coda64 = make_pair(cfg, torch.float64)
+    _, coda16 = make_pair(cfg, torch.float32, compute_dtype=torch.bfloat16)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(8))
+    got, want = coda16.logits(tokens), coda64.logits(tokens)
+    assert got.dtype == torch.bfloat16 and rel(got.double(), want) < 2e-2
 
 
 def test_seq_len_limit():

@@ -3,6 +3,7 @@ exit codes, multirun), in-process train() for the bad-input errors. One tiny cor
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -17,10 +18,14 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from coda_train.config import register_configs, to_dataclass
+from coda_train.errors import ConfigError
 from coda_train.kernels import BackendError
-from coda_train.model import ConfigError
-from coda_train.trainer import CheckpointError, train
-from coda_train.trainer.checkpoint import list_checkpoints, load_state, verify_checkpoint
+from coda_train.trainer.build import build_train_state, prepare_data, resolve_model
+from coda_train.trainer.checkpoint import CheckpointError, list_checkpoints, load_state, verify_checkpoint
+from coda_train.trainer.distributed import World
+from coda_train.trainer.loop import train
+from coda_train.trainer.metrics import metrics_line, mfu
+from coda_train.trainer.step import NonFiniteError, StepResult, train_step
 
 REPO = Path(__file__).resolve().parents[1]
 TIMING_KEYS = {"tokens_per_s", "elapsed_s"}  # wall-clock metrics; everything else must match exactly
@@ -32,11 +37,14 @@ def run_train(*overrides: str, timeout: float = 120) -> subprocess.CompletedProc
                           timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-def train_in_process(run_dir: Path, *overrides: str):
+def compose_config(run_dir: Path, *overrides: str):
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
-        cfg = compose("config", overrides=[f"trainer.run_dir={run_dir}", *overrides])
-    return train(to_dataclass(cfg), run_dir)
+        return to_dataclass(compose("config", overrides=[f"trainer.run_dir={run_dir}", *overrides]))
+
+
+def train_in_process(run_dir: Path, *overrides: str):
+    return train(compose_config(run_dir, *overrides), run_dir)
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -75,6 +83,46 @@ def test_loss_falls_for_both_impls_in_a_multirun(tiny, tmp_path):
         first_losses.append(lines[0]["loss"])
     # same seed -> same initial weights and batches, so both impls start from the same loss
     assert first_losses[0] == pytest.approx(first_losses[1], abs=1e-4)
+
+
+def test_train_state_round_trip_takes_the_same_next_steps(tiny, tmp_path):
+    """A fresh TrainState loaded from another's state_dict (through torch.save, as a checkpoint)
+    takes the same next steps bit for bit; a non-finite step changes no weight and no counter."""
+    cfg = compose_config(tmp_path, *tiny, "trainer.grad_accum_steps=2")
+    cpu, world = torch.device("cpu"), World()
+    data = prepare_data(cfg.data, world)
+    llama = resolve_model(cfg, data.vocab_size, "reference")
+
+    def fresh_state():
+        return build_train_state(cfg, llama, data, "reference", cpu, torch.float32, world)
+
+    def steps(state, n):
+        return [train_step(state, state.model, world, cpu, 2, cfg.optim.grad_clip) for _ in range(n)]
+
+    saving = fresh_state()
+    steps(saving, 3)
+    buffer = io.BytesIO()
+    torch.save(saving.state_dict(), buffer)
+    expected = steps(saving, 3)
+    loaded = fresh_state()
+    loaded.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True))
+    assert steps(loaded, 3) == expected and expected[-1].step == 6
+    assert (loaded.step, loaded.tokens) == (saving.step, saving.tokens) == (6, 6 * 2 * 4 * 32)
+    for name, tensor in saving.model.state_dict().items():
+        assert torch.equal(loaded.model.state_dict()[name], tensor), name
+
+    weights = {k: v.clone() for k, v in loaded.model.state_dict().items()}
+    with pytest.raises(NonFiniteError, match="step 7: loss=nan"):
+        train_step(loaded, loaded.model, world, cpu, 2, cfg.optim.grad_clip, poison_loss=True)
+    assert loaded.step == 6 and all(torch.equal(loaded.model.state_dict()[k], v) for k, v in weights.items())
+
+
+def test_metrics_line_carries_mfu_only_where_measured():
+    result = StepResult(step=3, loss=2.5, lr=1e-3, grad_norm=0.75, tokens=256)
+    assert metrics_line(result, 768, 100.0, 7.5) == {"step": 3, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.75,
+                                                      "tokens": 768, "tokens_per_s": 100.0, "elapsed_s": 7.5}
+    # 1000 tokens/s x 1e9 FLOPs per token on 2 GPUs of 1e12 peak each: half the peak
+    assert metrics_line(result, 768, 1000.0, 7.5, mfu(1000.0, 1e9, 1e12, 2))["mfu"] == 0.5
 
 
 def test_run_dir_holds_config_metrics_and_last_k_checkpoints(straight_run):

@@ -1,9 +1,14 @@
-"""Reference implementations of the CODA op set: plain torch, any device, any float dtype.
+"""The CODA op set: each op declared once, on its reference implementation (plain torch, any
+device, any float dtype: the numerical oracle).
 
-This is the numerical oracle. Each function computes exactly what its GEMM + epilogue program
-computes: the GEMM in the input dtype, the epilogue in fp32 (fp64 stays fp64), outputs in the
-input dtype, row statistics in fp32. Equation tags (F1..F6, B1..B6, E, H) refer to
-docs/design.md.
+Each function computes exactly what its GEMM + epilogue program computes: the GEMM in the input
+dtype, the epilogue in fp32 (fp64 stays fp64), outputs in the input dtype, row statistics in fp32.
+Its `@declare` states the rest of the contract (declare.py): the fake, the partial-sum outputs,
+the fused GEMM and example inputs. Equation tags (F1..F6, B1..B6, E, H) refer to docs/design.md.
+Rows are tokens (M = batch * seq_len, row-major), d = model dim.
+
+RoPE tables: `rope` is (M, head_dim) in the epilogue precision with (cos a, sin a) of row m's
+angle for pair i at columns (2i, 2i+1): one row per token row, the layout the cute epilogue reads.
 """
 
 from __future__ import annotations
@@ -14,19 +19,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .declare import STAT_TILE_N, Example, declare, n_stat_cols, stat_dtype
+
 
 def _f(t: Tensor) -> Tensor:
     """Epilogue precision: fp32 accumulators, fp64 stays fp64 (the CPU oracle)."""
     return t if t.dtype == torch.float64 else t.float()
 
 
-def _rotate_pairs(y: Tensor, cos: Tensor, sin: Tensor, n_rope_cols: int, inverse: bool) -> Tensor:
-    """RoPE on interleaved column pairs (2i, 2i+1) of every head in y[:, :n_rope_cols].
-    Rows are (batch, position) row-major, so row m has position m % T with T = cos.shape[0]."""
-    M = y.shape[0]
-    T, half = cos.shape
-    pairs = y[:, :n_rope_cols].reshape(M // T, T, -1, half, 2)
-    c, s = cos.to(y.dtype)[None, :, None, :], sin.to(y.dtype)[None, :, None, :]
+def _rotate_pairs(y: Tensor, rope: Tensor, n_rope_cols: int, inverse: bool) -> Tensor:
+    """RoPE on interleaved column pairs (2i, 2i+1) of every head in y[:, :n_rope_cols], row m by
+    the angles of rope[m] (module docstring)."""
+    M, hd = rope.shape
+    pairs = y[:, :n_rope_cols].reshape(M, -1, hd // 2, 2)
+    cs = rope.to(y.dtype).reshape(M, 1, hd // 2, 2)
+    c, s = cs[..., 0], cs[..., 1]
     if inverse:
         s = -s
     y0, y1 = pairs[..., 0], pairs[..., 1]
@@ -34,8 +41,22 @@ def _rotate_pairs(y: Tensor, cos: Tensor, sin: Tensor, n_rope_cols: int, inverse
     return torch.cat((rotated, y[:, n_rope_cols:]), dim=1)
 
 
+def _gemm_shape(a: Tensor, w: Tensor, **_) -> tuple[int, int, int]:
+    """(m, n, k) of a @ w^T."""
+    return a.shape[0], w.shape[0], a.shape[1]
+
+
+def _new(t: Tensor, *shape: int, stat: bool = False) -> Tensor:
+    """An empty tensor like t (its dtype, or its statistics dtype) for the fakes."""
+    return t.new_empty(shape, dtype=stat_dtype(t.dtype) if stat else t.dtype)
+
+
 # ---- forward ------------------------------------------------------------------------------
 
+@declare(fake=lambda tokens, emb, gamma: (_new(emb, tokens.numel(), emb.shape[1]), _new(emb, tokens.numel(), emb.shape[1]),
+                                          _new(emb, tokens.numel(), 1, stat=True)),
+         examples=lambda x: {"": dict(tokens=x.tokens(), emb=x.act(x.dims.vocab_size, x.dims.dim), gamma=x.gamma(x.dims.dim))},
+         partials={2: lambda **_: 1})
 def embedding_rmsnorm_partial(tokens: Tensor, emb: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(E) x = emb[tokens]; h = x*gamma; partial row sums of x^2."""
     x = emb[tokens.reshape(-1)]
@@ -43,17 +64,43 @@ def embedding_rmsnorm_partial(tokens: Tensor, emb: Tensor, gamma: Tensor) -> tup
     return x, (xf * _f(gamma)).to(x.dtype), (xf * xf).sum(-1, keepdim=True)
 
 
+@declare(fake=lambda sumsq_partials, dim, eps: _new(sumsq_partials, sumsq_partials.shape[0], stat=True),
+         examples=lambda x: {"": dict(sumsq_partials=x.positive(x.dims.rows, 3, scale=x.dims.dim), dim=x.dims.dim, eps=1e-5)})
 def rstd_from_partials(sumsq_partials: Tensor, dim: int, eps: float) -> Tensor:
-    """(F4) r = 1/sqrt(mean(x^2) + eps) from per-tile partial sums of x^2."""
+    """(F4) r = 1/sqrt(mean(x^2) + eps) from per-tile partial sums of x^2, fp32 (M,)."""
     return torch.rsqrt(_f(sumsq_partials).sum(-1) / dim + eps)
 
 
-def gemm_rowscale_rope(h: Tensor, r: Tensor, w: Tensor, cos: Tensor, sin: Tensor, n_rope_cols: int) -> Tensor:
-    """(F1) qkv = RoPE(r * (h @ w^T)) on the first n_rope_cols columns (q and k)."""
+@declare(fake=lambda h, r, w, rope, n_rope_cols: _new(h, h.shape[0], w.shape[0]),
+         examples=lambda x: {"": dict(h=x.act(x.dims.rows, x.dims.dim), r=x.rowscale(), w=x.weight(x.dims.qkv_dim, x.dims.dim),
+                                      rope=x.rope(), n_rope_cols=x.dims.n_rope_cols)},
+         gemm=lambda h, w, **_: _gemm_shape(h, w))
+def gemm_rowscale_rope(h: Tensor, r: Tensor, w: Tensor, rope: Tensor, n_rope_cols: int) -> Tensor:
+    """(F1) qkv = RoPE(r * (h @ w^T)) on the first n_rope_cols columns (q and k), a multiple of
+    head_dim = rope.shape[1]."""
     y = _f(h @ w.t()) * r[:, None]
-    return _rotate_pairs(y, _f(cos), _f(sin), n_rope_cols, inverse=False).to(h.dtype)
+    return _rotate_pairs(y, _f(rope), n_rope_cols, inverse=False).to(h.dtype)
 
 
+def _residual_examples(x: Example) -> dict:
+    """The o-projection (F3), the down projection (F6), and where the model dim fits one stat
+    tile, a GEMM over several tiles (vocab-wide), so the partial-sum split is exercised."""
+    d = x.dims
+    cases = {"": dict(a=x.act(d.rows, d.n_heads * d.head_dim), w=x.weight(d.dim, d.n_heads * d.head_dim),
+                      residual=x.act(d.rows, d.dim), gamma=x.gamma(d.dim)),
+             "down": dict(a=x.act(d.rows, d.ffn_dim), w=x.weight(d.dim, d.ffn_dim), residual=x.act(d.rows, d.dim),
+                          gamma=x.gamma(d.dim))}
+    if d.dim <= STAT_TILE_N:
+        cases["wide"] = dict(a=x.act(d.rows, d.ffn_dim), w=x.weight(d.vocab_size, d.ffn_dim),
+                             residual=x.act(d.rows, d.vocab_size), gamma=x.gamma(d.vocab_size))
+    return cases
+
+
+@declare(fake=lambda a, w, residual, gamma: (_new(a, a.shape[0], w.shape[0]), _new(a, a.shape[0], w.shape[0]),
+                                             _new(a, a.shape[0], n_stat_cols(w.shape[0]), stat=True)),
+         examples=_residual_examples,
+         partials={2: lambda w, **_: n_stat_cols(w.shape[0])},
+         gemm=lambda a, w, **_: _gemm_shape(a, w))
 def gemm_residual_rmsnorm_partial(a: Tensor, w: Tensor, residual: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(F3, F6) x = residual + a @ w^T; h = x*gamma; partial row sums of x^2.
     h and the sums use x as stored, so they are the same function of x that backward sees."""
@@ -62,6 +109,10 @@ def gemm_residual_rmsnorm_partial(a: Tensor, w: Tensor, residual: Tensor, gamma:
     return x, (xf * _f(gamma)).to(a.dtype), (xf * xf).sum(-1, keepdim=True)
 
 
+@declare(fake=lambda h, r, w_gate_up: (_new(h, h.shape[0], w_gate_up.shape[0]), _new(h, h.shape[0], w_gate_up.shape[0] // 2)),
+         examples=lambda x: {"": dict(h=x.act(x.dims.rows, x.dims.dim), r=x.rowscale(),
+                                      w_gate_up=x.weight(2 * x.dims.ffn_dim, x.dims.dim))},
+         gemm=lambda h, w_gate_up, **_: _gemm_shape(h, w_gate_up))
 def gemm_rowscale_swiglu(h: Tensor, r: Tensor, w_gate_up: Tensor) -> tuple[Tensor, Tensor]:
     """(F5) gu = r * (h @ w_gate_up^T) with columns [gate | up]; a = silu(gate) * up."""
     gu = (_f(h @ w_gate_up.t()) * r[:, None]).to(h.dtype)
@@ -69,12 +120,40 @@ def gemm_rowscale_swiglu(h: Tensor, r: Tensor, w_gate_up: Tensor) -> tuple[Tenso
     return gu, (F.silu(g) * u).to(h.dtype)
 
 
+def _lm_head_examples(x: Example) -> dict:
+    """Logits of std ~4 (w_lm scaled up), so the softmax is peaked as in a trained model."""
+    d = x.dims
+    return {"": dict(h=x.act(d.rows, d.dim), r=x.rowscale(), w_lm=x.weight(d.vocab_size, d.dim, scale=4.0),
+                     targets=x.tokens())}
+
+
+@declare(fake=lambda h, r, w_lm, targets: (_new(h, h.shape[0], stat=True), _new(h, h.shape[0], stat=True)),
+         examples=_lm_head_examples,
+         gemm=lambda h, w_lm, **_: _gemm_shape(h, w_lm))
 def gemm_rowscale_cross_entropy(h: Tensor, r: Tensor, w_lm: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-    """(H) logits = r * (h @ w_lm^T) never leave the epilogue: per row logsumexp and target logit."""
+    """(H) logits = r * (h @ w_lm^T) never leave the epilogue: per row logsumexp and target logit, fp32 (M,)."""
     logits = _f(h @ w_lm.t()) * r[:, None]
     return torch.logsumexp(logits, dim=-1), logits.gather(1, targets.reshape(-1, 1)).squeeze(1)
 
 
+@declare(fake=lambda h, r, w: _new(h, h.shape[0], w.shape[0]),
+         examples=lambda x: {"": dict(h=x.act(x.dims.rows, x.dims.dim), r=x.rowscale(),
+                                      w=x.weight(x.dims.vocab_size, x.dims.dim, scale=4.0))},
+         gemm=lambda h, w, **_: _gemm_shape(h, w))
+def gemm_rowscale(h: Tensor, r: Tensor, w: Tensor) -> Tensor:
+    """(L) y = r * (h @ w^T): the projection of an RMSNorm's output with no other epilogue, e.g. the
+    LM-head logits r_f * (h_f W_lm^T) of the final norm, for inference."""
+    return (_f(h @ w.t()) * r[:, None]).to(h.dtype)
+
+
+def _attention_fake(qkv, n_heads, n_kv_heads, seq_len):
+    M, hd = qkv.shape[0], qkv.shape[1] // (n_heads + 2 * n_kv_heads)
+    return _new(qkv, M, n_heads * hd), _new(qkv, M // seq_len, n_heads, seq_len, stat=True)
+
+
+@declare(fake=_attention_fake,
+         examples=lambda x: {"": dict(qkv=x.act(x.dims.rows, x.dims.qkv_dim), n_heads=x.dims.n_heads,
+                                      n_kv_heads=x.dims.n_kv_heads, seq_len=x.dims.seq_len)})
 def attention(qkv: Tensor, n_heads: int, n_kv_heads: int, seq_len: int) -> tuple[Tensor, Tensor]:
     """(F2) causal GQA attention on the fused qkv rows. Returns o (M, n_heads*hd) and the
     per-row logsumexp of the scores, lse (B, n_heads, T), fp32."""
@@ -86,9 +165,21 @@ def attention(qkv: Tensor, n_heads: int, n_kv_heads: int, seq_len: int) -> tuple
 
 # ---- backward -----------------------------------------------------------------------------
 
+def _attention_backward_examples(x: Example) -> dict:
+    """o and lse are the float64 attention of qkv, as the forward would have saved them."""
+    d = x.dims
+    H, G, T, M = d.n_heads, d.n_kv_heads, d.seq_len, d.rows
+    qkv = x.act(M, d.qkv_dim)
+    o, lse = x.computed(lambda: attention(qkv.double(), H, G, T), ((M, H * d.head_dim), x.dtype),
+                        ((M // T, H, T), x.stat_dtype))
+    return {"": dict(g_o=x.act(M, H * d.head_dim), qkv=qkv, o=o, lse=lse, n_heads=H, n_kv_heads=G, seq_len=T)}
+
+
+@declare(fake=lambda g_o, qkv, o, lse, n_heads, n_kv_heads, seq_len: _new(qkv, *qkv.shape),
+         examples=_attention_backward_examples)
 def attention_backward(g_o: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, n_heads: int, n_kv_heads: int,
                        seq_len: int) -> Tensor:
-    """(B5) gradient of attention with respect to the fused qkv rows."""
+    """(B5) gradient of attention with respect to the fused qkv rows (M, qkv_dim)."""
     q, k, v = _split_heads(qkv, n_heads, n_kv_heads, seq_len)
     B, H, T, hd = q.shape
     scale = hd ** -0.5
@@ -105,16 +196,27 @@ def attention_backward(g_o: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, n_heads
     return torch.cat([t.transpose(1, 2).reshape(B * T, -1) for t in (g_q, g_k, g_v)], dim=1).to(qkv.dtype)
 
 
-def rope_backward_rowscale_stat(g_qkv: Tensor, qkv: Tensor, r: Tensor, cos: Tensor, sin: Tensor,
+@declare(fake=lambda g_qkv, qkv, r, rope, n_rope_cols: (_new(g_qkv, *g_qkv.shape), _new(g_qkv, g_qkv.shape[0], 1, stat=True)),
+         examples=lambda x: {"": dict(g_qkv=x.act(x.dims.rows, x.dims.qkv_dim), qkv=x.act(x.dims.rows, x.dims.qkv_dim),
+                                      r=x.rowscale(), rope=x.rope(), n_rope_cols=x.dims.n_rope_cols)},
+         partials={1: lambda **_: 1})
+def rope_backward_rowscale_stat(g_qkv: Tensor, qkv: Tensor, r: Tensor, rope: Tensor,
                                 n_rope_cols: int) -> tuple[Tensor, Tensor]:
     """(B6a) g_y = RoPE^-1(g_qkv), scaled by r for the dgrad/wgrad GEMMs, and the reverse-fusion
     statistic S = sum_k g_y*y = sum_k g_qkv*qkv (rotation preserves the dot product)."""
     g = _f(g_qkv)
     stat = (g * _f(qkv)).sum(-1, keepdim=True)
-    g_y = _rotate_pairs(g, _f(cos), _f(sin), n_rope_cols, inverse=True)
+    g_y = _rotate_pairs(g, _f(rope), n_rope_cols, inverse=True)
     return (g_y * r[:, None]).to(g_qkv.dtype), stat
 
 
+@declare(fake=lambda g_out, w_down, gu, r: (_new(g_out, g_out.shape[0], 2 * w_down.shape[1]),
+                                            _new(g_out, g_out.shape[0], w_down.shape[1]),
+                                            _new(g_out, g_out.shape[0], n_stat_cols(w_down.shape[1]), stat=True)),
+         examples=lambda x: {"": dict(g_out=x.act(x.dims.rows, x.dims.dim), w_down=x.weight(x.dims.dim, x.dims.ffn_dim),
+                                      gu=x.act(x.dims.rows, 2 * x.dims.ffn_dim), r=x.rowscale())},
+         partials={2: lambda w_down, **_: n_stat_cols(w_down.shape[1])},
+         gemm=lambda g_out, w_down, **_: (g_out.shape[0], w_down.shape[1], g_out.shape[1]))
 def gemm_dswiglu_rowscale_stat(g_out: Tensor, w_down: Tensor, gu: Tensor, r: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(B1) g_a = g_out @ w_down; epilogue: dSwiGLU with the saved gu gives g_gu; writes r*g_gu,
     recomputes a = silu(gate)*up for the w_down weight gradient, and the reverse-fusion statistic
@@ -128,10 +230,23 @@ def gemm_dswiglu_rowscale_stat(g_out: Tensor, w_down: Tensor, gu: Tensor, r: Ten
     return (g_gu * r[:, None]).to(g_out.dtype), (silu * u).to(g_out.dtype), stat
 
 
+def _ce_backward_examples(x: Example) -> dict:
+    """lse is the float64 logsumexp of the logits, as the forward would have saved it."""
+    kw = _lm_head_examples(x)[""]
+    (lse,) = x.computed(lambda: gemm_rowscale_cross_entropy(*(t.double() for t in (kw["h"], kw["r"], kw["w_lm"])),
+                                                            kw["targets"])[:1], ((x.dims.rows,), x.stat_dtype))
+    return {"": dict(kw, lse=lse, grad_scale=torch.tensor(1.0 / x.dims.rows, dtype=x.stat_dtype, device=x.device))}
+
+
+@declare(fake=lambda h, r, w_lm, targets, lse, grad_scale: (_new(h, h.shape[0], w_lm.shape[0]),
+                                                            _new(h, h.shape[0], n_stat_cols(w_lm.shape[0]) + 1, stat=True)),
+         examples=_ce_backward_examples,
+         partials={1: lambda w_lm, **_: n_stat_cols(w_lm.shape[0]) + 1},  # + the one-hot column of cute
+         gemm=lambda h, w_lm, **_: _gemm_shape(h, w_lm))
 def gemm_cross_entropy_backward(h: Tensor, r: Tensor, w_lm: Tensor, targets: Tensor, lse: Tensor,
-                                grad_scale: float | Tensor) -> tuple[Tensor, Tensor]:
-    """(H') recompute logits y = r*(h @ w_lm^T); g_y = (softmax(y) - onehot) * grad_scale; writes
-    r*g_y and the reverse-fusion statistic S = sum_k g_y*y of the final norm."""
+                                grad_scale: Tensor) -> tuple[Tensor, Tensor]:
+    """(H') recompute logits y = r*(h @ w_lm^T); g_y = (softmax(y) - onehot) * grad_scale (a 0-dim
+    tensor); writes r*g_y and the reverse-fusion statistic S = sum_k g_y*y of the final norm."""
     y = _f(h @ w_lm.t()) * r[:, None]
     g_y = torch.exp(y - lse[:, None])
     g_y[torch.arange(y.shape[0], device=y.device), targets.reshape(-1)] -= 1.0
@@ -139,15 +254,32 @@ def gemm_cross_entropy_backward(h: Tensor, r: Tensor, w_lm: Tensor, targets: Ten
     return (g_y * r[:, None]).to(h.dtype), (g_y * y).sum(-1, keepdim=True)
 
 
+@declare(fake=lambda stat_partials, r, dim: r.new_empty(r.shape[0], dtype=torch.promote_types(r.dtype, stat_dtype(stat_partials.dtype))),
+         examples=lambda x: {"": dict(stat_partials=x.stat(x.dims.rows, 3), r=x.rowscale(), dim=x.dims.dim)})
 def rmsnorm_backward_coeff(stat_partials: Tensor, r: Tensor, dim: int) -> Tensor:
-    """(B2) c = -(r^2/d) * S: the coefficient of x in the RMSNorm input gradient."""
+    """(B2) c = -(r^2/d) * S: the coefficient of x in the RMSNorm input gradient, fp32 (M,)."""
     return -(r * r / dim) * _f(stat_partials).sum(-1)
 
 
+def _rmsnorm_backward_examples(x: Example) -> dict:
+    """The gate/up dgrad with the residual gradient (B3), and the LM-head dgrad without (H'')."""
+    d = x.dims
+
+    def case(n: int, residual: bool) -> dict:
+        return dict(g_y_scaled=x.act(d.rows, n), w=x.weight(n, d.dim), residual_grad=x.act(d.rows, d.dim) if residual else None,
+                    x=x.act(d.rows, d.dim), gamma=x.gamma(d.dim), c=x.stat(d.rows, scale=0.01))
+
+    return {"": case(2 * d.ffn_dim, True), "no residual": case(d.vocab_size, False)}
+
+
+@declare(fake=lambda g_y_scaled, w, residual_grad, x, gamma, c: (_new(x, g_y_scaled.shape[0], w.shape[1]),
+                                                                 _new(x, w.shape[1], stat=True)),
+         examples=_rmsnorm_backward_examples,
+         gemm=lambda g_y_scaled, w, **_: (g_y_scaled.shape[0], w.shape[1], g_y_scaled.shape[1]))
 def gemm_rmsnorm_backward(g_y_scaled: Tensor, w: Tensor, residual_grad: Optional[Tensor], x: Tensor,
                           gamma: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
     """(B3, B6b, H'') acc = (r*g_y) @ w is the gradient of h = x*gamma; epilogue finishes the RMSNorm
-    backward: g_x = residual_grad + gamma*acc + c*x, and g_gamma = sum_rows acc*x."""
+    backward: g_x = residual_grad + gamma*acc + c*x, and g_gamma = sum_rows acc*x, fp32 (d,)."""
     acc = _f(g_y_scaled @ w)
     xf = _f(x)
     g_x = acc * _f(gamma) + c[:, None] * xf
@@ -156,18 +288,27 @@ def gemm_rmsnorm_backward(g_y_scaled: Tensor, w: Tensor, residual_grad: Optional
     return g_x.to(x.dtype), (acc * xf).sum(0)
 
 
+@declare(fake=lambda a, b: _new(a, a.shape[0], b.shape[1]),
+         examples=lambda x: {"": dict(a=x.act(x.dims.rows, x.dims.dim),
+                                      b=x.weight(x.dims.dim, x.dims.n_heads * x.dims.head_dim))},
+         gemm=lambda a, b: (a.shape[0], b.shape[1], a.shape[1]))
 def matmul(a: Tensor, b: Tensor) -> Tensor:
-    """Plain GEMM a @ b (the o-projection dgrad)."""
+    """(B4) plain GEMM a @ b (the o-projection dgrad g_x1 @ W_o)."""
     return a @ b
 
 
+@declare(fake=lambda a, b: _new(a, a.shape[1], b.shape[1]),
+         examples=lambda x: {"": dict(a=x.act(x.dims.rows, x.dims.dim), b=x.act(x.dims.rows, 2 * x.dims.ffn_dim))},
+         gemm=lambda a, b: (a.shape[1], b.shape[1], a.shape[0]))
 def matmul_tn(a: Tensor, b: Tensor) -> Tensor:
-    """Weight gradient a^T @ b (K rows are tokens)."""
+    """Weight gradient a^T @ b (the contraction runs over tokens)."""
     return a.t() @ b
 
 
+@declare(fake=lambda tokens, g_x, vocab_size: _new(g_x, vocab_size, g_x.shape[1]),
+         examples=lambda x: {"": dict(tokens=x.tokens(), g_x=x.act(x.dims.rows, x.dims.dim), vocab_size=x.dims.vocab_size)})
 def embedding_backward(tokens: Tensor, g_x: Tensor, vocab_size: int) -> Tensor:
-    """Scatter-add of the row gradients into the embedding table."""
+    """(E') scatter-add of the row gradients into a (vocab_size, d) table (fp32 accumulation)."""
     g = torch.zeros(vocab_size, g_x.shape[1], dtype=_f(g_x).dtype, device=g_x.device)
     return g.index_add_(0, tokens.reshape(-1), _f(g_x)).to(g_x.dtype)
 

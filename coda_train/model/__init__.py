@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import BACKENDS, BackendError
 from .coda import CodaLlama
 from .config import PRESETS, ConfigError, LlamaConfig, kernel_shape_errors, preset
 from .eager import EagerLlama
@@ -21,12 +22,11 @@ def build_model(cfg: LlamaConfig, impl: str, *, backend: str = "reference",
     ('auto', 'reference' or 'cute'; only the coda model calls CODA ops)."""
     if impl not in IMPLS:
         raise ConfigError(f"unknown model.impl={impl!r}; choose one of {sorted(IMPLS)}")
-    from .. import kernels
-
-    kernels.set_backend(backend)  # interface skeleton: the per-model op set replaces this global
-    model = IMPLS[impl](cfg)
-    model.compute_dtype = compute_dtype
-    return model
+    if backend not in BACKENDS:
+        raise BackendError(f"unknown kernels.backend={backend!r}; choose one of {list(BACKENDS)}")
+    if impl == "coda":
+        return CodaLlama(cfg, compute_dtype=compute_dtype, backend=backend)
+    return IMPLS[impl](cfg, compute_dtype=compute_dtype)
 
 
 __all__ = ["LlamaConfig", "PRESETS", "ConfigError", "kernel_shape_errors", "preset", "build_model", "CodaLlama", "EagerLlama", "LigerLlama", "LlamaWeights"]

@@ -8,16 +8,21 @@ scale r = rstd(x). h and r are caches of functions of x, written by the producin
 epilogue; the block that consumes them owns that RMSNorm, including its backward (the reverse-
 fusion statistic comes out of the consumer's own backward epilogues and is applied in its dgrad
 epilogue), so each Function returns the total gradient of x and marks h, r non-differentiable.
+
+The model holds the op set of its kernel backend (`self.ops`) and hands it to the Functions, so
+models on different backends coexist in one process.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch
 from torch import Tensor
 from torch.autograd import Function
 
-from .. import kernels as K
+from ..kernels import OpSet, op_set
+from .config import LlamaConfig
 from .weights import LlamaWeights
 
 
@@ -32,11 +37,11 @@ class EmbeddingEntry(Function):
     """(E) x = emb[tokens], h = x*gamma, r = rstd(x): the first block's input triple."""
 
     @staticmethod
-    def forward(ctx, tokens: Tensor, emb: Tensor, gamma: Tensor, eps: float):
-        x, h, sumsq = K.embedding_rmsnorm_partial(tokens, emb, gamma)
-        r = K.rstd_from_partials(sumsq, emb.shape[1], eps)
+    def forward(ctx, tokens: Tensor, emb: Tensor, gamma: Tensor, eps: float, ops: OpSet):
+        x, h, sumsq = ops.embedding_rmsnorm_partial(tokens, emb, gamma)
+        r = ops.rstd_from_partials(sumsq, emb.shape[1], eps)
         ctx.save_for_backward(tokens)
-        ctx.vocab_size = emb.shape[0]
+        ctx.vocab_size, ctx.ops = emb.shape[0], ops
         ctx.mark_non_differentiable(h, r)
         ctx.set_materialize_grads(False)
         return x, h, r
@@ -44,10 +49,10 @@ class EmbeddingEntry(Function):
     @staticmethod
     def backward(ctx, g_x: Tensor, _g_h: None, _g_r: None):
         if g_x is None:
-            return None, None, None, None
+            return None, None, None, None, None
         (tokens,) = ctx.saved_tensors
         # gamma's gradient comes from block 0, which owns this RMSNorm.
-        return None, K.embedding_backward(tokens, g_x, ctx.vocab_size), None, None
+        return None, ctx.ops.embedding_backward(tokens, g_x, ctx.vocab_size), None, None, None
 
 
 class CodaBlock(Function):
@@ -58,22 +63,22 @@ class CodaBlock(Function):
     @staticmethod
     def forward(ctx, x: Tensor, h: Tensor, r: Tensor, attn_norm: Tensor, w_qkv: Tensor, w_o: Tensor,
                 mlp_norm: Tensor, w_gate_up: Tensor, w_down: Tensor, next_norm: Tensor,
-                cos: Tensor, sin: Tensor, shape: BlockShape):
+                rope: Tensor, shape: BlockShape, ops: OpSet):
         H, Hkv, T, eps = shape
         d, n_rope_cols = x.shape[1], (H + Hkv) * (w_o.shape[1] // H)
-        qkv = K.gemm_rowscale_rope(h, r, w_qkv, cos, sin, n_rope_cols)           # F1
-        o, lse = K.attention(qkv, H, Hkv, T)                                       # F2
-        x1, h_m, sumsq_m = K.gemm_residual_rmsnorm_partial(o, w_o, x, mlp_norm)    # F3
-        r_m = K.rstd_from_partials(sumsq_m, d, eps)                                # F4
-        gu, a = K.gemm_rowscale_swiglu(h_m, r_m, w_gate_up)                        # F5
-        x2, h2, sumsq2 = K.gemm_residual_rmsnorm_partial(a, w_down, x1, next_norm) # F6
-        r2 = K.rstd_from_partials(sumsq2, d, eps)
+        qkv = ops.gemm_rowscale_rope(h, r, w_qkv, rope, n_rope_cols)                 # F1
+        o, lse = ops.attention(qkv, H, Hkv, T)                                       # F2
+        x1, h_m, sumsq_m = ops.gemm_residual_rmsnorm_partial(o, w_o, x, mlp_norm)    # F3
+        r_m = ops.rstd_from_partials(sumsq_m, d, eps)                                # F4
+        gu, a = ops.gemm_rowscale_swiglu(h_m, r_m, w_gate_up)                        # F5
+        x2, h2, sumsq2 = ops.gemm_residual_rmsnorm_partial(a, w_down, x1, next_norm) # F6
+        r2 = ops.rstd_from_partials(sumsq2, d, eps)
 
         # Saved: block inputs, qkv/o/lse for attention, x1/h_m/r_m/gu for the MLP. No normalized
         # activation, and not a: the dSwiGLU epilogue recomputes it (B1).
         ctx.save_for_backward(x, h, r, qkv, o, lse, x1, h_m, r_m, gu,
-                              attn_norm, w_qkv, w_o, mlp_norm, w_gate_up, w_down, cos, sin)
-        ctx.shape = shape
+                              attn_norm, w_qkv, w_o, mlp_norm, w_gate_up, w_down, rope)
+        ctx.shape, ctx.ops = shape, ops
         ctx.mark_non_differentiable(h2, r2)
         ctx.set_materialize_grads(False)
         return x2, h2, r2
@@ -83,23 +88,23 @@ class CodaBlock(Function):
         if g_x2 is None:  # x2 unused downstream: nothing flows back
             return (None,) * 13
         (x, h, r, qkv, o, lse, x1, h_m, r_m, gu,
-         attn_norm, w_qkv, w_o, mlp_norm, w_gate_up, w_down, cos, sin) = ctx.saved_tensors
+         attn_norm, w_qkv, w_o, mlp_norm, w_gate_up, w_down, rope) = ctx.saved_tensors
         H, Hkv, T, _ = ctx.shape
-        d, n_rope_cols = x.shape[1], (H + Hkv) * (w_o.shape[1] // H)
+        d, n_rope_cols, ops = x.shape[1], (H + Hkv) * (w_o.shape[1] // H), ctx.ops
 
-        g_gu, a, stat_m = K.gemm_dswiglu_rowscale_stat(g_x2, w_down, gu, r_m)                 # B1
-        g_w_down = K.matmul_tn(g_x2, a)
-        c_m = K.rmsnorm_backward_coeff(stat_m, r_m, d)                                         # B2
-        g_x1, g_mlp_norm = K.gemm_rmsnorm_backward(g_gu, w_gate_up, g_x2, x1, mlp_norm, c_m)   # B3
-        g_w_gate_up = K.matmul_tn(g_gu, h_m)
+        g_gu, a, stat_m = ops.gemm_dswiglu_rowscale_stat(g_x2, w_down, gu, r_m)                 # B1
+        g_w_down = ops.matmul_tn(g_x2, a)
+        c_m = ops.rmsnorm_backward_coeff(stat_m, r_m, d)                                         # B2
+        g_x1, g_mlp_norm = ops.gemm_rmsnorm_backward(g_gu, w_gate_up, g_x2, x1, mlp_norm, c_m)   # B3
+        g_w_gate_up = ops.matmul_tn(g_gu, h_m)
 
-        g_o = K.matmul(g_x1, w_o)                                                              # B4
-        g_w_o = K.matmul_tn(g_x1, o)
-        g_qkv = K.attention_backward(g_o, qkv, o, lse, H, Hkv, T)                              # B5
-        g_y, stat_a = K.rope_backward_rowscale_stat(g_qkv, qkv, r, cos, sin, n_rope_cols)      # B6a
-        c_a = K.rmsnorm_backward_coeff(stat_a, r, d)
-        g_x, g_attn_norm = K.gemm_rmsnorm_backward(g_y, w_qkv, g_x1, x, attn_norm, c_a)        # B6b
-        g_w_qkv = K.matmul_tn(g_y, h)
+        g_o = ops.matmul(g_x1, w_o)                                                              # B4
+        g_w_o = ops.matmul_tn(g_x1, o)
+        g_qkv = ops.attention_backward(g_o, qkv, o, lse, H, Hkv, T)                              # B5
+        g_y, stat_a = ops.rope_backward_rowscale_stat(g_qkv, qkv, r, rope, n_rope_cols)          # B6a
+        c_a = ops.rmsnorm_backward_coeff(stat_a, r, d)
+        g_x, g_attn_norm = ops.gemm_rmsnorm_backward(g_y, w_qkv, g_x1, x, attn_norm, c_a)        # B6b
+        g_w_qkv = ops.matmul_tn(g_y, h)
         return (g_x, None, None, g_attn_norm, g_w_qkv, g_w_o, g_mlp_norm, g_w_gate_up, g_w_down,
                 None, None, None, None)
 
@@ -108,36 +113,54 @@ class LMHeadLoss(Function):
     """(H) mean cross-entropy of logits = r * (h @ w_lm^T); owns the final RMSNorm."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, h: Tensor, r: Tensor, norm: Tensor, w_lm: Tensor, targets: Tensor):
-        lse, target_logit = K.gemm_rowscale_cross_entropy(h, r, w_lm, targets)
+    def forward(ctx, x: Tensor, h: Tensor, r: Tensor, norm: Tensor, w_lm: Tensor, targets: Tensor, ops: OpSet):
+        lse, target_logit = ops.gemm_rowscale_cross_entropy(h, r, w_lm, targets)
         ctx.save_for_backward(x, h, r, norm, w_lm, targets, lse)
+        ctx.ops = ops
         return (lse - target_logit).mean()
 
     @staticmethod
     def backward(ctx, g_loss: Tensor):
         x, h, r, norm, w_lm, targets, lse = ctx.saved_tensors
-        g_logits, stat = K.gemm_cross_entropy_backward(h, r, w_lm, targets, lse, g_loss / x.shape[0])  # H'
-        c = K.rmsnorm_backward_coeff(stat, r, x.shape[1])
-        g_x, g_norm = K.gemm_rmsnorm_backward(g_logits, w_lm, None, x, norm, c)                        # H''
-        return g_x, None, None, g_norm, K.matmul_tn(g_logits, h), None
+        ops = ctx.ops
+        g_logits, stat = ops.gemm_cross_entropy_backward(h, r, w_lm, targets, lse, g_loss / x.shape[0])  # H'
+        c = ops.rmsnorm_backward_coeff(stat, r, x.shape[1])
+        g_x, g_norm = ops.gemm_rmsnorm_backward(g_logits, w_lm, None, x, norm, c)                        # H''
+        return g_x, None, None, g_norm, ops.matmul_tn(g_logits, h), None, None
 
 
 class CodaLlama(LlamaWeights):
+    def __init__(self, cfg: LlamaConfig, compute_dtype: torch.dtype = torch.float32, backend: str = "reference"):
+        super().__init__(cfg, compute_dtype)
+        self.ops = op_set(backend)  # this model's CODA ops ('auto' resolved here)
+
     def forward(self, tokens: Tensor, targets: Tensor) -> Tensor:
         """Mean next-token cross-entropy of targets given tokens, both (B, T)."""
         self._check_batch(tokens, targets)
+        x, h, r, norm, w_lm = self._blocks(tokens)
+        return LMHeadLoss.apply(x, h, r, norm, w_lm, targets.reshape(-1), self.ops)
+
+    @torch.no_grad()
+    def logits(self, tokens: Tensor) -> Tensor:
+        """Next-token logits (B, T, vocab_size) in the compute dtype: r_f * (h_f W_lm^T) (L)."""
+        x, h, r, norm, w_lm = self._blocks(tokens)
+        return self.ops.gemm_rowscale(h, r, w_lm).view(*tokens.shape, -1)
+
+    def _blocks(self, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """The entry and every block: the last triple (x, h, r), the final norm's weight and the
+        LM-head weight, as compute copies."""
         cfg, dt = self.cfg, self.compute_dtype
         T = tokens.shape[1]
-        cos, sin = self.rope_tables(T, tokens.device)
+        rope = self.rope_rows(tokens.numel(), T, tokens.device)
         shape = BlockShape(cfg.n_heads, cfg.n_kv_heads, T, cfg.norm_eps)
         # Norm weights in order: block l's attention norm is produced by block l-1 (or the entry).
         gammas = [layer.attn_norm.to(dt) for layer in self.layers] + [self.norm.to(dt)]
         emb = self.tok_emb.to(dt)
         w_lm = emb if self.lm_head is None else self.lm_head.to(dt)
 
-        x, h, r = EmbeddingEntry.apply(tokens, emb, gammas[0], cfg.norm_eps)
+        x, h, r = EmbeddingEntry.apply(tokens, emb, gammas[0], cfg.norm_eps, self.ops)
         for layer, attn_norm, next_norm in zip(self.layers, gammas, gammas[1:]):
             x, h, r = CodaBlock.apply(x, h, r, attn_norm, layer.w_qkv.to(dt), layer.w_o.to(dt),
                                       layer.mlp_norm.to(dt), layer.w_gate_up.to(dt), layer.w_down.to(dt),
-                                      next_norm, cos, sin, shape)
-        return LMHeadLoss.apply(x, h, r, gammas[-1], w_lm, targets.reshape(-1))
+                                      next_norm, rope, shape, self.ops)
+        return x, h, r, gammas[-1], w_lm

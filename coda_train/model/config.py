@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..kernels import Dims
 
 
 @dataclass
@@ -30,6 +31,11 @@ class LlamaConfig:
     def qkv_dim(self) -> int:
         """Output width of the fused QKV projection: q heads, then k heads, then v heads."""
         return (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+
+    def kernel_dims(self, rows: int, seq_len: int) -> Dims:
+        """The sizes the CODA ops see for `rows` tokens of sequences of seq_len."""
+        return Dims(rows=rows, seq_len=seq_len, dim=self.dim, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
+                    ffn_dim=self.ffn_dim, vocab_size=self.vocab_size)
 
     def validate(self) -> "LlamaConfig":
         def need(ok: bool, msg: str) -> None:
@@ -90,9 +96,47 @@ def preset(name: str, **overrides) -> LlamaConfig:
 
 def kernel_shape_errors(cfg: LlamaConfig, backend: str) -> list[str]:
     """What the resolved kernel `backend` ('reference' or 'cute') cannot run of model `cfg`: one
-    message per model.* key to change, naming a value that works; [] = it runs."""
+    message per model.* key to change, naming a value that works; [] = it runs. Needs no GPU."""
     if backend != "cute":
         return []
-    from ..kernels.cute import model_shape_errors  # interface skeleton: kernels will state limits in kernel terms
+    from ..kernels.cute_limits import shape_errors
 
-    return model_shape_errors(cfg)
+    fields = ("dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+    bad = [f for f in fields if not (isinstance(getattr(cfg, f), int) and getattr(cfg, f) > 0)]
+    if bad:
+        return [f"model.{f}={getattr(cfg, f)!r} must be a positive integer" for f in bad]
+    d, H, G, F, V = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.vocab_size
+    hd = d // H
+
+    def violated(key: str, **change) -> list[str]:
+        dims = dict(dim=d, head_dim=hd, n_heads=H, n_kv_heads=G, ffn_dim=F, vocab_size=V) | change
+        return shape_errors(**dims).get(key, [])
+
+    def next_ok(key: str, n: int) -> int:
+        while violated(key, **{key: n}):
+            n += 1
+        return n
+
+    errors = []
+
+    def report(what: str, msgs: list[str], fix: str) -> None:
+        if msgs:
+            errors.append(f"{what}: {fix} (cute kernel checks: {'; '.join(msgs)})")
+
+    report(f"model.dim={d}", violated("dim"), "every inner dim of the cute GEMMs must be a multiple of 8; "
+           f"choose model.dim={next_ok('dim', d)} or another multiple of 8")
+    if msgs := violated("head_dim"):
+        ok = [h for h in range(2, 1025, 2) if not violated("head_dim", head_dim=h)]
+        heads = [n for n in range(1, d + 1) if d % n == 0 and d // n in ok]
+        fix = (f"model.n_heads in {heads}, with model.n_kv_heads a divisor of it" if heads else
+               f"none divides dim={d} so; change model.dim too (e.g. to a multiple of 128)")
+        report(f"model.dim={d} with model.n_heads={H} gives head_dim={hd}", msgs,
+               f"the cute attention/RoPE kernels need head_dim in {ok} (a multiple of 8 that divides 128 or is "
+               f"a multiple of 128, and <= 256 for FlashAttention 4 on sm90); choose model.n_heads so that "
+               f"dim/n_heads is one of those: {fix}")
+    report(f"model.n_kv_heads={G}", violated("n_kv_heads"), f"choose model.n_kv_heads a divisor of n_heads={H}")
+    report(f"model.ffn_dim={F}", violated("ffn_dim"), f"choose model.ffn_dim={next_ok('ffn_dim', F)} or another multiple of 8")
+    report(f"model.vocab_size={V}", violated("vocab_size"),
+           f"pad the vocabulary: choose model.vocab_size={next_ok('vocab_size', V)} or another multiple of 8 "
+           "(the extra embedding rows are never token ids)")
+    return errors

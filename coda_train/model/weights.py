@@ -26,19 +26,24 @@ class LayerWeights(nn.Module):
 
 
 class LlamaWeights(nn.Module):
-    """Parameters of a Llama plus the RoPE tables; the two models subclass it and add forward()."""
+    """Parameters of a Llama plus the RoPE tables; the models subclass it and add forward().
+    Weights are fp32 masters; each forward computes with copies in `compute_dtype`."""
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, compute_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.cfg = cfg.validate()
         self.tok_emb = nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim))
         self.layers = nn.ModuleList(LayerWeights(cfg) for _ in range(cfg.n_layers))
         self.norm = nn.Parameter(torch.ones(cfg.dim))
         self.lm_head = None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim))
-        # Compute copies of the weights are made in this dtype at each use (fp32 master weights).
-        self.compute_dtype = torch.float32
-        self._rope_cache: dict[tuple, tuple[Tensor, Tensor]] = {}  # (seq_len, device, dtype) -> (cos, sin)
+        self._compute_dtype = compute_dtype
+        self._rope_cache: dict[tuple, Tensor] = {}  # (rows, seq_len, device, dtype) -> table
         self.reset_parameters()
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the weights' compute copies and the activations (fixed at construction)."""
+        return self._compute_dtype
 
     @property
     def lm_weight(self) -> Tensor:
@@ -64,16 +69,23 @@ class LlamaWeights(nn.Module):
     def rope_tables(self, seq_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
         """cos, sin of shape (seq_len, head_dim/2) in the epilogue precision (fp32; fp64 for fp64
         compute): pair i of a head at position t rotates by t * theta^(-2i/hd)."""
+        table = self.rope_rows(seq_len, seq_len, device)
+        return table[:, 0::2], table[:, 1::2]
+
+    def rope_rows(self, rows: int, seq_len: int, device: torch.device) -> Tensor:
+        """The RoPE table of the CODA ops for `rows` token rows of sequences of seq_len (row m at
+        position m % seq_len): (rows, head_dim) with (cos, sin) of pair i at columns (2i, 2i+1)."""
         if seq_len > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds model.max_seq_len={self.cfg.max_seq_len}; "
                              "raise model.max_seq_len or shorten the sequences")
         dtype = torch.float64 if self.compute_dtype == torch.float64 else torch.float32
-        key = (seq_len, torch.device(device), dtype)
+        key = (rows, seq_len, torch.device(device), dtype)
         if key not in self._rope_cache:  # the same few tables every step: build each once
             hd = self.cfg.head_dim
             inv_freq = self.cfg.rope_theta ** (-torch.arange(0, hd, 2, dtype=torch.float64, device=device) / hd)
             angles = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=device), inv_freq)
-            self._rope_cache[key] = (angles.cos().to(dtype), angles.sin().to(dtype))
+            table = torch.stack((angles.cos(), angles.sin()), dim=-1).reshape(seq_len, hd).to(dtype)
+            self._rope_cache[key] = table.repeat(rows // seq_len, 1)
         return self._rope_cache[key]
 
     def _check_batch(self, tokens: Tensor, targets: Tensor) -> None:

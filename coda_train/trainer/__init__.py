@@ -1,7 +1,7 @@
-"""The trainer: loop (setup, steps, stopping), optim (AdamW, schedules), checkpoint (atomic save,
-verified resume), metrics (metrics.jsonl, wandb)."""
+"""The trainer: loop (train(): set up, resume, steps, stop), build (the run's pieces from its config),
+state (TrainState: what a checkpoint holds), step (train_step, evaluate), optim (AdamW, schedules),
+checkpoint (atomic save, verified resume, resume rules), metrics (metrics line, metrics.jsonl, wandb),
+device and distributed (where each process computes, DDP).
 
-from .checkpoint import CheckpointError
-from .loop import EXIT_BAD_INPUT, EXIT_NON_FINITE, NonFiniteError, train
-
-__all__ = ["CheckpointError", "EXIT_BAD_INPUT", "EXIT_NON_FINITE", "NonFiniteError", "train"]
+Nothing is imported here: coda_train.config imports the choice lists of optim, metrics and device,
+and loop imports coda_train.config."""

@@ -1,4 +1,5 @@
-"""Atomic, verified checkpoints: <run_dir>/checkpoints/step_XXXXXXXX/{state.pt, meta.json}.
+"""Atomic, verified checkpoints: <run_dir>/checkpoints/step_XXXXXXXX/{state.pt, meta.json}, and the
+resume rules: which checkpoint a run continues and what of the model may differ from it.
 
 A checkpoint is written into a hidden temporary directory (state.pt, then meta.json holding its
 sha256), each file fsynced, then the directory is renamed to its final name and the parent fsynced.
@@ -7,30 +8,48 @@ So a directory named step_* is complete by construction, and its checksum catche
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
 import os
-import random
 import re
 import shutil
+import signal
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
-import numpy as np
 import torch
 
+from coda_train.model import LlamaConfig
+
 from ..durable import fsync_dir, sha256_file
+from .metrics import METRICS_FILE
+from .state import TrainState
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 STATE_FILE, META_FILE = "state.pt", "meta.json"
+CHECKPOINTS_DIR = "checkpoints"  # inside the run dir
 STEP_DIR = re.compile(r"^step_(\d{8})$")
+# model fields free to change on resume: init_std only matters at init, max_seq_len only bounds seq_len
+RESUME_MAY_CHANGE = {"init_std", "max_seq_len"}
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used for this run; the message says what to do."""
+
+
+class Checkpoint(NamedTuple):
+    """A verified checkpoint directory and its meta.json."""
+    path: Path
+    meta: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return self.meta["step"]
 
 
 class _HashingWriter:
@@ -117,33 +136,76 @@ def load_state(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path}: {STATE_FILE} cannot be read ({e})") from e
 
 
-def newest_good_checkpoint(root: Path) -> Optional[tuple[Path, dict[str, Any]]]:
-    """(path, meta) of the newest checkpoint that verifies; damaged ones are skipped with a warning."""
+def newest_good_checkpoint(root: Path) -> Optional[Checkpoint]:
+    """The newest checkpoint under root that verifies; damaged ones are skipped with a warning."""
     for path in list_checkpoints(root):
         try:
-            return path, verify_checkpoint(path)
+            return Checkpoint(path, verify_checkpoint(path))
         except CheckpointError as e:
             log.warning("skipping damaged checkpoint: %s", e)
     return None
 
 
-def rng_state() -> dict[str, Any]:
-    """Every RNG the run draws from, in types torch.load(weights_only=True) accepts."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-        "torch": torch.get_rng_state(),
-        # this process's GPU only: a resuming machine may have fewer GPUs than the saving one
-        "cuda": [torch.cuda.get_rng_state()] if torch.cuda.is_available() else [],
-    }
+def find_resume_checkpoint(resume: str, run_dir: Path) -> Optional[Checkpoint]:
+    """The checkpoint this run continues, per trainer.resume: auto (the newest good one of run_dir,
+    None in a new run), never (None; run_dir must hold no run), or a path (a checkpoint, a
+    checkpoints dir or a run dir)."""
+    root = run_dir / CHECKPOINTS_DIR
+    if resume == "never":
+        if list_checkpoints(root) or (run_dir / METRICS_FILE).exists():
+            raise CheckpointError(f"trainer.run_dir={run_dir} already holds a run and trainer.resume=never would mix "
+                                  "a new one into it; choose a new trainer.run_dir or use trainer.resume=auto")
+        return None
+    if resume == "auto":
+        found = newest_good_checkpoint(root)
+        if found is None and list_checkpoints(root):  # never silently restart a run whose progress is damaged
+            raise CheckpointError(f"every checkpoint in {root} is damaged (see the warnings above); point "
+                                  "trainer.resume at a good checkpoint elsewhere, or start over in a new trainer.run_dir")
+        return found
+    path = Path(resume)
+    if (path / META_FILE).exists() or (path / STATE_FILE).exists():  # one checkpoint: it must be good
+        try:
+            return Checkpoint(path, verify_checkpoint(path))
+        except CheckpointError as e:
+            raise CheckpointError(f"{e}; choose another checkpoint for trainer.resume (or trainer.resume=auto "
+                                  "to take the newest good one of this run)") from e
+    for root in (path / CHECKPOINTS_DIR, path):  # a run dir or its checkpoints dir: newest good one
+        if list_checkpoints(root):
+            found = newest_good_checkpoint(root)
+            if found is None:
+                raise CheckpointError(f"trainer.resume={resume}: no checkpoint there is intact; "
+                                      "point trainer.resume at another checkpoint or use trainer.resume=never")
+            return found
+    raise CheckpointError(f"trainer.resume={resume} is not a checkpoint, a checkpoints dir or a run dir with "
+                          "checkpoints; pass an existing path, or auto / never")
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in state["python"]))
-    n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"][0])
+def check_same_model(checkpoint: Checkpoint, model: LlamaConfig) -> None:
+    """The checkpoint's model (its meta's "model" fields) is `model`, up to RESUME_MAY_CHANGE."""
+    saved = checkpoint.meta["model"]
+    diffs = {k: (saved.get(k), v) for k, v in dataclasses.asdict(model).items()
+             if k not in RESUME_MAY_CHANGE and saved.get(k) != v}
+    if diffs:
+        detail = ", ".join(f"{k}: checkpoint {a!r} vs this run {b!r}" for k, (a, b) in diffs.items())
+        raise CheckpointError(f"checkpoint {checkpoint.path} holds a different model shape ({detail}). Run with the "
+                              "checkpoint's model settings to continue it, or choose a new trainer.run_dir "
+                              "(or trainer.resume=never in an empty dir) to start fresh; nothing was deleted")
+
+
+@dataclass
+class Checkpointer:
+    """Saves a run's TrainState as <root>/step_XXXXXXXX with `meta` (what describes the run beside the
+    state: model fields, impl, config), keeping the newest keep_last."""
+    root: Path
+    keep_last: int
+    meta: dict[str, Any]
+    resumed_from: Optional[Checkpoint] = None
+    kill_mid_write_at_step: Optional[int] = None  # test hook: SIGKILL between state.pt and meta.json
+
+    def save(self, state: TrainState) -> Path:
+        if self.resumed_from is not None and state.step == self.resumed_from.step:  # nothing trained since: it is saved
+            return self.resumed_from.path
+        crash = None
+        if self.kill_mid_write_at_step == state.step:
+            crash = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
+        return save_checkpoint(self.root, state.step, state.state_dict(), self.meta, self.keep_last, before_meta=crash)

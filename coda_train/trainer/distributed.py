@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,21 @@ def init_world(device_type: str) -> World:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
     return world
+
+
+def process_device(device: torch.device, world: World) -> torch.device:
+    """This process's device: its own GPU (torchrun's LOCAL_RANK) when data-parallel on cuda."""
+    if world.distributed and device.type == "cuda":
+        return torch.device("cuda", world.local_rank)
+    return device
+
+
+def data_parallel(model: nn.Module, device: torch.device, world: World) -> nn.Module:
+    """What the step calls forward on: under torchrun a DDP wrapper, which averages gradients across
+    ranks during backward (its wrapper only runs forward); the model itself otherwise."""
+    if not world.distributed:
+        return model
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
 def close_world(world: World) -> None:

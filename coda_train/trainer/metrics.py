@@ -1,4 +1,5 @@
-"""Metrics sinks: <run_dir>/metrics.jsonl (always) and Weights & Biases (logger=wandb)."""
+"""Metrics: the line logged per step (loss, lr, throughput, MFU) and where it goes: <run_dir>/metrics.jsonl
+(always), Weights & Biases (logger=wandb), and the progress bar or the console."""
 
 from __future__ import annotations
 
@@ -6,16 +7,62 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
+import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
-from coda_train.config import LoggerConfig
+from .step import StepResult
 
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+LOGGERS = ("jsonl", "wandb")  # jsonl: metrics.jsonl only; wandb: metrics.jsonl and wandb
+WANDB_MODES = ("auto", "online", "offline")  # auto: online when a key is set and the server answers
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "jsonl"  # one of LOGGERS
+    project: str = "coda-train"
+    entity: Optional[str] = None
+    run_name: Optional[str] = None
+    mode: str = "auto"  # one of WANDB_MODES
+
+
+class Throughput:
+    """Tokens trained on since the last reset, and their rate: the window between two logged lines."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.start, self.tokens = time.perf_counter(), 0
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def per_second(self, now: float) -> float:
+        return self.tokens / (now - self.start)
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_flops_per_gpu: float, n_gpus: int) -> float:
+    """Model FLOPs utilization: the training FLOP/s the model's arithmetic needs (flops_per_token from
+    LlamaConfig.flops_per_token) over the GPUs' peak."""
+    return flops_per_token * tokens_per_s / (peak_flops_per_gpu * n_gpus)
+
+
+def metrics_line(result: StepResult, tokens: int, tokens_per_s: float, elapsed_s: float,
+                 utilization: Optional[float] = None) -> dict[str, Any]:
+    """One metrics.jsonl line; val_loss is added by the caller on evaluation steps."""
+    line = {"step": result.step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
+            "tokens": tokens, "tokens_per_s": tokens_per_s, "elapsed_s": elapsed_s}
+    if utilization is not None:
+        line["mfu"] = utilization
+    return line
 
 
 def rewind_metrics(path: Path, step: int) -> None:
@@ -64,13 +111,20 @@ def _wandb_has_key() -> bool:
 
 
 class MetricsLogger:
-    """One JSON object per logged step, flushed at once (a killed run keeps every line it logged)."""
+    """Where each metrics line goes (rank 0 only): metrics.jsonl, one JSON object per line flushed at
+    once (a killed run keeps every line it logged); wandb; the progress bar (shown only when stderr is
+    a terminal, from step `initial` of `total`), else the console."""
 
-    def __init__(self, run_dir: Path, cfg: LoggerConfig, config: dict[str, Any], resumed: bool):
+    def __init__(self, run_dir: Path, cfg: LoggerConfig, config: dict[str, Any], resumed: bool,
+                 progress_bar: bool, initial: int, total: int):
         self.file = open(run_dir / METRICS_FILE, "a")
         self.wandb_run = None
         if cfg.name == "wandb":
             self.wandb_run = self._start_wandb(run_dir, cfg, config, resumed)
+        self.bar = None
+        if progress_bar and sys.stderr.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
 
     @staticmethod
     def _start_wandb(run_dir: Path, cfg: LoggerConfig, config: dict[str, Any], resumed: bool):
@@ -94,8 +148,18 @@ class MetricsLogger:
         self.file.flush()
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
+        if self.bar is not None:
+            self.bar.set_postfix_str(format_line(metrics), refresh=False)
+        else:
+            log.info(format_line(metrics))
+
+    def step_done(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
 
     def close(self, exit_code: int = 0) -> None:
+        if self.bar is not None:
+            self.bar.close()
         self.file.close()
         if self.wandb_run is not None:
             self.wandb_run.finish(exit_code=exit_code)

@@ -3,11 +3,27 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from coda_train.config import OptimConfig
+OPTIMIZERS = ("adamw",)
+SCHEDULES = ("cosine", "wsd", "constant")  # lr_multiplier implements each
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"  # one of OPTIMIZERS
+    lr: float = 3e-3  # peak learning rate
+    min_lr_ratio: float = 0.1  # the schedule ends at lr * min_lr_ratio
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # matrices only; norms and embeddings are not decayed
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping (the norm is still logged)
+    schedule: str = "cosine"  # one of SCHEDULES: warmup then cosine decay, warmup-stable-decay, or constant
+    warmup_steps: int = 20
+    decay_fraction: float = 0.2  # wsd: the last fraction of max_steps decays linearly to min_lr
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:

@@ -8,16 +8,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._launch import empty, need, need_bf16
+from ..cute_limits import need, need_attention_heads
+from ._launch import empty, need_bf16
 
 
 def _heads(qkv: Tensor, n_heads: int, n_kv_heads: int, seq_len: int, op: str):
     M, W = qkv.shape
-    need(n_heads % n_kv_heads == 0, f"{op}: n_kv_heads={n_kv_heads} must divide n_heads={n_heads}")
     need(W % (n_heads + 2 * n_kv_heads) == 0,
          f"{op}: qkv width {W} must be (n_heads + 2*n_kv_heads) * head_dim")
     hd = W // (n_heads + 2 * n_kv_heads)
-    need(hd % 8 == 0 and hd <= 256, f"{op}: head_dim={hd} must be a multiple of 8 and <= 256 (FA4 sm90)")
+    need_attention_heads(op, hd, n_heads, n_kv_heads)
     need(M % seq_len == 0, f"{op}: rows M={M} must be a multiple of seq_len={seq_len}")
     B = M // seq_len
     v4 = qkv.view(B, seq_len, n_heads + 2 * n_kv_heads, hd)

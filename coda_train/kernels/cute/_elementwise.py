@@ -12,14 +12,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._launch import compiling_only, empty, need, need_bf16
+from ..cute_limits import need
+from ._launch import compiling_only, empty, need_bf16
 
 
 @triton.jit
-def _rope_bwd_kernel(g_ptr, y_ptr, r_ptr, cos_ptr, sin_ptr, out_ptr, stat_ptr,
-                     N, T, HALF, N_ROPE, BLOCK: tl.constexpr):
+def _rope_bwd_kernel(g_ptr, y_ptr, r_ptr, cs_ptr, out_ptr, stat_ptr,
+                     N, HALF, N_ROPE, BLOCK: tl.constexpr):
     row = tl.program_id(0)
-    pos = row % T
     j = tl.arange(0, BLOCK)  # pair index within the row
     lane = tl.arange(0, 2)
     cols = j[:, None] * 2 + lane[None, :]
@@ -31,30 +31,31 @@ def _rope_bwd_kernel(g_ptr, y_ptr, r_ptr, cos_ptr, sin_ptr, out_ptr, stat_ptr,
     g0, g1 = tl.split(g)
     i = j % HALF
     rot = (j * 2) < N_ROPE
-    c = tl.load(cos_ptr + pos * HALF + i, mask=rot, other=1.0)
-    s = tl.load(sin_ptr + pos * HALF + i, mask=rot, other=0.0)
+    cs = cs_ptr + row.to(tl.int64) * (2 * HALF) + 2 * i  # (cos, sin) of pair i at row's columns (2i, 2i+1)
+    c = tl.load(cs, mask=rot, other=1.0)
+    s = tl.load(cs + 1, mask=rot, other=0.0)
     r = tl.load(r_ptr + row)
     out = tl.join((g0 * c + g1 * s) * r, (g1 * c - g0 * s) * r)
     tl.store(out_ptr + base + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(stat_ptr + row, stat)
 
 
-def rope_backward_rowscale_stat(g_qkv: Tensor, qkv: Tensor, r: Tensor, cos: Tensor, sin: Tensor,
+def rope_backward_rowscale_stat(g_qkv: Tensor, qkv: Tensor, r: Tensor, rope: Tensor,
                                 n_rope_cols: int) -> tuple[Tensor, Tensor]:
+    """rope: the (M, head_dim) fp32 table, (cos, sin) of pair i at columns (2i, 2i+1)."""
     M, N = g_qkv.shape
-    T, half = cos.shape
+    half = rope.shape[1] // 2
     need_bf16("rope_backward_rowscale_stat", g_qkv=g_qkv, qkv=qkv)
     need(N % 2 == 0 and n_rope_cols % (2 * half) == 0 and n_rope_cols <= N,
          f"rope_backward_rowscale_stat: n_rope_cols={n_rope_cols} must be a multiple of head_dim={2 * half} "
          f"within the (even) width {N}")
-    need(M % T == 0, f"rope_backward_rowscale_stat: rows M={M} must be a multiple of seq_len T={T}")
     out = empty(*g_qkv.shape, dtype=g_qkv.dtype, device=g_qkv.device)
     stat = empty(M, 1, dtype=torch.float32, device=g_qkv.device)
     if compiling_only():
         return out, stat
     _rope_bwd_kernel[(M,)](
-        g_qkv.contiguous(), qkv.contiguous(), r.float().contiguous(), cos.float().contiguous(),
-        sin.float().contiguous(), out, stat, N, T, half, n_rope_cols,
+        g_qkv.contiguous(), qkv.contiguous(), r.float().contiguous(), rope.float().contiguous(),
+        out, stat, N, half, n_rope_cols,
         BLOCK=triton.next_power_of_2(N // 2), num_warps=4 if N <= 2048 else 8)
     return out, stat
 

@@ -39,8 +39,8 @@ _QUACK_VERSION = quack.__version__
 class _Library:
     """A quack math helper as an epilogue dependency with a fixed cache identity. quack keys its
     kernel cache on a deep fingerprint of each epilogue fn; helpers built on cutlass'
-    ``dsl_user_op`` capture a ContextVar that the fingerprint rejects (seen on the GPU machine's
-    Python 3.12), so we key them by (module, name, quack version) instead."""
+    ``dsl_user_op`` capture a ContextVar that the fingerprint rejects (on Python 3.12), so we key
+    them by (module, name, quack version) instead."""
 
     def __init__(self, fn):
         self.fn = fn

@@ -1,5 +1,5 @@
 """Launch plumbing shared by the cute ops: tile configs, operand views, partial-sum buffers,
-input checks, and the compile-only mode (GPU-blind compilation of every kernel)."""
+bf16 input checks (the shape rules are in ../cute_limits.py), and the compile-only mode (GPU-blind compilation of every kernel)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
+
+from ..cute_limits import need
 
 
 @dataclass(frozen=True)
@@ -61,11 +63,6 @@ def compile_only() -> Iterator[None]:
         host.get_max_active_clusters, Scalar._validate_pointer_value = saved
 
 
-def need(ok: bool, msg: str) -> None:
-    if not ok:
-        raise ValueError(msg)
-
-
 def need_bf16(op: str, **tensors: Tensor) -> None:
     for name, t in tensors.items():
         need(t.dtype == torch.bfloat16,
@@ -74,12 +71,6 @@ def need_bf16(op: str, **tensors: Tensor) -> None:
         need(t.dim() == 2, f"{op}: {name} must be 2-D (rows, features), got shape {tuple(t.shape)}")
         need(t.stride(-1) == 1, f"{name} must have a contiguous last dimension")
         need(_compile_only or t.is_cuda, f"{op}: {name} must be a CUDA tensor")
-
-
-def need_inner(op: str, **dims: int) -> None:
-    for name, n in dims.items():
-        need(n % 8 == 0 and n > 0,
-             f"{op}: {name}={n} must be a positive multiple of 8 (16-byte bf16 rows for TMA)")
 
 
 def colvec(v: Tensor) -> Tensor:

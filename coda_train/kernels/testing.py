@@ -1,0 +1,130 @@
+"""The accuracy check of an op implementation against the reference oracle, shared by
+scripts/check_kernels.py and the tests.
+
+For every declared op and example case (declare.py), at given dims, on one device:
+  * inputs are the op's example inputs in bf16 (fp32 row statistics, int64 token ids);
+  * oracle   = the reference on the same values in float64 (on the same device);
+  * baseline = the reference on the inputs as given (bf16), and for attention also torch SDPA in
+               bf16 (the eager model's attention): the error an unfused bf16 op makes;
+  * impl     = the implementation under test (cute outputs NaN-poisoned, so unwritten tiles show).
+Partial-sum outputs (declared `partials`) are compared after summing over their columns. Error is
+the relative Frobenius error vs the oracle; an output passes when it is finite where the oracle
+is, has the oracle's shape and the baseline's dtype, and err(impl) <= RATIO * err(baseline) + ATOL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .declare import OPS, Dims, Example, Op
+
+RATIO, ATOL = 1.5, 1e-4
+
+
+def relative_error(x: Tensor, y: Tensor) -> float:
+    """||x - y|| / ||y|| in float64."""
+    x, y = x.double(), y.double()
+    return float((x - y).norm() / y.norm().clamp_min(1e-300))
+
+
+def passes(err: float, baseline_err: float) -> bool:
+    return err <= RATIO * baseline_err + ATOL
+
+
+def to_float64(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.double() if isinstance(v, Tensor) and v.is_floating_point() else v for k, v in kwargs.items()}
+
+
+def comparable(op: Op, out) -> tuple[Tensor, ...]:
+    """The op's outputs as a tuple, partial-sum outputs summed over their columns."""
+    out = out if isinstance(out, tuple) else (out,)
+    return tuple(t.sum(-1) if i in op.partials else t for i, t in enumerate(out))
+
+
+def sdpa_attention(qkv: Tensor, n_heads: int, n_kv_heads: int, seq_len: int,
+                   requires_grad: bool = False) -> tuple[Tensor, Tensor]:
+    """The eager model's attention (torch SDPA, causal, GQA) on fused qkv rows: o (M, H*hd) and the
+    qkv leaf it was computed from (requires_grad: for the backward)."""
+    M = qkv.shape[0]
+    hd = qkv.shape[1] // (n_heads + 2 * n_kv_heads)
+    leaf = qkv.detach().clone().requires_grad_(requires_grad)
+    q, k, v = (t.reshape(M // seq_len, seq_len, -1, hd).transpose(1, 2)
+               for t in leaf.split([n_heads * hd, n_kv_heads * hd, n_kv_heads * hd], 1))
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return o.transpose(1, 2).reshape(M, -1), leaf
+
+
+def _eager_baseline(name: str, kw: dict) -> Optional[Tensor]:
+    """Output 0 of the op as the eager model computes it, where that is not the reference."""
+    if name == "attention":
+        return sdpa_attention(kw["qkv"], kw["n_heads"], kw["n_kv_heads"], kw["seq_len"])[0].detach()
+    if name == "attention_backward":
+        o, leaf = sdpa_attention(kw["qkv"], kw["n_heads"], kw["n_kv_heads"], kw["seq_len"], requires_grad=True)
+        o.backward(kw["g_o"])
+        return leaf.grad
+    return None
+
+
+@contextlib.contextmanager
+def poisoned_cute_outputs() -> Iterator[None]:
+    """Every output and partial buffer of the cute ops starts as NaN (unwritten tiles show up)."""
+    from .cute import _launch
+
+    saved, _launch.POISON = _launch.POISON, True
+    try:
+        yield
+    finally:
+        _launch.POISON = saved
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def check_case(op: Op, case: str, kwargs: dict[str, Any], impl: Callable) -> list[dict]:
+    """One row per output of `impl` on kwargs (see the module docstring)."""
+    device = next(v.device for v in kwargs.values() if isinstance(v, Tensor))
+    oracle = comparable(op, op.reference(**to_float64(kwargs)))
+    base = comparable(op, op.reference(**kwargs))
+    eager = _eager_baseline(op.name, kwargs)
+    _sync(device)
+    t0 = time.time()
+    got = comparable(op, impl(**kwargs))
+    _sync(device)
+    seconds = time.time() - t0
+    rows = []
+    for i, (g, o, b) in enumerate(zip(got, oracle, base)):
+        finite = bool(torch.isfinite(g).all()) if torch.isfinite(o).all() else True
+        shape_ok = tuple(g.shape) == tuple(o.shape)
+        err = relative_error(g, o) if shape_ok else math.inf
+        err_base = relative_error(b, o)
+        if eager is not None and i == 0:
+            err_base = max(err_base, relative_error(eager, o))
+        ok = finite and shape_ok and g.dtype == b.dtype and passes(err, err_base)
+        rows.append(dict(op=case, out=i, M=g.shape[0] if g.dim() else 1, ok=ok, finite=finite, err_cute=err,
+                         err_base=err_base, dtype=str(g.dtype).replace("torch.", ""), shape=list(g.shape),
+                         first_call_s=round(seconds, 2)))
+    return rows
+
+
+def example_cases(dims: Dims, device, seed: int = 1234, dtype: torch.dtype = torch.bfloat16,
+                  ops: Optional[list[str]] = None) -> Iterator[tuple[Op, str, dict]]:
+    """(op, case name, kwargs) of every declared op (or those named in `ops`, by op or case name)
+    at `dims`, each op's inputs from a generator seeded with `seed`."""
+    device = torch.device(device)
+    wanted = None if ops is None else {o.split("(")[0] for o in ops}
+    for name, op in OPS.items():
+        if wanted is not None and name not in wanted:
+            continue
+        gen = torch.Generator(device=device).manual_seed(seed)
+        for case, kwargs in op.cases(Example(dims, dtype, device, gen)):
+            if ops is None or name in ops or case in ops:
+                yield op, case, kwargs

@@ -1,0 +1,55 @@
+"""Building a run from its config: the checks that can fail (compute settings, model shape) and the
+pieces the loop drives (data, train state, validation loader). No step runs here."""
+
+from __future__ import annotations
+
+import torch
+
+from coda_train.config import Config, TrainerConfig, resolve_model_config
+from coda_train.data import DataConfig, PreparedData, TokenLoader, prepare
+from coda_train.errors import ConfigError
+from coda_train.model import LlamaConfig, build_model, kernel_shape_errors
+
+from .distributed import World, barrier
+from .optim import build_optimizer, build_scheduler
+from .state import TrainState, seed_all
+
+
+def check_compute(cfg: Config, backend: str, compute_dtype: torch.dtype) -> None:
+    """The resolved kernel backend can compute the model in compute_dtype."""
+    if backend == "cute" and cfg.model.impl == "coda" and compute_dtype != torch.bfloat16:
+        raise ConfigError(f"kernels.backend={cfg.kernels.backend} runs the cute kernels, which compute in bfloat16 only, "
+                          f"but trainer.compute_dtype={cfg.trainer.compute_dtype} gives {compute_dtype}; use "
+                          "trainer.compute_dtype=bfloat16 (or auto), or kernels.backend=reference")
+
+
+def prepare_data(cfg: DataConfig, world: World) -> PreparedData:
+    """The prepared data, on every rank: rank 0 prepares (or finds) it first, the others then open it."""
+    if not world.is_main:
+        barrier(world)
+    data = prepare(cfg)
+    if world.is_main:
+        barrier(world)
+    return data
+
+
+def resolve_model(cfg: Config, tokenizer_vocab_size: int, backend: str) -> LlamaConfig:
+    """The model this run trains, checked against the kernels' shape limits before any GPU work."""
+    llama = resolve_model_config(cfg.model, tokenizer_vocab_size, cfg.trainer.seq_len)
+    if cfg.model.impl == "coda" and (errors := kernel_shape_errors(llama, backend)):  # only coda calls CODA ops
+        raise ConfigError(f"kernels.backend={backend} cannot run this model: " + "; ".join(errors))
+    return llama
+
+
+def build_loader(data: PreparedData, split: str, t: TrainerConfig, world: World) -> TokenLoader:
+    return TokenLoader(data, split, t.batch_size, t.seq_len, t.seed, world.rank, world.world_size)
+
+
+def build_train_state(cfg: Config, llama: LlamaConfig, data: PreparedData, backend: str, device: torch.device,
+                      compute_dtype: torch.dtype, world: World) -> TrainState:
+    """A fresh train state at step 0: model, optimizer, scheduler and train loader."""
+    seed_all(cfg.trainer.seed)  # seeded init on CPU, so both impls and every device start from the same weights
+    model = build_model(llama, cfg.model.impl, backend=backend, compute_dtype=compute_dtype).to(device)
+    optimizer = build_optimizer(model, cfg.optim, device)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.max_steps)
+    return TrainState(model, optimizer, scheduler, build_loader(data, "train", cfg.trainer, world))

@@ -1,0 +1,503 @@
+"""The benchmark the speed work is judged by: every peer at its best, CODA, and the floor, side by
+side in one process on the same weights and batch, on one GPU.
+
+    python scripts/bench.py --shape 1b-4x4096 --out runs/bench            # one shape per device call
+    python scripts/bench.py --shape 125m --variants eager,coda --iters 5   # a subset
+    python scripts/bench_report.py runs/bench/*.json                       # docs/benchmarks.md + PNG
+
+Variants (bf16 compute, fp32 master weights, fused AdamW):
+  eager                 our eager PyTorch model (coda_train/model/eager.py)
+  compile               eager under torch.compile (default mode)
+  compile-graphs        torch.compile mode="reduce-overhead" (CUDA graphs)
+  compile-max-autotune  torch.compile mode="max-autotune" (GEMM autotuning + CUDA graphs); slow to
+                        compile, so opt-in per shape (--variants) and reported as skipped otherwise
+  liger                 eager with Liger kernels
+  coda                  the CODA model on the cute backend
+  floor                 the step's GEMMs alone (every projection's forward, dgrad and wgrad, the
+                        three LM-head GEMMs), each at the best of cuBLAS and quack for its shape,
+                        plus FlashAttention 4 forward + backward: what a perfect fusion would cost
+For each model variant: forward+backward ms (median, min, max over --iters after --warmup), a full
+training step (forward, backward, grad clip, AdamW, zero_grad) ms, tokens/s, MFU (model FLOPs with
+causal attention counted as half, against the bf16 GEMM peak measured in the same run), peak memory
+(total, and above the fp32 weights), and the ratios to coda and to the floor. --profile adds the
+per-op breakdown of a coda step (kernel time by op, launches per step, GPU idle from the timeline).
+A variant that fails is recorded with its error; the run goes on. Writes <out>/bench_<shape>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class Shape:
+    preset: str
+    batch: int
+    seq: int
+    n_layers: int | None = None  # None: the preset's depth
+
+
+SHAPES = {
+    "125m": Shape("llama3_125m", 8, 2048),
+    "1b-4x4096": Shape("llama3_1b", 4, 4096),
+    "1b-2x8192": Shape("llama3_1b", 2, 8192),
+    "8b-slice": Shape("llama3_8b", 2, 4096, n_layers=4),  # full width, 4 layers
+    "smoke": Shape("tiny", 2, 64, n_layers=2),  # the harness itself, on CPU too (tests/test_bench.py)
+}
+MODEL_VARIANTS = {  # variant -> (model impl, torch.compile mode or None)
+    "eager": ("eager", None),
+    "compile": ("eager", "default"),
+    "compile-graphs": ("eager", "reduce-overhead"),
+    "compile-max-autotune": ("eager", "max-autotune"),
+    "liger": ("liger", None),
+    "coda": ("coda", None),
+}
+DEFAULT_VARIANTS = "eager,compile,compile-graphs,liger,coda,floor"
+NOT_YET = {"coda-graphs": "CUDA-graph capture of the CODA step is not implemented yet (the speed issue adds it)"}
+
+
+# bf16 on the GPU; the CPU smoke run checks the harness in fp32 (CPU bf16 GEMMs are slow and odd)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+COMPUTE_DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+
+
+def reset_peak_memory() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak_memory() -> int:
+    """Peak bytes allocated on the GPU since the last reset (0 on CPU: not measured there)."""
+    return torch.cuda.max_memory_allocated() if DEVICE.type == "cuda" else 0
+
+
+def model_config(shape: Shape):
+    from coda_train.model import preset
+
+    overrides = {"n_layers": shape.n_layers} if shape.n_layers else {}
+    return preset(shape.preset, max_seq_len=max(shape.seq, preset(shape.preset).max_seq_len), **overrides)
+
+
+# ---- timing primitives --------------------------------------------------------------------
+
+def step_times(fn: Callable[[], None], iters: int, warmup: int) -> list[float]:
+    """Milliseconds of each of `iters` calls of fn after `warmup` calls: CUDA events on a GPU,
+    the host clock on CPU (the smoke shape)."""
+    for _ in range(warmup):
+        fn()
+    if not torch.cuda.is_available():
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return times
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def summary(times: list[float]) -> dict:
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "n": len(times)}
+
+
+def do_bench(fn: Callable[[], None]) -> float:
+    """Median ms of a single kernel-sized call (triton's do_bench clears L2 between calls; on CPU
+    the median of a few host-timed calls)."""
+    if not torch.cuda.is_available():
+        return statistics.median(step_times(fn, 5, 1))
+    from triton.testing import do_bench as _do_bench
+
+    return _do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+def gemm_peak_tflops() -> dict:
+    """The bf16 dense GEMM rate of this GPU, measured now: 8192^3 on cuBLAS and on quack."""
+    from quack.gemm_interface import gemm as quack_gemm
+
+    n = 8192 if torch.cuda.is_available() else 512
+    a = torch.randn(n, n, device=DEVICE, dtype=COMPUTE_DTYPE)
+    b = torch.randn(n, n, device=DEVICE, dtype=COMPUTE_DTYPE)
+    flops = 2 * n**3
+    rates = {"cublas": flops / do_bench(lambda: a @ b) / 1e9}
+    try:
+        quack_gemm(a, b, tuned=False)
+        rates["quack"] = flops / do_bench(lambda: quack_gemm(a, b, tuned=False)) / 1e9
+    except Exception as e:  # no GPU, or quack failing: the peak is cuBLAS's
+        rates["quack_error"] = f"{type(e).__name__}: {e}"[:200]
+    rates["peak"] = max(v for k, v in rates.items() if k in ("cublas", "quack"))
+    return rates
+
+
+# ---- model variants -----------------------------------------------------------------------
+
+def build(impl: str, cfg, state: dict):
+    from coda_train.model import build_model
+
+    backend = "cute" if impl == "coda" and DEVICE.type == "cuda" else "reference"
+    model = build_model(cfg, impl, backend=backend, compute_dtype=COMPUTE_DTYPE).to(DEVICE)
+    model.load_state_dict(state)
+    return model
+
+
+def bench_model(variant: str, cfg, state: dict, batch, iters: int, warmup: int) -> dict:
+    """Forward+backward and full-step timings and peak memory of one model variant."""
+    impl, mode = MODEL_VARIANTS[variant]
+    tokens, targets = batch
+    model = build(impl, cfg, state)
+    model.rope_tables(tokens.shape[1], tokens.device)  # cached outside torch.compile: CUDA graphs must not own it
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    runner = model if mode is None else torch.compile(model, mode=mode)
+    graphs = mode in ("reduce-overhead", "max-autotune")
+
+    def fwd_bwd() -> None:
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        model.zero_grad(set_to_none=True)
+        runner(tokens, targets).backward()
+
+    t0 = time.perf_counter()
+    fwd_bwd()  # compiles: every kernel, and torch.compile's graphs
+    sync()
+    setup_s = time.perf_counter() - t0
+    reset_peak_memory()
+    fb = step_times(fwd_bwd, iters, warmup)
+    peak_fb = peak_memory()
+
+    from coda_train.config import OptimConfig
+    from coda_train.trainer.optim import build_optimizer
+
+    optimizer = build_optimizer(model, OptimConfig(), DEVICE)
+
+    def train_step() -> None:
+        fwd_bwd()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+
+    reset_peak_memory()
+    step = step_times(train_step, iters, warmup)
+    peak_step = peak_memory()
+    n_tokens = tokens.numel()
+    result = {
+        "variant": variant, "setup_s": setup_s, "fwd_bwd": summary(fb), "step": summary(step),
+        "tokens_per_s": n_tokens / statistics.median(step) * 1e3,
+        "peak_fwd_bwd_gib": peak_fb / 2**30 if peak_fb else None,
+        "peak_above_weights_gib": (peak_fb - weight_bytes) / 2**30 if peak_fb else None,
+        "peak_step_gib": peak_step / 2**30 if peak_step else None,
+    }
+    del runner, model, optimizer
+    return result
+
+
+# ---- the floor: the step's GEMMs and attention, nothing else ------------------------------
+
+def step_gemms(cfg, M: int) -> list[tuple[str, int, int, int, str]]:
+    """(name, m, n, k, layout) of every GEMM of one training step, per layer then the LM head.
+    layout: 'nt' = x (m,k) @ W^T (W stored (n,k)), 'nn' = g (m,k) @ W (k,n), 'tn' = g^T @ x (wgrad)."""
+    d, H, G, F, V = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.vocab_size
+    hd = d // H
+    qkv = (H + 2 * G) * hd
+    per_layer = []
+    for proj, n_out, k_in in (("qkv", qkv, d), ("o", d, H * hd), ("gate_up", 2 * F, d), ("down", d, F)):
+        per_layer += [(f"{proj} fwd", M, n_out, k_in, "nt"), (f"{proj} dgrad", M, k_in, n_out, "nn"),
+                      (f"{proj} wgrad", n_out, k_in, M, "tn")]
+    head = [("lm_head fwd", M, V, d, "nt"), ("lm_head dgrad", M, d, V, "nn"), ("lm_head wgrad", V, d, M, "tn")]
+    return [(n, m, nn, k, lay, cfg.n_layers) for n, m, nn, k, lay in per_layer] + [(*h, 1) for h in head]
+
+
+def gemm_operands(m: int, n: int, k: int, layout: str):
+    """a (m,k), b (k,n) in the memory layout the model's GEMM of that kind reads."""
+    rn = lambda *s: torch.randn(*s, device=DEVICE, dtype=COMPUTE_DTYPE)  # noqa: E731
+    if layout == "nt":
+        return rn(m, k), rn(n, k).t()
+    if layout == "nn":
+        return rn(m, k), rn(k, n)
+    return rn(k, m).t(), rn(k, n)
+
+
+def bench_floor(cfg, shape: Shape) -> dict:
+    """Sum over the step's GEMMs of the faster of cuBLAS and quack, plus FA4 forward + backward."""
+    from coda_train.kernels import op_set
+
+    M = shape.batch * shape.seq
+    rows, total = [], 0.0
+    for name, m, n, k, layout, count in step_gemms(cfg, M):
+        a, b = gemm_operands(m, n, k, layout)
+        row = {"gemm": name, "m": m, "n": n, "k": k, "count": count, "cublas_ms": do_bench(lambda: a @ b)}
+        try:
+            from quack.gemm_interface import gemm as quack_gemm
+
+            quack_gemm(a, b, tuned=False)
+            row["quack_ms"] = do_bench(lambda: quack_gemm(a, b, tuned=False))
+        except Exception as e:  # no GPU, or a layout quack's default cannot run: cuBLAS alone
+            row["quack_error"] = f"{type(e).__name__}: {e}"[:200]
+        row["best_ms"] = min(row["cublas_ms"], row.get("quack_ms", math.inf))
+        row["best"] = "quack" if row.get("quack_ms", math.inf) < row["cublas_ms"] else "cublas"
+        total += count * row["best_ms"]
+        rows.append(row)
+        del a, b
+    ops = op_set("cute" if DEVICE.type == "cuda" else "reference")
+    H, G, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    qkv = torch.randn(M, (H + 2 * G) * hd, device=DEVICE, dtype=COMPUTE_DTYPE)
+    o, lse = ops.attention(qkv, H, G, shape.seq)
+    g_o = torch.randn_like(o)
+    attn_fwd = do_bench(lambda: ops.attention(qkv, H, G, shape.seq))
+    attn_bwd = do_bench(lambda: ops.attention_backward(g_o, qkv, o, lse, H, G, shape.seq))
+    attention = cfg.n_layers * (attn_fwd + attn_bwd)
+    return {"variant": "floor", "fwd_bwd": {"median_ms": total + attention}, "gemm_ms": total,
+            "attention_ms": attention, "attention_fwd_ms": attn_fwd, "attention_bwd_ms": attn_bwd, "gemms": rows}
+
+
+# ---- where a coda step's time goes ---------------------------------------------------------
+
+def profile_coda(cfg, state: dict, batch, steps: int = 3) -> dict:
+    """Kernel time by CODA op, launches per step and GPU idle fraction of `steps` back-to-back
+    coda forward+backward steps. Kernels are attributed to the innermost coda op range that
+    launched them (the op set's profiling annotation); the rest by kernel name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from coda_train.model import build_model
+
+    tokens, targets = batch
+    model = build_model(cfg, "coda", backend="cute", compute_dtype=COMPUTE_DTYPE).to(DEVICE)
+    model.load_state_dict(state)
+    model.ops = annotated(model.ops)
+
+    def fwd_bwd() -> None:
+        model.zero_grad(set_to_none=True)
+        model(tokens, targets).backward()
+
+    fwd_bwd()
+    fwd_bwd()
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True) as prof:
+        for _ in range(steps):
+            fwd_bwd()
+        torch.cuda.synchronize()
+    return kernel_breakdown(prof, steps)
+
+
+def annotated(ops):
+    """The same op set with each call inside a profiler range "coda::<op>" (only for profiling:
+    a range costs host time on every call)."""
+    from coda_train.kernels import OPS, OpSet
+
+    def wrap(name: str, fn: Callable) -> Callable:
+        def call(*args, **kwargs):
+            with torch.profiler.record_function(f"coda::{name}"):
+                return fn(*args, **kwargs)
+        return call
+
+    return OpSet(ops.backend, {name: wrap(name, getattr(ops, name)) for name in OPS})
+
+
+def kernel_breakdown(prof, steps: int) -> dict:
+    """Per-step kernel time by owner (the coda op range around the launch, else a kernel-name
+    class), launches, and the GPU idle fraction: 1 - (union of kernel intervals) / (first kernel
+    start .. last kernel end). A device event shares its correlation id with the host runtime call
+    that launched it (cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync...); that call's start
+    time places it inside a coda op range."""
+    from torch.autograd import DeviceType
+
+    events = prof.events()
+    device = [e for e in events if e.device_type == DeviceType.CUDA]
+    cpu = [e for e in events if e.device_type == DeviceType.CPU]
+    launched_at = {e.id: e.time_range.start for e in cpu if e.name.startswith(("cuda", "cu")) and e.id}
+    op_ranges = sorted((e.time_range.start, e.time_range.end, e.name.removeprefix("coda::"))
+                       for e in cpu if e.name.startswith("coda::"))
+    by_owner: dict[str, float] = {}
+    for k in device:
+        t = launched_at.get(k.id)
+        owner = (_innermost(op_ranges, t) if t is not None else None) or _kernel_class(k.name)
+        by_owner[owner] = by_owner.get(owner, 0.0) + k.time_range.elapsed_us() / 1e3 / steps
+    busy, window = _union_and_window(sorted((k.time_range.start, k.time_range.end) for k in device))
+    return {"kernel_ms_per_step": sum(by_owner.values()), "launches_per_step": len(device) / steps,
+            "gpu_window_ms_per_step": window / 1e3 / steps, "gpu_idle_fraction": 1 - busy / window if window else None,
+            "by_owner_ms": dict(sorted(by_owner.items(), key=lambda kv: -kv[1]))}
+
+
+def _union_and_window(spans: list[tuple[float, float]]) -> tuple[float, float]:
+    """(total length of the union of sorted intervals, last end - first start)."""
+    busy, cur_start, cur_end = 0.0, None, None
+    for s, e in spans:
+        if cur_end is None or s > cur_end:
+            busy += 0.0 if cur_end is None else cur_end - cur_start
+            cur_start, cur_end = s, e
+        else:
+            cur_end = max(cur_end, e)
+    busy += 0.0 if cur_end is None else cur_end - cur_start
+    return busy, (spans[-1][1] - spans[0][0]) if spans else 0.0
+
+
+def _innermost(ranges, t: float):
+    """Name of the innermost (latest-starting) range containing t."""
+    best = None
+    for s, e, name in ranges:
+        if s > t:
+            break
+        if s <= t <= e:
+            best = name
+    return best
+
+
+def _kernel_class(name: str) -> str:
+    n = name.lower()
+    for key, label in (("flash", "attention (FA4, outside an op range)"), ("gemm", "other GEMM"),
+                       ("nvjet", "other GEMM"), ("copy", "copies / casts"), ("elementwise", "elementwise"),
+                       ("reduce", "reductions"), ("adam", "optimizer"), ("multi_tensor", "optimizer")):
+        if key in n:
+            return f"[{label}]"
+    return "[other]"
+
+
+# ---- driver ---------------------------------------------------------------------------------
+
+def run(shape_name: str, variants: list[str], iters: int, warmup: int, profile_steps: int) -> dict:
+    shape = SHAPES[shape_name]
+    cfg = model_config(shape)
+    torch.manual_seed(0)
+    from coda_train.model import build_model
+
+    state = build_model(cfg, "eager").state_dict()  # one init (CPU, fp32) for every variant
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    batch = tuple(torch.randint(0, cfg.vocab_size, (shape.batch, shape.seq), device=DEVICE, generator=gen)
+                  for _ in range(2))
+    result = {"shape": shape_name, **shape.__dict__, "n_layers": cfg.n_layers, "model": cfg.__dict__,
+              "tokens": shape.batch * shape.seq, "flops_per_step": cfg.flops_per_token(shape.seq) * shape.batch * shape.seq,
+              "environment": environment(), "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+              "variants": {}, "failed": {}}
+    result["gemm_peak_tflops"] = gemm_peak_tflops()
+    print(f"{shape_name}: {shape} | bf16 GEMM peak {result['gemm_peak_tflops']['peak']:.0f} TFLOP/s", flush=True)
+    for variant in variants:
+        t0 = time.perf_counter()
+        try:
+            if variant in NOT_YET:
+                raise NotImplementedError(NOT_YET[variant])
+            row = bench_floor(cfg, shape) if variant == "floor" else bench_model(variant, cfg, state, batch, iters, warmup)
+            result["variants"][variant] = row
+            print(f"  {variant:22s} fwd+bwd {row['fwd_bwd']['median_ms']:8.2f} ms  ({time.perf_counter() - t0:5.0f} s)",
+                  flush=True)
+        except Exception as e:  # record and go on: one failing peer must not hide the others
+            result["failed"][variant] = f"{type(e).__name__}: {e}"[:500]
+            print(f"  {variant:22s} FAILED {result['failed'][variant]}\n{traceback.format_exc()[-1500:]}", flush=True)
+        gc.collect()
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
+    if profile_steps and "coda" in result["variants"] and DEVICE.type == "cuda":
+        try:
+            result["coda_profile"] = profile_coda(cfg, state, batch, profile_steps)
+        except Exception as e:
+            result["failed"]["coda_profile"] = f"{type(e).__name__}: {e}"[:500]
+            traceback.print_exc()
+    add_ratios(result)
+    return result
+
+
+def add_ratios(result: dict) -> None:
+    """MFU and the ratios to coda and to the floor (forward+backward medians)."""
+    v = result["variants"]
+    peak = result["gemm_peak_tflops"]["peak"]
+    coda = v.get("coda", {}).get("fwd_bwd", {}).get("median_ms")
+    floor = v.get("floor", {}).get("fwd_bwd", {}).get("median_ms")
+    for row in v.values():
+        ms = row["fwd_bwd"]["median_ms"]
+        row["mfu_fwd_bwd"] = result["flops_per_step"] / (ms * 1e-3) / (peak * 1e12)
+        if "step" in row:
+            row["mfu_step"] = result["flops_per_step"] / (row["step"]["median_ms"] * 1e-3) / (peak * 1e12)
+        row["over_coda"] = ms / coda if coda else None
+        row["over_floor"] = ms / floor if floor else None
+
+
+def environment() -> dict:
+    import importlib.metadata as md
+
+    versions = {}
+    for pkg in ("torch", "triton", "nvidia-cutlass-dsl", "quack-kernels", "flash-attn-4", "liger-kernel"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            versions[pkg] = None
+    versions["torch"] = torch.__version__
+    gpu = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "CPU (smoke run: not a measurement)"
+    return {"gpu": gpu, "cuda": torch.version.cuda, "packages": versions,
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def print_table(result: dict) -> None:
+    print(f"\n{result['shape']}: {result['preset']} {result['n_layers']} layers, {result['batch']} x {result['seq']} on "
+          f"{result['environment']['gpu']} ({result['environment']['date']})")
+    print(f"{'variant':22s}{'fwd+bwd ms':>11s}{'min':>8s}{'max':>8s}{'step ms':>9s}{'tok/s':>10s}{'MFU':>6s}"
+          f"{'peak GiB':>9s}{'/coda':>7s}{'/floor':>7s}")
+    for name, r in result["variants"].items():
+        fb, st = r["fwd_bwd"], r.get("step")
+        cells = [f"{fb['median_ms']:11.2f}", f"{fb.get('min_ms', math.nan):8.2f}", f"{fb.get('max_ms', math.nan):8.2f}",
+                 f"{st['median_ms']:9.2f}" if st else f"{'-':>9s}",
+                 f"{r['tokens_per_s']:10.0f}" if "tokens_per_s" in r else f"{'-':>10s}",
+                 f"{100 * r['mfu_fwd_bwd']:5.1f}%",
+                 f"{r['peak_fwd_bwd_gib']:9.1f}" if r.get("peak_fwd_bwd_gib") else f"{'-':>9s}",
+                 f"{r['over_coda']:7.2f}" if r["over_coda"] else f"{'-':>7s}",
+                 f"{r['over_floor']:7.2f}" if r["over_floor"] else f"{'-':>7s}"]
+        print(f"{name:22s}" + "".join(cells))
+    for name, err in result["failed"].items():
+        print(f"{name:22s}FAILED: {err[:150]}")
+    prof = result.get("coda_profile")
+    if prof:
+        print(f"coda step: {prof['kernel_ms_per_step']:.2f} ms of kernels, {prof['launches_per_step']:.0f} launches, "
+              f"GPU idle {100 * prof['gpu_idle_fraction']:.0f}% of its {prof['gpu_window_ms_per_step']:.2f} ms window")
+        for owner, ms in prof["by_owner_ms"].items():
+            print(f"    {owner:40s}{ms:9.3f} ms")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", required=True, choices=sorted(SHAPES))
+    p.add_argument("--variants", default=DEFAULT_VARIANTS,
+                   help=f"comma list of {sorted([*MODEL_VARIANTS, 'floor', *NOT_YET])}")
+    p.add_argument("--iters", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--profile-steps", type=int, default=3, help="profiled coda steps (0: no breakdown)")
+    p.add_argument("--out", type=Path, default=Path("runs/bench"))
+    args = p.parse_args()
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in MODEL_VARIANTS and v not in ("floor", *NOT_YET)]
+    if unknown:
+        p.error(f"unknown variants {unknown}")
+    if not torch.cuda.is_available() and args.shape != "smoke":
+        p.error("bench.py times GPU steps; run it on the GPU machine (only --shape smoke runs on CPU)")
+    result = run(args.shape, variants, args.iters, args.warmup, args.profile_steps)
+    skipped = [v for v in (*MODEL_VARIANTS, "floor", *NOT_YET) if v not in variants]
+    result["not_run"] = skipped
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"bench_{args.shape}.json"
+    path.write_text(json.dumps(result, indent=1, default=str))
+    print_table(result)
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""docs/benchmarks.md and its bar chart, regenerated from the JSON results of scripts/bench.py.
+
+    python scripts/bench_report.py docs/bench/bench_*.json [--md docs/benchmarks.md] [--png docs/benchmarks.png]
+
+One table per shape (every variant: forward+backward median/min/max, full step, tokens/s, MFU,
+peak memory, ratio to coda and to the floor; failed variants with their error), a summary of the
+gap from coda to the best peer and to the floor, the coda per-op breakdown, and the command,
+date, GPU and package versions each result was measured with. The chart: one panel per shape,
+forward+backward time per variant, the floor drawn as a line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+PEERS = ("eager", "compile", "compile-graphs", "compile-max-autotune", "liger")
+SHAPE_ORDER = ("125m", "1b-4x4096", "1b-2x8192", "8b-slice")
+
+
+def load(paths: list[Path]) -> list[dict]:
+    results = [json.loads(p.read_text()) for p in paths]
+    return sorted(results, key=lambda r: SHAPE_ORDER.index(r["shape"]) if r["shape"] in SHAPE_ORDER else 99)
+
+
+def _ms(row: dict, key: str = "fwd_bwd") -> float | None:
+    return row.get(key, {}).get("median_ms")
+
+
+def shape_table(r: dict) -> list[str]:
+    env = r["environment"]
+    lines = [f"### {r['shape']}: {r['preset']}, {r['n_layers']} layers, {r['batch']} x {r['seq']} tokens",
+             "", f"`{r['command']}` on {env['gpu']}, {env['date']}; bf16 GEMM peak measured in the same run: "
+             f"{r['gemm_peak_tflops']['peak']:.0f} TFLOP/s.", "",
+             "| variant | fwd+bwd ms (median) | min | max | full step ms | tokens/s | MFU (fwd+bwd) | peak GiB | above weights GiB | / coda | / floor |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    for name, row in r["variants"].items():
+        fb = row["fwd_bwd"]
+        lines.append(f"| {name} | {fb['median_ms']:.2f} | {fmt(fb.get('min_ms'), '.2f')} | {fmt(fb.get('max_ms'), '.2f')} | "
+                     f"{fmt(_ms(row, 'step'), '.2f')} | {fmt(row.get('tokens_per_s'), ',.0f')} | "
+                     f"{100 * row['mfu_fwd_bwd']:.1f}% | {fmt(row.get('peak_fwd_bwd_gib'), '.1f')} | "
+                     f"{fmt(row.get('peak_above_weights_gib'), '.1f')} | {fmt(row.get('over_coda'), '.2f')} | "
+                     f"{fmt(row.get('over_floor'), '.2f')} |")
+    for name, err in r["failed"].items():
+        lines.append(f"| {name} | failed: {err.splitlines()[0][:160]} | | | | | | | | | |")
+    if r.get("not_run"):
+        lines += ["", "Not run at this shape: " + ", ".join(r["not_run"]) + "."]
+    floor = r["variants"].get("floor")
+    if floor:
+        lines += ["", f"Floor: GEMMs {floor['gemm_ms']:.2f} ms (each at the faster of cuBLAS and quack: "
+                  f"{sum(g['best'] == 'quack' for g in floor['gemms'])} of {len(floor['gemms'])} shapes on quack) "
+                  f"+ FlashAttention 4 {floor['attention_ms']:.2f} ms (forward {floor['attention_fwd_ms']:.3f} + "
+                  f"backward {floor['attention_bwd_ms']:.3f} ms per layer)."]
+    prof = r.get("coda_profile")
+    if prof:
+        lines += ["", f"Where a coda step goes (profiler, {prof['launches_per_step']:.0f} kernel launches per step, "
+                  f"{prof['kernel_ms_per_step']:.2f} ms of kernels, GPU idle {100 * prof['gpu_idle_fraction']:.0f}% of "
+                  f"the {prof['gpu_window_ms_per_step']:.2f} ms from first kernel to last):", "",
+                  "| owner (coda op, or [kernel class] outside any op) | ms / step |", "|---|---:|"]
+        lines += [f"| {owner} | {ms:.3f} |" for owner, ms in prof["by_owner_ms"].items()]
+    return lines + [""]
+
+
+def summary_table(results: list[dict]) -> list[str]:
+    lines = ["| shape | coda ms | best peer | best peer ms | coda / best peer | floor ms | coda / floor | coda peak above weights GiB | lowest peer GiB |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        v = r["variants"]
+        coda, floor = _ms(v.get("coda", {})), _ms(v.get("floor", {}))
+        peers = {n: _ms(v[n]) for n in PEERS if n in v}
+        best = min(peers, key=peers.get) if peers else None
+        mem = [v[n]["peak_above_weights_gib"] for n in PEERS if n in v]
+        cell = lambda x, f=".2f": "-" if x is None else format(x, f)  # noqa: E731
+        lines.append(f"| {r['shape']} | {cell(coda)} | {best or '-'} | {cell(peers.get(best))} | "
+                     f"{cell(coda / peers[best] if coda and best else None)} | {cell(floor)} | "
+                     f"{cell(coda / floor if coda and floor else None)} | "
+                     f"{cell(v.get('coda', {}).get('peak_above_weights_gib'), '.1f')} | {cell(min(mem) if mem else None, '.1f')} |")
+    return lines
+
+
+def chart(results: list[dict], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 4.2), squeeze=False)
+    for ax, r in zip(axes[0], results):
+        rows = [(n, _ms(row)) for n, row in r["variants"].items() if n != "floor"]
+        colors = ["tab:red" if n == "coda" else "tab:gray" for n, _ in rows]
+        ax.bar([n for n, _ in rows], [ms for _, ms in rows], color=colors)
+        floor = _ms(r["variants"].get("floor", {}))
+        if floor:
+            ax.axhline(floor, color="black", linestyle="--", linewidth=1.2, label=f"floor {floor:.1f} ms")
+            ax.legend(loc="lower right", fontsize=8)
+        ax.set_title(f"{r['shape']} ({r['batch']}x{r['seq']})", fontsize=10)
+        ax.set_ylabel("forward + backward, ms")
+        ax.tick_params(axis="x", rotation=45, labelsize=8)
+    fig.suptitle(f"{results[0]['environment']['gpu']}, {results[0]['environment']['date'][:10]}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("results", nargs="+", type=Path)
+    p.add_argument("--md", type=Path, default=Path("docs/benchmarks.md"))
+    p.add_argument("--png", type=Path, default=Path("docs/benchmarks.png"))
+    args = p.parse_args()
+    results = load(args.results)
+    env = results[0]["environment"]
+    pkgs = ", ".join(f"{k} {v}" for k, v in env["packages"].items() if v)
+    lines = ["# Benchmarks", "",
+             "Generated by `python scripts/bench_report.py " + " ".join(p.as_posix() for p in args.results) +
+             "` from the JSON that `scripts/bench.py` wrote; do not edit by hand.", "",
+             f"Machine: one {env['gpu']} (CUDA {env['cuda']}); packages: {pkgs}. Every variant of a shape was timed in "
+             "one process on the same weights and batch: bf16 compute, fp32 master weights, fused AdamW in the full "
+             "step. MFU counts model FLOPs (causal attention as half) against the bf16 GEMM peak measured in the same "
+             "run. The floor is the step's GEMMs at the best of cuBLAS and quack plus FlashAttention 4, nothing else.",
+             "", f"![forward+backward time per variant, floor as a line]({args.png.name})", "",
+             "## Summary: coda against the best peer and the floor (forward + backward)", "", *summary_table(results), "",
+             "## Per shape", ""]
+    for r in results:
+        lines += shape_table(r)
+    args.md.write_text("\n".join(lines) + "\n")
+    chart(results, args.png)
+    print(f"wrote {args.md} and {args.png}")
+
+
+if __name__ == "__main__":
+    main()

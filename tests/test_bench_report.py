@@ -1,0 +1,51 @@
+"""scripts/bench_report.py turns bench.py's JSON into docs: tables, the gap summary and the chart.
+The input is a bench.py-shaped result with made-up timings (the report is what is tested here;
+real numbers come only from bench.py on the GPU)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _result(shape: str) -> dict:
+    def row(ms, step=None, mem=None):
+        r = {"fwd_bwd": {"median_ms": ms, "min_ms": ms * 0.98, "max_ms": ms * 1.05, "n": 8}, "mfu_fwd_bwd": 0.5,
+             "over_coda": ms / 40.0, "over_floor": ms / 25.0}
+        if step:
+            r.update(step={"median_ms": step}, tokens_per_s=16384 / step * 1e3, peak_fwd_bwd_gib=mem + 1,
+                     peak_above_weights_gib=mem)
+        return r
+
+    floor = row(25.0)
+    floor.update(gemm_ms=20.0, attention_ms=5.0, attention_fwd_ms=0.1, attention_bwd_ms=0.3,
+                 gemms=[{"gemm": "qkv fwd", "best": "cublas"}, {"gemm": "o fwd", "best": "quack"}])
+    return {"shape": shape, "preset": "llama3_125m", "n_layers": 12, "batch": 8, "seq": 2048,
+            "command": f"scripts/bench.py --shape {shape}", "gemm_peak_tflops": {"peak": 780.0},
+            "environment": {"gpu": "NVIDIA H200", "cuda": "13.0", "date": "2026-11-30 17:00 UTC",
+                            "packages": {"torch": "2.11.0"}},
+            "variants": {"eager": row(50.0, 55.0, 9.0), "compile": row(31.0, 36.0, 4.0), "coda": row(40.0, 45.0, 3.0),
+                         "floor": floor},
+            "failed": {"liger": "RuntimeError: no liger here"}, "not_run": ["compile-max-autotune"],
+            "coda_profile": {"launches_per_step": 800, "kernel_ms_per_step": 30.0, "gpu_idle_fraction": 0.25,
+                             "gpu_window_ms_per_step": 40.0, "by_owner_ms": {"gemm_rowscale_rope": 3.0, "[copies / casts]": 2.0}}}
+
+
+def test_report_writes_tables_summary_and_chart(tmp_path):
+    paths = []
+    for shape in ("1b-4x4096", "125m"):
+        paths.append(tmp_path / f"bench_{shape}.json")
+        paths[-1].write_text(json.dumps(_result(shape)))
+    md, png = tmp_path / "benchmarks.md", tmp_path / "benchmarks.png"
+    subprocess.run([sys.executable, str(ROOT / "scripts/bench_report.py"), *map(str, paths), "--md", str(md),
+                    "--png", str(png)], check=True, cwd=tmp_path)
+    text = md.read_text()
+    assert text.index("### 125m") < text.index("### 1b-4x4096")  # shapes in size order, not argument order
+    # summary: coda 40 ms vs best peer compile 31 ms and floor 25 ms
+    assert "| 125m | 40.00 | compile | 31.00 | 1.29 | 25.00 | 1.60 | 3.0 | 4.0 |" in text
+    assert "| liger | failed: RuntimeError: no liger here" in text
+    assert "Not run at this shape: compile-max-autotune." in text
+    assert "1 of 2 shapes on quack" in text and "| [copies / casts] | 2.000 |" in text
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
