@@ -21,8 +21,8 @@ from coda_train.errors import ConfigError
 from coda_train.model import LlamaConfig, build_model
 from coda_train.model.eager import EagerLlama
 from coda_train.model.hf import check_tokenizer_fits
-from coda_train.trainer.checkpoint import (META_FILE, CheckpointError, list_checkpoints, load_state,
-                                           newest_good_checkpoint, verify_checkpoint)
+from coda_train.trainer.checkpoint import (CHECKPOINTS_DIR, META_FILE, Checkpoint, CheckpointError, list_checkpoints,
+                                           load_state, newest_good_checkpoint, verify_checkpoint)
 
 log = logging.getLogger(__name__)
 
@@ -40,15 +40,15 @@ class TrainedCheckpoint:
     data: Optional[PreparedData]  # the run's prepared data, when the tokenizer came from it
 
 
-def find_checkpoint(path: str | Path) -> tuple[Path, dict[str, Any]]:
-    """(checkpoint dir, verified meta) of a checkpoint dir, or of the newest good checkpoint of a run
-    dir or its checkpoints/ dir; CheckpointError saying what is there otherwise."""
+def find_checkpoint(path: str | Path) -> Checkpoint:
+    """A checkpoint dir, or the newest good checkpoint of a run dir or its checkpoints/ dir, verified;
+    CheckpointError saying what is there otherwise."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path} does not exist; pass a run dir (trainer.run_dir) or a checkpoint dir")
     if (path / META_FILE).exists():
-        return path, verify_checkpoint(path)
-    for root in (path / "checkpoints", path):
+        return Checkpoint(path, verify_checkpoint(path))
+    for root in (path / CHECKPOINTS_DIR, path):
         if list_checkpoints(root):
             found = newest_good_checkpoint(root)
             if found is None:
@@ -90,15 +90,6 @@ def run_data_config(meta: dict[str, Any]) -> DataConfig:
     """The data config of the run that wrote a checkpoint (its meta.json)."""
     known = {f.name for f in dataclasses.fields(DataConfig)}
     return DataConfig(**{k: v for k, v in meta["config"]["data"].items() if k in known})
-
-
-def pick_device(name: str) -> torch.device:
-    """'auto' (cuda when available), 'cpu' or 'cuda'."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda but no CUDA GPU is visible; use --device auto or cpu")
-    return torch.device(name)
 
 
 def load_eager_model(ckpt: TrainedCheckpoint, device: torch.device, compute_dtype: torch.dtype) -> EagerLlama:

@@ -18,12 +18,11 @@ import math
 import sys
 from pathlib import Path
 
-import torch
-
 from coda_train.data import DataError, TokenLoader, prepare
 from coda_train.errors import ConfigError
-from coda_train.inference import load_eager_model, mean_loss, open_checkpoint, pick_device, run_data_config, text_windows
+from coda_train.inference import load_eager_model, mean_loss, open_checkpoint, run_data_config, text_windows
 from coda_train.trainer.checkpoint import CheckpointError
+from coda_train.trainer.device import COMPUTE_DTYPES, DEVICES, pick_compute_dtype, pick_device
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, help="sequences per forward (default: the run's trainer.batch_size)")
     parser.add_argument("--seq-len", type=int, help="tokens per window (default: the run's trainer.seq_len)")
     parser.add_argument("--max-batches", type=int, help="evaluate at most this many batches (default: all)")
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+    parser.add_argument("--device", default="auto", choices=DEVICES)
+    parser.add_argument("--dtype", default="auto", choices=list(COMPUTE_DTYPES),
                         help="compute dtype; auto: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--tokenizer", help="tokenizer.json or HF dir (default: the run's own, from its prepared data)")
     args = parser.parse_args(argv)
@@ -49,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"need --batch-size >= 1, 1 <= --seq-len <= max_seq_len={ckpt.model_config.max_seq_len} "
                               f"and --max-batches >= 1; got {batch_size}, {seq_len}, {args.max_batches}")
         device = pick_device(args.device)
-        dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        dtype = pick_compute_dtype(args.dtype, device)
         if args.text:
             texts = [Path(f).read_text(encoding="utf-8", errors="replace") for f in args.text]
             batches, what = text_windows(ckpt, texts, seq_len, batch_size), f"{len(texts)} text file(s)"

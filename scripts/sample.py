@@ -20,9 +20,10 @@ from tokenizers.decoders import DecodeStream
 
 from coda_train.data import DataError
 from coda_train.errors import ConfigError
-from coda_train.inference import load_eager_model, open_checkpoint, pick_device
+from coda_train.inference import load_eager_model, open_checkpoint
 from coda_train.model.generate import generate
 from coda_train.trainer.checkpoint import CheckpointError
+from coda_train.trainer.device import COMPUTE_DTYPES, DEVICES, pick_compute_dtype, pick_device
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,8 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
     parser.add_argument("--top-p", type=float, help="sample among the most likely tokens holding this probability mass")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+    parser.add_argument("--device", default="auto", choices=DEVICES)
+    parser.add_argument("--dtype", default="auto", choices=list(COMPUTE_DTYPES),
                         help="compute dtype; auto: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--tokenizer", help="tokenizer.json or HF dir (default: the run's own, from its prepared data)")
     args = parser.parse_args(argv)
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ckpt = open_checkpoint(args.checkpoint, args.tokenizer)
         device = pick_device(args.device)
-        dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        dtype = pick_compute_dtype(args.dtype, device)
         model = load_eager_model(ckpt, device, dtype)
         prompt = ckpt.tokenizer.encode(args.prompt, add_special_tokens=False).ids if args.prompt else [ckpt.eos_id]
         tokens = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
