@@ -1,0 +1,125 @@
+"""A trained checkpoint opened for use outside training (evaluation, sampling, export): the run dir or
+checkpoint dir resolved and verified, its model config and weights, and the tokenizer it was
+trained with (the run's prepared data, or a tokenizer given explicitly and checked against it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from coda_train.data import DataConfig, DataError, PreparedData, prepare
+from coda_train.data.shards import TOKENIZER_FILE
+from coda_train.data.tokenizer import encode_documents, find_eos, fingerprint, load_tokenizer, token_dtype
+from coda_train.errors import ConfigError
+from coda_train.model import LlamaConfig, build_model
+from coda_train.model.eager import EagerLlama
+from coda_train.model.hf import check_tokenizer_fits
+from coda_train.trainer.checkpoint import (CHECKPOINTS_DIR, META_FILE, Checkpoint, CheckpointError, list_checkpoints,
+                                           load_state, newest_good_checkpoint, verify_checkpoint)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainedCheckpoint:
+    path: Path  # the checkpoint directory (step_XXXXXXXX)
+    meta: dict[str, Any]  # its meta.json: "model" (LlamaConfig fields), "config" (the run config), "step"
+    model_config: LlamaConfig
+    weights: dict[str, torch.Tensor]  # the model's state_dict, fp32 on CPU
+    tokenizer: Tokenizer
+    tokenizer_file: Path
+    eos_token: str
+    eos_id: int
+    data: Optional[PreparedData]  # the run's prepared data, when the tokenizer came from it
+
+
+def find_checkpoint(path: str | Path) -> Checkpoint:
+    """A checkpoint dir, or the newest good checkpoint of a run dir or its checkpoints/ dir, verified;
+    CheckpointError saying what is there otherwise."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist; pass a run dir (trainer.run_dir) or a checkpoint dir")
+    if (path / META_FILE).exists():
+        return Checkpoint(path, verify_checkpoint(path))
+    for root in (path / CHECKPOINTS_DIR, path):
+        if list_checkpoints(root):
+            found = newest_good_checkpoint(root)
+            if found is None:
+                raise CheckpointError(f"every checkpoint in {root} is damaged (see the warnings above); pass another one")
+            return found
+    raise CheckpointError(f"{path} is neither a checkpoint (no {META_FILE}) nor a run dir with checkpoints/step_*; "
+                          "pass the trainer.run_dir of a run that saved a checkpoint, or one of its checkpoints/step_* dirs")
+
+
+def open_checkpoint(path: str | Path, tokenizer: Optional[str] = None) -> TrainedCheckpoint:
+    """The checkpoint at `path` (see find_checkpoint) with its tokenizer: the run's prepared data's
+    (prepared again if its cache is gone), or `tokenizer` (a tokenizer.json or HF directory). The
+    tokenizer must be the one the model was trained with (same fingerprint, ids within the vocab)."""
+    ckpt, meta = find_checkpoint(path)
+    try:
+        model_config = LlamaConfig(**meta["model"]).validate()
+        run_config = meta["config"]
+    except (KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {ckpt}: {META_FILE} lacks a usable model or run config ({e!r})") from e
+    state = load_state(ckpt)
+    data = None
+    if tokenizer is None:
+        data = prepare(run_data_config(meta))
+        tok, tokenizer_file = data.tokenizer, data.path / TOKENIZER_FILE
+        eos_token, eos_id = data.manifest["tokenizer"]["eos_token"], data.eos_id
+    else:
+        tok, config_eos = load_tokenizer(tokenizer)
+        tokenizer_file = Path(tokenizer) / TOKENIZER_FILE if Path(tokenizer).is_dir() else Path(tokenizer)
+        eos_token, eos_id = find_eos(tok, run_config.get("data", {}).get("eos_token"), config_eos)
+    trained_with = state.get("train_loader", {}).get("tokenizer")
+    if trained_with is not None and trained_with != fingerprint(tok):
+        raise ConfigError(f"the tokenizer {tokenizer_file} (fingerprint {fingerprint(tok)[:12]}) is not the one checkpoint "
+                          f"{ckpt} was trained with ({trained_with[:12]}); pass the run's own tokenizer.json")
+    check_tokenizer_fits(tok, model_config, str(tokenizer_file))
+    return TrainedCheckpoint(ckpt, meta, model_config, state["model"], tok, tokenizer_file, eos_token, eos_id, data)
+
+
+def run_data_config(meta: dict[str, Any]) -> DataConfig:
+    """The data config of the run that wrote a checkpoint (its meta.json)."""
+    known = {f.name for f in dataclasses.fields(DataConfig)}
+    return DataConfig(**{k: v for k, v in meta["config"]["data"].items() if k in known})
+
+
+def load_eager_model(ckpt: TrainedCheckpoint, device: torch.device, compute_dtype: torch.dtype) -> EagerLlama:
+    """The checkpoint's weights in the eager model (any impl's checkpoint: one parameter layout), eval mode."""
+    model = build_model(ckpt.model_config, "eager", compute_dtype=compute_dtype)
+    model.load_state_dict(ckpt.weights)
+    return model.to(device).eval()
+
+
+def text_windows(ckpt: TrainedCheckpoint, texts: Iterable[str], seq_len: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(inputs, targets) batches of the texts tokenized as documents (each followed by EOS, as in
+    preparation) and cut into consecutive windows of seq_len + 1 tokens; a last partial batch is kept."""
+    tokens, _ = encode_documents(ckpt.tokenizer, list(texts), ckpt.eos_id, token_dtype(ckpt.tokenizer.get_vocab_size()))
+    n_windows = (len(tokens) - 1) // seq_len
+    if n_windows == 0:
+        raise DataError(f"the texts hold {len(tokens)} tokens, fewer than one window of {seq_len}+1; use a smaller --seq-len")
+    windows = np.stack([tokens[w * seq_len: w * seq_len + seq_len + 1] for w in range(n_windows)]).astype(np.int64)
+    for start in range(0, n_windows, batch_size):
+        batch = torch.from_numpy(windows[start:start + batch_size])
+        yield batch[:, :-1], batch[:, 1:]
+
+
+@torch.no_grad()
+def mean_loss(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> tuple[float, int]:
+    """(mean next-token cross-entropy over every target token, number of target tokens)."""
+    total, count = 0.0, 0
+    for inputs, targets in batches:
+        loss = model(inputs.to(device), targets.to(device))
+        total += loss.item() * targets.numel()
+        count += targets.numel()
+    if count == 0:
+        raise DataError("no batches to evaluate: the data is shorter than one batch")
+    return total / count, count

@@ -1,0 +1,238 @@
+"""Hugging Face Llama interop: export our weights as a `transformers` Llama checkpoint, and
+initialize our model from one.
+
+The two layouts compute the same function once three conventions are mapped:
+- RoPE: we rotate interleaved pairs (2i, 2i+1) of a head, transformers rotates halves (i, i+hd/2),
+  both by angle t * theta^(-2i/hd). Reordering each q and k head's rows to [even | odd] turns
+  one into the other, and q.k is unchanged when q and k are permuted alike.
+- Fused projections: w_qkv = [q heads | k heads | v heads], w_gate_up = [gate | up].
+- Tied embeddings: the LM head is tok_emb (`tie_word_embeddings`), so no lm_head tensor is written.
+transformers and safetensors are the `hf` extra; only this module needs them.
+
+Starting a run from a Hugging Face directory DIR: cfg = llama_config_from_hf(DIR) (its shape, not a
+preset's), model = build_model(cfg, ...), load_hf_weights(model, DIR); DIR's tokenizer.json is the
+data tokenizer unless one is given (data.tokenizer=DIR).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..errors import ConfigError
+from .config import LlamaConfig
+from .weights import LlamaWeights
+
+# BOS names of common tokenizers (Llama-3, Llama-2/Mistral, Gemma); a tokenizer with none of them
+# (our trained BPE) starts documents after its EOS, which then serves as BOS too (as in GPT-2).
+KNOWN_BOS_TOKENS = ("<|begin_of_text|>", "<s>", "<bos>")
+
+
+def _require_hf():
+    try:
+        import safetensors  # noqa: F401
+        import transformers
+    except ImportError as e:
+        raise ConfigError(f"Hugging Face interop needs transformers and safetensors ({e}); "
+                          "pip install -e '.[hf]'") from e
+    return transformers
+
+
+def _rope_rows_to_halves(w: Tensor, n_heads: int) -> Tensor:
+    """Rows of each head in [even | odd] order: our interleaved RoPE layout -> transformers' halves."""
+    return w.unflatten(0, (n_heads, -1, 2)).transpose(1, 2).flatten(0, 2)
+
+
+def _rope_rows_to_interleaved(w: Tensor, n_heads: int) -> Tensor:
+    """Inverse of _rope_rows_to_halves."""
+    return w.unflatten(0, (n_heads, 2, -1)).transpose(1, 2).flatten(0, 2)
+
+
+def to_hf_state_dict(state_dict: dict[str, Tensor], cfg: LlamaConfig) -> dict[str, Tensor]:
+    """Our parameters (LlamaWeights.state_dict()) under transformers' LlamaForCausalLM names."""
+    hd, f = cfg.head_dim, cfg.ffn_dim
+    out = {"model.embed_tokens.weight": state_dict["tok_emb"], "model.norm.weight": state_dict["norm"]}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = state_dict["lm_head"]
+    for i in range(cfg.n_layers):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        q, k, v = state_dict[ours + "w_qkv"].split([cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd])
+        out[theirs + "self_attn.q_proj.weight"] = _rope_rows_to_halves(q, cfg.n_heads)
+        out[theirs + "self_attn.k_proj.weight"] = _rope_rows_to_halves(k, cfg.n_kv_heads)
+        out[theirs + "self_attn.v_proj.weight"] = v
+        out[theirs + "self_attn.o_proj.weight"] = state_dict[ours + "w_o"]
+        out[theirs + "mlp.gate_proj.weight"], out[theirs + "mlp.up_proj.weight"] = state_dict[ours + "w_gate_up"].split([f, f])
+        out[theirs + "mlp.down_proj.weight"] = state_dict[ours + "w_down"]
+        out[theirs + "input_layernorm.weight"] = state_dict[ours + "attn_norm"]
+        out[theirs + "post_attention_layernorm.weight"] = state_dict[ours + "mlp_norm"]
+    return {name: t.contiguous() for name, t in out.items()}
+
+
+def from_hf_state_dict(hf: dict[str, Tensor], cfg: LlamaConfig) -> dict[str, Tensor]:
+    """transformers' LlamaForCausalLM tensors as our state_dict; ConfigError names missing or extra tensors."""
+    with torch.device("meta"):  # names and shapes only: no memory, no init work
+        expected = set(to_hf_state_dict(LlamaWeights(cfg).state_dict(), cfg))
+    # a tied checkpoint may still carry lm_head.weight (a copy of the embedding), and old ones the
+    # rotary inv_freq buffers (a function of rope_theta): neither is needed
+    present = {name for name in hf if not name.endswith("rotary_emb.inv_freq")}
+    present -= {"lm_head.weight"} if cfg.tie_embeddings else set()
+    missing, unexpected = sorted(expected - present), sorted(present - expected)
+    if missing or unexpected:
+        raise ConfigError(f"the Hugging Face weights do not fit the model of its config.json: missing {missing[:8]}, "
+                          f"unexpected {unexpected[:8]}; only plain Llama checkpoints (LlamaForCausalLM) are supported")
+    out = {"tok_emb": hf["model.embed_tokens.weight"], "norm": hf["model.norm.weight"]}
+    if not cfg.tie_embeddings:
+        out["lm_head"] = hf["lm_head.weight"]
+    for i in range(cfg.n_layers):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        out[ours + "w_qkv"] = torch.cat((_rope_rows_to_interleaved(hf[theirs + "self_attn.q_proj.weight"], cfg.n_heads),
+                                         _rope_rows_to_interleaved(hf[theirs + "self_attn.k_proj.weight"], cfg.n_kv_heads),
+                                         hf[theirs + "self_attn.v_proj.weight"]))
+        out[ours + "w_o"] = hf[theirs + "self_attn.o_proj.weight"]
+        out[ours + "w_gate_up"] = torch.cat((hf[theirs + "mlp.gate_proj.weight"], hf[theirs + "mlp.up_proj.weight"]))
+        out[ours + "w_down"] = hf[theirs + "mlp.down_proj.weight"]
+        out[ours + "attn_norm"] = hf[theirs + "input_layernorm.weight"]
+        out[ours + "mlp_norm"] = hf[theirs + "post_attention_layernorm.weight"]
+    return out
+
+
+def hf_config(cfg: LlamaConfig, *, bos_token_id: Optional[int], eos_token_id: Optional[int], dtype: torch.dtype):
+    """transformers.LlamaConfig of our model config."""
+    transformers = _require_hf()
+    return transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim, num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, hidden_act="silu",
+        max_position_embeddings=cfg.max_seq_len, initializer_range=cfg.init_std, rms_norm_eps=cfg.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+        tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False, attention_dropout=0.0,
+        bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=None,
+        architectures=["LlamaForCausalLM"], dtype=str(dtype).removeprefix("torch."))
+
+
+def llama_config_from_hf(hf_dir: str | Path) -> LlamaConfig:
+    """Our LlamaConfig of a local Hugging Face Llama directory's config.json; ConfigError naming every
+    setting our model cannot express."""
+    transformers = _require_hf()
+    path = Path(hf_dir)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{path} has no config.json: point at a local Hugging Face model directory "
+                          "(one written by save_pretrained or scripts/export_hf.py)")
+    raw = json.loads((path / "config.json").read_text())
+    if raw.get("model_type") != "llama":
+        raise ConfigError(f"{path}/config.json is model_type={raw.get('model_type')!r}; only 'llama' models can be loaded")
+    hf = transformers.LlamaConfig.from_pretrained(path)
+    rope = dict(hf.rope_parameters or {})
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    unsupported = {
+        "rope scaling (rope_parameters.rope_type)": (rope.get("rope_type", "default"), "default"),
+        "hidden_act": (hf.hidden_act, "silu"),
+        "attention_bias": (hf.attention_bias, False),
+        "mlp_bias": (hf.mlp_bias, False),
+        "attention_dropout": (float(hf.attention_dropout or 0.0), 0.0),
+        "head_dim": (head_dim, hf.hidden_size // hf.num_attention_heads),
+    }
+    bad = [f"{name}={value!r} (we support {ours!r})" for name, (value, ours) in unsupported.items() if value != ours]
+    if bad:
+        raise ConfigError(f"{path}/config.json sets what this model cannot express: {'; '.join(bad)}")
+    return LlamaConfig(dim=hf.hidden_size, n_layers=hf.num_hidden_layers, n_heads=hf.num_attention_heads,
+                       n_kv_heads=hf.num_key_value_heads or hf.num_attention_heads, ffn_dim=hf.intermediate_size,
+                       vocab_size=hf.vocab_size, rope_theta=float(rope["rope_theta"]), norm_eps=float(hf.rms_norm_eps),
+                       max_seq_len=hf.max_position_embeddings, tie_embeddings=bool(hf.tie_word_embeddings),
+                       init_std=float(hf.initializer_range)).validate()
+
+
+def read_hf_state_dict(hf_dir: str | Path) -> dict[str, Tensor]:
+    """Every tensor of a local HF directory's model.safetensors, or of its shards listed in the index."""
+    _require_hf()
+    from huggingface_hub import constants, load_state_dict_from_file
+
+    path = Path(hf_dir)
+    index = path / constants.SAFETENSORS_INDEX_FILE
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / constants.SAFETENSORS_SINGLE_FILE).is_file():
+        files = [constants.SAFETENSORS_SINGLE_FILE]
+    else:
+        raise ConfigError(f"{path} has no {constants.SAFETENSORS_SINGLE_FILE} or {constants.SAFETENSORS_INDEX_FILE}; "
+                          "only safetensors checkpoints are read (save with safe_serialization=True)")
+    state: dict[str, Tensor] = {}
+    for name in files:
+        state.update(load_state_dict_from_file(path / name, map_location="cpu"))
+    return state
+
+
+@torch.no_grad()
+def load_hf_weights(model: LlamaWeights, hf_dir: str | Path) -> None:
+    """Copy a local HF Llama directory's weights into `model` (built from llama_config_from_hf(hf_dir);
+    max_seq_len and init_std may differ), cast to the model's fp32 master dtype."""
+    cfg = llama_config_from_hf(hf_dir)
+    # init_std only matters at init, max_seq_len only bounds positions: the model may choose its own
+    if dataclasses.replace(cfg, init_std=model.cfg.init_std, max_seq_len=model.cfg.max_seq_len) != model.cfg:
+        raise ConfigError(f"the model was built with {model.cfg}, but {hf_dir} holds {cfg}; build it from "
+                          "llama_config_from_hf(dir)")
+    ours = from_hf_state_dict(read_hf_state_dict(hf_dir), cfg)
+    mine = model.state_dict()
+    for name, tensor in ours.items():
+        if tensor.shape != mine[name].shape:
+            raise ConfigError(f"{hf_dir}: tensor for {name} has shape {tuple(tensor.shape)}, the config implies "
+                              f"{tuple(mine[name].shape)}; the checkpoint and its config.json disagree")
+    model.load_state_dict({name: t.to(mine[name].dtype) for name, t in ours.items()}, strict=True)
+
+
+def export_hf(state_dict: dict[str, Tensor], cfg: LlamaConfig, out_dir: str | Path, *, tokenizer_file: str | Path,
+              eos_token: str, dtype: torch.dtype = torch.float32, max_shard_size: int | str = "5GB") -> Path:
+    """Write a Hugging Face Llama directory (config.json, safetensors weights sharded by
+    huggingface_hub above max_shard_size, tokenizer files, generation_config.json) that
+    LlamaForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load. out_dir must not exist
+    or be empty; it appears complete or not at all (written next to it, then renamed)."""
+    transformers = _require_hf()
+    from huggingface_hub import save_torch_state_dict
+    from tokenizers import Tokenizer
+
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out} exists and is not an empty directory; choose a new --out (nothing was written)")
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    check_tokenizer_fits(tokenizer, cfg, str(tokenizer_file))
+    eos_id = tokenizer.token_to_id(eos_token)
+    if eos_id is None:
+        raise ConfigError(f"the tokenizer {tokenizer_file} has no EOS token {eos_token!r}")
+    bos_token = next((t for t in KNOWN_BOS_TOKENS if tokenizer.token_to_id(t) is not None), eos_token)
+    bos_id = tokenizer.token_to_id(bos_token)
+    unk_token = json.loads(tokenizer.to_str())["model"].get("unk_token")  # None for byte-level BPE: no input is unknown
+    # ids past the tokenizer's vocabulary are rows that pad the embedding; generation never picks them
+    padding_ids = list(range(tokenizer.get_vocab_size(), cfg.vocab_size)) or None
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
+    hf_config(cfg, bos_token_id=bos_id, eos_token_id=eos_id, dtype=dtype).save_pretrained(tmp)
+    # copies: split views of one fused tensor share storage, which safetensors refuses to write
+    weights = {name: t.detach().to("cpu", dtype, copy=True) for name, t in to_hf_state_dict(state_dict, cfg).items()}
+    save_torch_state_dict(weights, tmp, max_shard_size=max_shard_size, metadata={"format": "pt"})
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=bos_token, eos_token=eos_token,
+                                         unk_token=unk_token, model_max_length=cfg.max_seq_len).save_pretrained(tmp)
+    # ours byte for byte (transformers adds a no-op post-processor): the same fingerprint, so
+    # data.tokenizer=DIR is recognized as the tokenizer the model was trained with
+    shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
+    transformers.GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=eos_id,
+                                  suppress_tokens=padding_ids).save_pretrained(tmp)
+    tmp.chmod(0o755)  # mkdtemp makes it private; the export is for others to read
+    if out.exists():
+        out.rmdir()  # empty (checked above)
+    os.rename(tmp, out)
+    return out
+
+
+def check_tokenizer_fits(tokenizer, cfg: LlamaConfig, where: str) -> None:
+    """ConfigError when the tokenizer has ids the model has no embedding row for."""
+    if tokenizer.get_vocab_size() > cfg.vocab_size:
+        raise ConfigError(f"the tokenizer {where} has {tokenizer.get_vocab_size()} tokens but the model's vocab_size is "
+                          f"{cfg.vocab_size}: it is not the tokenizer this model was trained with; pass the run's own tokenizer")

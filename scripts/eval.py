@@ -1,0 +1,73 @@
+"""Validation loss and perplexity of a coda-train checkpoint.
+
+    python scripts/eval.py RUN_DIR_OR_CHECKPOINT [--split val|train] [--text FILE ...]
+                           [--batch-size N] [--seq-len N] [--max-batches N]
+                           [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16] [--tokenizer PATH]
+
+By default it evaluates the run's own prepared data (`--split`, the val split unless told otherwise),
+in windows of the run's trainer.seq_len. With --text, each file is one document, tokenized with the
+checkpoint's tokenizer and followed by EOS, as preparation does. The eager model computes the loss,
+whatever impl trained the checkpoint (one parameter layout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+from pathlib import Path
+
+from coda_train.data import DataError, TokenLoader, prepare
+from coda_train.errors import ConfigError
+from coda_train.inference import load_eager_model, mean_loss, open_checkpoint, run_data_config, text_windows
+from coda_train.trainer.checkpoint import CheckpointError
+from coda_train.trainer.device import COMPUTE_DTYPES, DEVICES, pick_compute_dtype, pick_device
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="run dir or checkpoint dir")
+    parser.add_argument("--split", choices=("val", "train"), default="val", help="split of the run's prepared data")
+    parser.add_argument("--text", nargs="+", metavar="FILE", help="evaluate these text files instead")
+    parser.add_argument("--batch-size", type=int, help="sequences per forward (default: the run's trainer.batch_size)")
+    parser.add_argument("--seq-len", type=int, help="tokens per window (default: the run's trainer.seq_len)")
+    parser.add_argument("--max-batches", type=int, help="evaluate at most this many batches (default: all)")
+    parser.add_argument("--device", default="auto", choices=DEVICES)
+    parser.add_argument("--dtype", default="auto", choices=list(COMPUTE_DTYPES),
+                        help="compute dtype; auto: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--tokenizer", help="tokenizer.json or HF dir (default: the run's own, from its prepared data)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("coda_train").setLevel(logging.INFO)  # our progress (data preparation) on stderr
+    try:
+        ckpt = open_checkpoint(args.checkpoint, args.tokenizer)
+        trainer = ckpt.meta["config"]["trainer"]
+        batch_size, seq_len = args.batch_size or trainer["batch_size"], args.seq_len or trainer["seq_len"]
+        if batch_size < 1 or not 1 <= seq_len <= ckpt.model_config.max_seq_len or (args.max_batches or 1) < 1:
+            raise ConfigError(f"need --batch-size >= 1, 1 <= --seq-len <= max_seq_len={ckpt.model_config.max_seq_len} "
+                              f"and --max-batches >= 1; got {batch_size}, {seq_len}, {args.max_batches}")
+        device = pick_device(args.device)
+        dtype = pick_compute_dtype(args.dtype, device)
+        if args.text:
+            texts = [Path(f).read_text(encoding="utf-8", errors="replace") for f in args.text]
+            batches, what = text_windows(ckpt, texts, seq_len, batch_size), f"{len(texts)} text file(s)"
+        else:
+            data = ckpt.data or prepare(run_data_config(ckpt.meta))
+            batches = TokenLoader(data, args.split, batch_size, seq_len, seed=0).iter_eval(args.max_batches)
+            what = f"the {args.split} split of {data.path}"
+        if args.text and args.max_batches:
+            batches = (b for b, _ in zip(batches, range(args.max_batches)))
+        model = load_eager_model(ckpt, device, dtype)
+        loss, tokens = mean_loss(model, batches, device)
+    except (ConfigError, DataError, CheckpointError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"checkpoint {ckpt.path} (step {ckpt.meta['step']}) on {what}")
+    print(f"{tokens:,} tokens in windows of {seq_len} | {device.type} {str(dtype).removeprefix('torch.')}")
+    print(f"loss {loss:.4f} | perplexity {math.exp(loss):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Generate text from a coda-train checkpoint, streaming tokens to the terminal as they are chosen.
+
+    python scripts/sample.py RUN_DIR_OR_CHECKPOINT --prompt "def main(" [--max-new-tokens 200]
+                             [--temperature 0.8] [--top-k 50] [--top-p 0.95] [--seed 0]
+                             [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16] [--tokenizer PATH]
+
+--temperature 0 is greedy decoding. Generation stops at the tokenizer's EOS (end of document) or after
+--max-new-tokens. The prompt is tokenized as preparation does (no special tokens); an empty prompt
+starts a fresh document after EOS. Uses the eager model with a KV cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import torch
+from tokenizers.decoders import DecodeStream
+
+from coda_train.data import DataError
+from coda_train.errors import ConfigError
+from coda_train.inference import load_eager_model, open_checkpoint
+from coda_train.model.generate import generate
+from coda_train.trainer.checkpoint import CheckpointError
+from coda_train.trainer.device import COMPUTE_DTYPES, DEVICES, pick_compute_dtype, pick_device
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="run dir or checkpoint dir")
+    parser.add_argument("--prompt", default="", help="text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    parser.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
+    parser.add_argument("--top-p", type=float, help="sample among the most likely tokens holding this probability mass")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="auto", choices=DEVICES)
+    parser.add_argument("--dtype", default="auto", choices=list(COMPUTE_DTYPES),
+                        help="compute dtype; auto: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--tokenizer", help="tokenizer.json or HF dir (default: the run's own, from its prepared data)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("coda_train").setLevel(logging.INFO)  # on stderr: the text alone goes to stdout
+    try:
+        ckpt = open_checkpoint(args.checkpoint, args.tokenizer)
+        device = pick_device(args.device)
+        dtype = pick_compute_dtype(args.dtype, device)
+        model = load_eager_model(ckpt, device, dtype)
+        prompt = ckpt.tokenizer.encode(args.prompt, add_special_tokens=False).ids if args.prompt else [ckpt.eos_id]
+        tokens = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, generator=torch.Generator(device=device).manual_seed(args.seed),
+                          vocab_limit=ckpt.tokenizer.get_vocab_size(), stop_token=ckpt.eos_id)
+        stream = DecodeStream(skip_special_tokens=True)
+        for token in prompt:  # the decoder's context, so the first new token is spaced/merged as in the full text
+            stream.step(ckpt.tokenizer, token)
+        sys.stdout.write(args.prompt)
+        for token in tokens:
+            piece = stream.step(ckpt.tokenizer, token)
+            if piece:  # None while a multi-byte character is incomplete
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        sys.stdout.write("\n")
+    except (ConfigError, DataError, CheckpointError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,348 @@
+"""Hugging Face interop, evaluation and sampling on CPU: a tiny run trained by train.py, exported
+with scripts/export_hf.py and loaded by transformers; HF Llama checkpoints imported into our model;
+scripts/eval.py and scripts/sample.py on the tiny checkpoint; the errors users can cause."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")  # the `hf` extra (in `dev`)
+
+from coda_train.data import TokenLoader  # noqa: E402
+from coda_train.data.tokenizer import EOS_TOKEN, fingerprint, load_tokenizer, train_bpe  # noqa: E402
+from coda_train.errors import ConfigError  # noqa: E402
+from coda_train.inference import (find_checkpoint, load_eager_model, mean_loss, open_checkpoint,  # noqa: E402
+                                  text_windows)
+from coda_train.model import LlamaConfig, build_model  # noqa: E402
+from coda_train.model.eager import KVCache  # noqa: E402
+from coda_train.model.generate import generate, next_token_distribution  # noqa: E402
+from coda_train.model.hf import (export_hf, from_hf_state_dict, llama_config_from_hf, load_hf_weights,  # noqa: E402
+                                 to_hf_state_dict)
+from coda_train.trainer.checkpoint import CheckpointError  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TEXT = "def parse(path):\n    with open(path) as f:\n        return [line.split() for line in f]\n"
+
+
+def run_script(name: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    # PYTHONPATH: the scripts import this checkout's coda_train, not whichever one is installed
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, f"scripts/{name}", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def trained_run(tiny, tmp_path_factory) -> Path:
+    """A 12-step run of the tiny model (vocab 320 = the 300-token BPE padded to a multiple of 64)."""
+    run_dir = tmp_path_factory.mktemp("hf_run")
+    result = subprocess.run([sys.executable, "train.py", *tiny, f"trainer.run_dir={run_dir}", "trainer.max_steps=12",
+                             "model.impl=eager"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def exported(trained_run, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("hf_export") / "tiny-llama"
+    result = run_script("export_hf.py", str(trained_run), "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "model.safetensors" in result.stdout
+    return out
+
+
+@pytest.fixture
+def hf_load_warnings(caplog):
+    """Warnings transformers logs (it does not propagate to the root logger by default)."""
+    transformers.logging.enable_propagation()
+    caplog.set_level(logging.WARNING, logger="transformers")
+    yield lambda: [r.getMessage() for r in caplog.records if r.name.startswith("transformers") and r.levelno >= logging.WARNING]
+    transformers.logging.disable_propagation()
+
+
+def tiny_model(tie: bool = True, vocab_size: int = 320) -> tuple[LlamaConfig, torch.nn.Module]:
+    cfg = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=vocab_size, max_seq_len=64,
+                      rope_theta=500000.0, norm_eps=1e-6, tie_embeddings=tie)
+    torch.manual_seed(0)
+    model = build_model(cfg, "eager", compute_dtype=torch.float32)
+    with torch.no_grad():  # norms away from 1, so a swapped norm would show
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.normal_(1.0, 0.2)
+    return cfg, model
+
+
+def tokenizer_file(tmp_path: Path, vocab_size: int = 300) -> Path:
+    texts = [p.read_text()[:3000] for p in sorted((REPO / "coda_train").rglob("*.py"))[:30]]
+    path = tmp_path / f"tokenizer-{vocab_size}.json"
+    train_bpe(texts, vocab_size).save(str(path))
+    return path
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+# ---- export: our checkpoint -> transformers -------------------------------------------------
+
+def test_exported_checkpoint_loads_in_transformers_with_our_logits(trained_run, exported, hf_load_warnings):
+    ckpt = open_checkpoint(trained_run)
+    ours = load_eager_model(ckpt, torch.device("cpu"), torch.float32)
+    hf, info = transformers.LlamaForCausalLM.from_pretrained(exported, output_loading_info=True)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
+    assert hf_load_warnings() == []
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert hf.config.tie_word_embeddings and hf.config.vocab_size == 320 and hf.dtype == torch.float32
+
+    ids = ckpt.tokenizer.encode(TEXT, add_special_tokens=False).ids
+    assert hf_tokenizer(TEXT).input_ids == ids and hf_tokenizer.decode(ids) == TEXT
+    assert hf_tokenizer.eos_token == hf_tokenizer.bos_token == EOS_TOKEN == ckpt.eos_token
+    assert hf.generation_config.eos_token_id == ckpt.eos_id
+    assert hf.generation_config.suppress_tokens == list(range(300, 320))  # padded rows are never generated
+    tokens = torch.tensor([ids])
+    with torch.no_grad():
+        assert rel_err(hf(tokens).logits, ours.logits(tokens)) < 1e-5
+    # the trainer's tokenizer path for a Hugging Face directory finds the very tokenizer of the run
+    tokenizer, eos = load_tokenizer(str(exported))
+    assert fingerprint(tokenizer) == fingerprint(ckpt.tokenizer) and eos == ckpt.eos_token
+    assert open_checkpoint(trained_run, tokenizer=str(exported)).eos_id == ckpt.eos_id
+
+
+def test_load_warning_capture_sees_a_missing_weight(tmp_path, hf_load_warnings):
+    """Control for the test above: a tensor removed from an export is reported, so [] means none."""
+    from safetensors.torch import load_file, save_file
+
+    cfg, model = tiny_model()
+    out = export_hf(model.state_dict(), cfg, tmp_path / "hf", tokenizer_file=tokenizer_file(tmp_path), eos_token=EOS_TOKEN)
+    weights = load_file(out / "model.safetensors")
+    del weights["model.norm.weight"]
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    transformers.LlamaForCausalLM.from_pretrained(out)
+    assert any("model.norm.weight" in m and "MISSING" in m for m in hf_load_warnings())
+    with pytest.raises(ConfigError, match="missing.*model.norm.weight"):
+        load_hf_weights(build_model(llama_config_from_hf(out), "eager"), out)
+
+
+def test_large_export_is_sharded_by_huggingface_hub_and_loads(tmp_path, hf_load_warnings):
+    cfg, model = tiny_model(tie=False)
+    out = export_hf(model.state_dict(), cfg, tmp_path / "hf", tokenizer_file=tokenizer_file(tmp_path),
+                    eos_token=EOS_TOKEN, max_shard_size="100KB")
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 2 and (out / "model.safetensors.index.json").is_file()
+    hf = transformers.LlamaForCausalLM.from_pretrained(out)
+    assert hf_load_warnings() == []
+    tokens = torch.randint(0, 300, (2, 17))
+    with torch.no_grad():
+        assert rel_err(hf(tokens).logits, model.logits(tokens)) < 1e-5
+    imported = build_model(llama_config_from_hf(out), "eager")
+    load_hf_weights(imported, out)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(imported.state_dict()[name], tensor), name
+
+
+# ---- import: transformers -> ours ---------------------------------------------------------
+
+def hf_llama(tmp_path: Path, tie: bool, **overrides) -> tuple[Path, torch.nn.Module]:
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
+                                      rms_norm_eps=1e-6, tie_word_embeddings=tie,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, **overrides)
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+    path = tmp_path / f"hf-tie{tie}"
+    model.save_pretrained(path)
+    return path, model
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_hf_to_ours_to_hf_is_the_identity(tmp_path, tie):
+    path, hf = hf_llama(tmp_path, tie)
+    cfg = llama_config_from_hf(path)
+    assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.vocab_size) == (64, 2, 8, 2, 160, 96)
+    assert (cfg.rope_theta, cfg.norm_eps, cfg.max_seq_len, cfg.tie_embeddings) == (500000.0, 1e-6, 128, tie)
+    ours = build_model(cfg, "eager")
+    load_hf_weights(ours, path)
+    back = to_hf_state_dict(ours.state_dict(), cfg)
+    expected = {k: v for k, v in hf.state_dict().items() if not (tie and k == "lm_head.weight")}
+    assert back.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(back[name], tensor), name
+    old_style = {**back, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)}  # buffers older saves hold
+    assert from_hf_state_dict(old_style, cfg).keys() == ours.state_dict().keys()
+    tokens = torch.randint(0, 96, (2, 21))
+    with torch.no_grad():
+        assert rel_err(ours.logits(tokens), hf(tokens).logits) < 1e-5
+
+
+@pytest.mark.parametrize("overrides, named", [
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}, "rope scaling"),
+    ({"attention_bias": True}, "attention_bias=True"),
+    ({"mlp_bias": True}, "mlp_bias=True"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"head_dim": 16}, "head_dim=16"),
+])
+def test_unsupported_hf_config_is_a_clear_config_error(tmp_path, overrides, named):
+    base = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 1,
+            "num_attention_heads": 8, "num_key_value_heads": 2}
+    rope = overrides.pop("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0})
+    transformers.LlamaConfig(**base, rope_parameters=rope, **overrides).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=re.escape(named)) as e:
+        llama_config_from_hf(tmp_path)
+    assert "cannot express" in str(e.value)
+
+
+def test_not_a_llama_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        llama_config_from_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ConfigError, match="model_type='gpt2'.*only 'llama'"):
+        llama_config_from_hf(tmp_path)
+
+
+def test_exported_then_imported_model_continues_with_the_same_loss(trained_run, exported):
+    """Continued pretraining starts where the exported model stood: same weights, same loss on the
+    run's own batch, for the eager and the coda model."""
+    ckpt = open_checkpoint(trained_run)
+    inputs, targets = TokenLoader(ckpt.data, "train", 4, 32, seed=7).next_batch()
+    cfg = llama_config_from_hf(exported)
+    assert cfg == dataclasses.replace(ckpt.model_config, init_std=cfg.init_std)
+    for impl in ("eager", "coda"):
+        exported_model, imported = build_model(ckpt.model_config, impl), build_model(cfg, impl)
+        exported_model.load_state_dict(ckpt.weights)
+        load_hf_weights(imported, exported)
+        for name, tensor in ckpt.weights.items():
+            assert torch.equal(imported.state_dict()[name], tensor), name
+        with torch.no_grad():
+            assert imported(inputs, targets).item() == exported_model(inputs, targets).item()
+
+
+# ---- evaluation -------------------------------------------------------------------------
+
+def test_eval_script_reports_loss_and_perplexity_of_the_val_split_and_of_text_files(trained_run, tmp_path):
+    result = run_script("eval.py", str(trained_run), "--max-batches", "3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    loss, ppl = map(float, re.search(r"loss ([\d.]+) \| perplexity ([\d.]+)", result.stdout).groups())
+    assert "val split" in result.stdout and "384 tokens" in result.stdout  # 3 batches x 4 x 32
+    ckpt = open_checkpoint(trained_run)
+    model = load_eager_model(ckpt, torch.device("cpu"), torch.float32)
+    expected, count = mean_loss(model, TokenLoader(ckpt.data, "val", 4, 32, seed=0).iter_eval(3), torch.device("cpu"))
+    assert count == 384 and loss == pytest.approx(expected, abs=1e-4) and ppl == pytest.approx(math.exp(expected), rel=1e-3)
+    assert 2.0 < loss < math.log(320) + 0.5  # trained a little: below chance, but not memorized
+
+    text = tmp_path / "doc.py"
+    text.write_text(TEXT * 12)
+    result = run_script("eval.py", str(trained_run), "--text", str(text), "--seq-len", "16", "--device", "cpu")
+    assert result.returncode == 0, result.stderr[-3000:]
+    loss = float(re.search(r"loss ([\d.]+)", result.stdout).group(1))
+    expected, count = mean_loss(model, text_windows(ckpt, [TEXT * 12], 16, 4), torch.device("cpu"))
+    assert f"{count:,} tokens in windows of 16" in result.stdout and loss == pytest.approx(expected, abs=1e-4)
+
+
+# ---- sampling ---------------------------------------------------------------------------
+
+def test_kv_cache_logits_equal_full_sequence_logits(trained_run):
+    ckpt = open_checkpoint(trained_run)
+    model = load_eager_model(ckpt, torch.device("cpu"), torch.float32)
+    tokens = torch.tensor([ckpt.tokenizer.encode(TEXT).ids[:30]] * 2)
+    with torch.no_grad():
+        full = model.logits(tokens)
+        cache = KVCache(model.cfg, 2, 30, torch.device("cpu"), torch.float32)
+        pieces = [model.logits(tokens[:, :11], cache), model.logits(tokens[:, 11:20], cache)]  # prefill, then a chunk
+        pieces += [model.logits(tokens[:, t:t + 1], cache) for t in range(20, 30)]  # then one token at a time
+    assert cache.length == 30
+    assert rel_err(torch.cat(pieces, dim=1), full) < 1e-5
+    with pytest.raises(ValueError, match="KV cache holds 30"):
+        model.logits(tokens[:, :1], cache)
+
+
+def test_sampling_is_seeded_and_greedy_equals_transformers_generate(trained_run, exported):
+    ckpt = open_checkpoint(trained_run)
+    model = load_eager_model(ckpt, torch.device("cpu"), torch.float32)
+    prompt = ckpt.tokenizer.encode("def ", add_special_tokens=False).ids
+
+    def sample(seed: int, **kw) -> list[int]:
+        return list(generate(model, prompt, 24, generator=torch.Generator().manual_seed(seed), vocab_limit=300, **kw))
+
+    assert sample(3, temperature=1.0, top_k=50, top_p=0.9) == sample(3, temperature=1.0, top_k=50, top_p=0.9)
+    assert sample(3, temperature=1.0) != sample(4, temperature=1.0)
+    assert all(t < 300 for t in sample(5, temperature=2.0))
+
+    greedy = sample(0, temperature=0.0)
+    hf = transformers.LlamaForCausalLM.from_pretrained(exported)
+    out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=24, attention_mask=torch.ones(1, len(prompt)))
+    assert out[0, len(prompt):].tolist() == greedy
+
+
+def test_top_k_and_top_p_keep_the_right_tokens():
+    probs = torch.tensor([0.1, 0.4, 0.2, 0.05, 0.25])
+    logits = probs.log()
+
+    def kept(dist: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        mask = torch.zeros(5, dtype=torch.bool)
+        mask[ids] = True
+        return torch.where(mask, probs, 0) / probs[ids].sum()
+
+    assert torch.allclose(next_token_distribution(logits, 1.0, 2, None), kept(probs, [1, 4]))
+    # nucleus: sorted masses 0.4, 0.25, 0.2, ...; a token stays while the mass before it is < top_p
+    assert torch.allclose(next_token_distribution(logits, 1.0, None, 0.6), kept(probs, [1, 4]))
+    assert torch.allclose(next_token_distribution(logits, 1.0, None, 0.7), kept(probs, [1, 4, 2]))
+    assert torch.allclose(next_token_distribution(logits, 1.0, 2, 0.3), kept(probs, [1]))
+    assert torch.allclose(next_token_distribution(logits, 0.5, None, None), torch.softmax(logits / 0.5, 0))
+
+
+def test_sample_script_streams_a_seeded_continuation(trained_run):
+    args = (str(trained_run), "--prompt", "def ", "--max-new-tokens", "20", "--seed", "5", "--top-k", "40")
+    first, second = run_script("sample.py", *args), run_script("sample.py", *args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.stdout == second.stdout and first.stdout.startswith("def ") and len(first.stdout) > len("def \n")
+    ckpt = open_checkpoint(trained_run)
+    model = load_eager_model(ckpt, torch.device("cpu"), torch.float32)
+    prompt = ckpt.tokenizer.encode("def ", add_special_tokens=False).ids
+    ids = list(generate(model, prompt, 20, temperature=0.8, top_k=40, generator=torch.Generator().manual_seed(5),
+                        vocab_limit=300, stop_token=ckpt.eos_id))
+    assert first.stdout == ckpt.tokenizer.decode(prompt + ids) + "\n"
+
+
+# ---- bad input ----------------------------------------------------------------------------
+
+def test_a_directory_without_a_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(CheckpointError, match="neither a checkpoint.*nor a run dir"):
+        find_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        find_checkpoint(tmp_path / "nope")
+    for script in ("eval.py", "sample.py", "export_hf.py"):
+        result = run_script(script, str(tmp_path), *(["--out", str(tmp_path / "x")] if script == "export_hf.py" else []))
+        assert result.returncode == 1 and "neither a checkpoint" in result.stderr, (script, result.stderr[-2000:])
+
+
+def test_a_tokenizer_that_does_not_match_the_model_is_refused(trained_run, tmp_path):
+    other = tokenizer_file(tmp_path, 280)
+    with pytest.raises(ConfigError, match="not the one checkpoint .* was trained with"):
+        open_checkpoint(trained_run, tokenizer=str(other))
+    big = tokenizer_file(tmp_path, 400)  # more ids than the model's 320 embedding rows
+    cfg, model = tiny_model()
+    with pytest.raises(ConfigError, match="400 tokens but the model's vocab_size is 320"):
+        export_hf(model.state_dict(), cfg, tmp_path / "out", tokenizer_file=big, eos_token=EOS_TOKEN)
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_refuses_a_non_empty_output_dir(trained_run, tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    result = run_script("export_hf.py", str(trained_run), "--out", str(tmp_path))
+    assert result.returncode == 1 and "not an empty directory" in result.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
