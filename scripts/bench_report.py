@@ -19,8 +19,25 @@ PEERS = ("eager", "compile", "compile-graphs", "compile-max-autotune", "liger")
 SHAPE_ORDER = ("125m", "1b-4x4096", "1b-2x8192", "8b-slice")
 
 
+PROFILE_VERSION = 2  # bench.py's coda breakdown before version 2 counted profiler ranges as kernels
+
+
 def load(paths: list[Path]) -> list[dict]:
-    results = [json.loads(p.read_text()) for p in paths]
+    """One result per shape: the run with the most variants; its coda breakdown is the newest
+    valid one among that shape's runs (a `--variants coda --tag=-profile` run can supply it)."""
+    by_shape: dict[str, list[dict]] = {}
+    for path in paths:
+        r = json.loads(path.read_text())
+        by_shape.setdefault(r["shape"], []).append(r)
+    results = []
+    for runs in by_shape.values():
+        main = max(runs, key=lambda r: len(r["variants"]))
+        profiled = [r for r in runs if r.get("coda_profile", {}).get("version", 1) >= PROFILE_VERSION]
+        src = max(profiled, key=lambda r: r["environment"]["date"]) if profiled else None
+        main["coda_profile"] = None if src is None else {
+            **src["coda_profile"], "command": src["command"], "date": src["environment"]["date"],
+            "coda_ms": src["variants"]["coda"]["fwd_bwd"]["median_ms"]}
+        results.append(main)
     return sorted(results, key=lambda r: SHAPE_ORDER.index(r["shape"]) if r["shape"] in SHAPE_ORDER else 99)
 
 
@@ -55,12 +72,52 @@ def shape_table(r: dict) -> list[str]:
                   f"backward {floor['attention_bwd_ms']:.3f} ms per layer)."]
     prof = r.get("coda_profile")
     if prof:
-        lines += ["", f"Where a coda step goes (profiler, {prof['launches_per_step']:.0f} kernel launches per step, "
+        lines += ["", f"Where a coda step goes (`{prof['command']}`, {prof['date']}; coda {prof['coda_ms']:.2f} ms "
+                  f"forward+backward in that run): {prof['launches_per_step']:.0f} kernel launches per step, "
                   f"{prof['kernel_ms_per_step']:.2f} ms of kernels, GPU idle {100 * prof['gpu_idle_fraction']:.0f}% of "
-                  f"the {prof['gpu_window_ms_per_step']:.2f} ms from first kernel to last):", "",
+                  f"the {prof['gpu_window_ms_per_step']:.2f} ms from first kernel to last. Kernel time by op "
+                  f"(a second profiled pass with a range around every op call: "
+                  f"{prof['annotated_kernel_ms_per_step']:.2f} ms of kernels):", "",
                   "| owner (coda op, or [kernel class] outside any op) | ms / step |", "|---|---:|"]
         lines += [f"| {owner} | {ms:.3f} |" for owner, ms in prof["by_owner_ms"].items()]
+        lines += gap_table(r)
     return lines + [""]
+
+
+# The floor's work inside each coda op: GEMMs of bench.py's step_gemms (names) and attention passes.
+# An op's excess over them is what its epilogue (or its very existence) costs; ops absent here
+# (RoPE backward, the tiny reductions, embedding, casts) and GPU idle time have no floor at all.
+FLOOR_PARTS = {
+    "gemm_rowscale_rope": ["qkv fwd"], "attention": ["attention fwd"],
+    "gemm_residual_rmsnorm_partial": ["o fwd", "down fwd"], "gemm_rowscale_swiglu": ["gate_up fwd"],
+    "gemm_rowscale_cross_entropy": ["lm_head fwd"], "gemm_cross_entropy_backward": [],  # recomputes the logits
+    "gemm_dswiglu_rowscale_stat": ["down dgrad"], "matmul": ["o dgrad"], "attention_backward": ["attention bwd"],
+    "gemm_rmsnorm_backward": ["gate_up dgrad", "qkv dgrad", "lm_head dgrad"],
+    "matmul_tn": ["qkv wgrad", "o wgrad", "gate_up wgrad", "down wgrad", "lm_head wgrad"],
+}
+
+
+def gap_table(r: dict) -> list[str]:
+    """Every millisecond from the floor to coda: per op, its kernel time against the floor's time
+    for the same GEMMs / attention, then the work with no floor counterpart and the GPU idle time."""
+    prof, floor = r.get("coda_profile"), r["variants"].get("floor")
+    if not prof or not floor:
+        return []
+    part_ms = {g["gemm"]: g["best_ms"] * g["count"] for g in floor["gemms"]}
+    part_ms["attention fwd"] = floor["attention_fwd_ms"] * r["n_layers"]
+    part_ms["attention bwd"] = floor["attention_bwd_ms"] * r["n_layers"]
+    lines = ["", "Gap from the floor, attributed (kernel time of the profiled coda step against the floor's time for "
+             "the same GEMMs and attention):", "", "| coda op | coda ms | floor ms (same work) | excess ms |", "|---|---:|---:|---:|"]
+    total_excess = 0.0
+    for op, ms in prof["by_owner_ms"].items():
+        base = sum(part_ms[p] for p in FLOOR_PARTS.get(op, []))
+        total_excess += ms - base
+        lines.append(f"| {op} | {ms:.2f} | {base:.2f} | {ms - base:+.2f} |")
+    idle = prof["gpu_window_ms_per_step"] - prof["busy_ms_per_step"]
+    lines.append(f"| GPU idle between kernels | - | - | {idle:+.2f} |")
+    lines.append(f"| **total** | | | **{total_excess + idle:+.2f}** (coda {prof['coda_ms']:.2f} − floor "
+                 f"{floor['fwd_bwd']['median_ms']:.2f} = {prof['coda_ms'] - floor['fwd_bwd']['median_ms']:+.2f}) |")
+    return lines
 
 
 def summary_table(results: list[dict]) -> list[str]:
