@@ -21,7 +21,8 @@ def _result(shape: str) -> dict:
 
     floor = row(25.0)
     floor.update(gemm_ms=20.0, attention_ms=5.0, attention_fwd_ms=0.1, attention_bwd_ms=0.3,
-                 gemms=[{"gemm": "qkv fwd", "best": "cublas"}, {"gemm": "o fwd", "best": "quack"}])
+                 gemms=[{"gemm": "qkv fwd", "best": "cublas", "best_ms": 0.5, "count": 12},
+                        {"gemm": "o fwd", "best": "quack", "best_ms": 0.25, "count": 12}])
     return {"shape": shape, "preset": "llama3_125m", "n_layers": 12, "batch": 8, "seq": 2048,
             "command": f"scripts/bench.py --shape {shape}", "gemm_peak_tflops": {"peak": 780.0},
             "environment": {"gpu": "NVIDIA H200", "cuda": "13.0", "date": "2026-11-30 17:00 UTC",
@@ -29,8 +30,9 @@ def _result(shape: str) -> dict:
             "variants": {"eager": row(50.0, 55.0, 9.0), "compile": row(31.0, 36.0, 4.0), "coda": row(40.0, 45.0, 3.0),
                          "floor": floor},
             "failed": {"liger": "RuntimeError: no liger here"}, "not_run": ["compile-max-autotune"],
-            "coda_profile": {"launches_per_step": 800, "kernel_ms_per_step": 30.0, "gpu_idle_fraction": 0.25,
-                             "gpu_window_ms_per_step": 40.0, "by_owner_ms": {"gemm_rowscale_rope": 3.0, "[copies / casts]": 2.0}}}
+            "coda_profile": {"version": 2, "launches_per_step": 800, "kernel_ms_per_step": 30.0, "busy_ms_per_step": 29.0,
+                             "gpu_idle_fraction": 0.25, "gpu_window_ms_per_step": 40.0, "annotated_kernel_ms_per_step": 30.5,
+                             "by_owner_ms": {"gemm_rowscale_rope": 7.0, "[copies / casts]": 2.0}}}
 
 
 def test_report_writes_tables_summary_and_chart(tmp_path):
@@ -48,4 +50,23 @@ def test_report_writes_tables_summary_and_chart(tmp_path):
     assert "| liger | failed: RuntimeError: no liger here" in text
     assert "Not run at this shape: compile-max-autotune." in text
     assert "1 of 2 shapes on quack" in text and "| [copies / casts] | 2.000 |" in text
+    # the gap: rope's 7 ms against its floor GEMM (qkv fwd, 12 x 0.5 ms), the casts have no floor, idle 40 - 29
+    assert "| gemm_rowscale_rope | 7.00 | 6.00 | +1.00 |" in text and "| [copies / casts] | 2.00 | 0.00 | +2.00 |" in text
+    assert "| GPU idle between kernels | - | - | +11.00 |" in text and "**+14.00**" in text
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_profile_from_a_profile_only_run_and_old_profiles_ignored(tmp_path):
+    full, profile_only = _result("125m"), _result("125m")
+    full["coda_profile"]["version"] = 1  # the double-counting breakdown: never shown
+    profile_only["variants"] = {"coda": profile_only["variants"]["coda"]}
+    profile_only["command"] = "scripts/bench.py --shape 125m --variants coda --tag=-profile"
+    profile_only["coda_profile"]["by_owner_ms"] = {"rope_backward_rowscale_stat": 9.5}
+    for name, r in (("a.json", full), ("b.json", profile_only)):
+        (tmp_path / name).write_text(json.dumps(r))
+    md = tmp_path / "b.md"
+    subprocess.run([sys.executable, str(ROOT / "scripts/bench_report.py"), str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                    "--md", str(md), "--png", str(tmp_path / "b.png")], check=True, cwd=tmp_path)
+    text = md.read_text()
+    assert text.count("### 125m") == 1 and "| compile | 31.00 |" in text  # the variants of the full run
+    assert "--tag=-profile" in text and "| rope_backward_rowscale_stat | 9.500 |" in text and "| gemm_rowscale_rope | 7.000 |" not in text
