@@ -5,7 +5,7 @@ A checkpoint is written into a hidden temporary directory (state.pt, then meta.j
 sha256), each file fsynced, then the directory is renamed to its final name and the parent fsynced.
 So a directory named step_* is complete by construction, and its checksum catches later damage.
 Before writing, the free space is checked against the state's tensor bytes (what torch.save writes,
-give or take a few KiB); a write that fails anyway (disk full, read-only, quota) removes its temporary
+plus 1% and 256 KiB for its records and meta.json); a write that fails anyway (disk full, read-only, quota) removes its temporary
 directory and raises the OSError, leaving every earlier checkpoint as it was. Temporary directories
 (.tmp-*) found when a run starts are a dead writer's (the run dir's lock allows one writer) and are
 removed then (remove_partial_writes).
@@ -156,9 +156,9 @@ def save_checkpoint(root: Path, step: int, state: dict[str, Any], meta: dict[str
     with ENOSPC after that many bytes."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
-    if final.exists():  # from another trajectory that resumed at this step: kept aside like set_aside_newer's
+    if final.exists():  # set_aside_newer ran at resume; this keeps the rename below safe whatever the caller did
         set_aside_newer(root, step - 1)
-    _check_free_space(root, tensor_bytes(state) + 2**20)
+    _check_free_space(root, int(tensor_bytes(state) * 1.01) + 2**18)  # + torch.save's per-tensor records, meta.json
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     tmp.mkdir()
     try:
