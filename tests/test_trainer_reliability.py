@@ -58,6 +58,22 @@ def test_exclusive_lock_names_its_holder_and_dies_with_it(tmp_path):
         assert lock.read_text().split()[0] == str(os.getpid())
 
 
+def test_exclusive_lock_with_wait_blocks_until_the_holder_lets_go(tmp_path, caplog):
+    lock = tmp_path / "x.lock"
+    holder = subprocess.Popen([sys.executable, "-c", "import time; from pathlib import Path; "
+                               "from coda_train.durable import exclusive_lock\n"
+                               f"with exclusive_lock(Path({str(lock)!r}), wait=False):\n"
+                               "    print('held', flush=True); time.sleep(1.5)"],
+                              cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"
+    caplog.set_level("INFO")
+    start = time.monotonic()
+    with exclusive_lock(lock, wait=True):
+        assert time.monotonic() - start > 1.0  # blocked until the holder's 1.5 s were over
+    assert f"held by process {holder.pid} on host" in caplog.text
+    holder.wait()
+
+
 def test_second_run_in_a_busy_run_dir_stops_at_once_naming_the_holder(tiny, tmp_path):
     run_dir = tmp_path / "run"
     first = subprocess.Popen([sys.executable, "train.py", *tiny, f"trainer.run_dir={run_dir}", "trainer.max_steps=100000",
