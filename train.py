@@ -20,13 +20,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from coda_train.config import register_configs, to_dataclass
-from coda_train.data import DataError
-from coda_train.durable import LockHeld
 from coda_train.errors import ConfigError
-from coda_train.trainer.checkpoint import CheckpointError
-from coda_train.trainer.loop import EXIT_BAD_INPUT, EXIT_NON_FINITE, EXIT_RUN_DIR, train
-from coda_train.trainer.rundir import RunDirError
-from coda_train.trainer.step import NonFiniteError
+from coda_train.trainer.loop import EXIT_BAD_INPUT, STOP_ERRORS, exit_code, train
 
 log = logging.getLogger("train")
 register_configs()
@@ -40,13 +35,9 @@ def main(cfg: DictConfig) -> None:
         log.error("%s", e)
         sys.exit(EXIT_BAD_INPUT)
     try:
-        train(config, Path(HydraConfig.get().runtime.output_dir))  # it logs the error it stops on
-    except (ConfigError, DataError, CheckpointError, LockHeld):  # kernels.BackendError is a ConfigError
-        sys.exit(EXIT_BAD_INPUT)
-    except NonFiniteError:
-        sys.exit(EXIT_NON_FINITE)
-    except RunDirError:
-        sys.exit(EXIT_RUN_DIR)
+        train(config, Path(HydraConfig.get().runtime.output_dir))
+    except STOP_ERRORS as e:  # train() logged it; kernels.BackendError is a ConfigError
+        sys.exit(exit_code(e))
 
 
 if __name__ == "__main__":

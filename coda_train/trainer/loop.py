@@ -45,6 +45,13 @@ EXIT_RUN_DIR = 4  # a run-dir write failed (disk full, read-only, permissions); 
 STOP_ERRORS = (ConfigError, DataError, CheckpointError, LockHeld, RunDirError, NonFiniteError)
 
 
+def exit_code(error: Exception) -> int:
+    """train.py's exit code for one of STOP_ERRORS."""
+    if isinstance(error, NonFiniteError):
+        return EXIT_NON_FINITE
+    return EXIT_RUN_DIR if isinstance(error, RunDirError) else EXIT_BAD_INPUT
+
+
 class StopSignal:
     """Turns the first SIGTERM/SIGINT into a request to checkpoint and stop after the current step;
     a second one gets the default behaviour (immediate exit)."""
