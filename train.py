@@ -5,8 +5,10 @@
     python train.py -m model.impl=coda,eager           # one run per value (multirun)
 
 Exit codes: 0 finished, or stopped by SIGTERM/SIGINT after saving a checkpoint (run again with the
-same trainer.run_dir to continue); 1 bad input (config, data, backend, checkpoint; nothing trained);
-3 the loss or gradient norm became non-finite (that state is not saved).
+same trainer.run_dir to continue); 1 bad input (config, data, backend, checkpoint, or the run dir in
+use by another run; nothing trained); 3 the loss or gradient norm became non-finite (that state is not
+saved); 4 a file of the run dir could not be written (disk full, read-only, permissions; the newest
+checkpoint is intact: fix the cause and run again to continue).
 """
 
 import logging
@@ -18,11 +20,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from coda_train.config import register_configs, to_dataclass
-from coda_train.data import DataError
 from coda_train.errors import ConfigError
-from coda_train.trainer.checkpoint import CheckpointError
-from coda_train.trainer.loop import EXIT_BAD_INPUT, EXIT_NON_FINITE, train
-from coda_train.trainer.step import NonFiniteError
+from coda_train.trainer.loop import EXIT_BAD_INPUT, STOP_ERRORS, exit_code, train
 
 log = logging.getLogger("train")
 register_configs()
@@ -31,13 +30,14 @@ register_configs()
 @hydra.main(config_path="configs", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     try:
-        train(to_dataclass(cfg), Path(HydraConfig.get().runtime.output_dir))
-    except (ConfigError, DataError, CheckpointError) as e:  # kernels.BackendError is a ConfigError
+        config = to_dataclass(cfg)
+    except ConfigError as e:
         log.error("%s", e)
         sys.exit(EXIT_BAD_INPUT)
-    except NonFiniteError as e:
-        log.error("%s", e)
-        sys.exit(EXIT_NON_FINITE)
+    try:
+        train(config, Path(HydraConfig.get().runtime.output_dir))
+    except STOP_ERRORS as e:  # train() logged it; kernels.BackendError is a ConfigError
+        sys.exit(exit_code(e))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ before anything runs. Cross-field checks that need the data (vocab size) or the 
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -76,6 +77,8 @@ class DebugConfig:
     nan_loss_at_step: Optional[int] = None  # multiply that step's loss by NaN
     sigkill_after_step: Optional[int] = None  # SIGKILL this process after that step (and its checkpoint)
     sigkill_in_checkpoint_at_step: Optional[int] = None  # SIGKILL halfway through writing that step's checkpoint
+    sigterm_after_step: Optional[int] = None  # send this process SIGTERM after that step (and its checkpoint)
+    disk_full_in_checkpoint_at_step: Optional[int] = None  # that step's checkpoint write fails with ENOSPC halfway
 
 
 @dataclass
@@ -105,9 +108,25 @@ def _choose(name: str, value: Any, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"{name}={value!r} is not one of {list(choices)}")
 
 
+def _non_finite_floats(node: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(key, value, schema default) of every float setting, alone or in a list, that is NaN or infinite."""
+    found = []
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            found += _non_finite_floats(value, f"{prefix}{f.name}.")
+        elif any(isinstance(v, float) and not math.isfinite(v) for v in (value if isinstance(value, (list, tuple)) else [value])):
+            found.append((prefix + f.name, value, f.default))
+    return found
+
+
 def check_config(cfg: Config) -> None:
     """Cross-field checks hydra's types cannot express; raises ConfigError naming the fix."""
     t, o = cfg.trainer, cfg.optim
+    for key, value, default in _non_finite_floats(cfg):  # NaN passes every comparison below
+        works = "null (the preset's value)" if default is None else repr(default)
+        raise ConfigError(f"{key}={value} is not a finite number; every float setting must be finite "
+                          f"(e.g. {key}={works})")
     _choose("model.impl", cfg.model.impl, tuple(IMPLS))
     _choose("kernels.backend", cfg.kernels.backend, BACKENDS)
     _choose("optim.name", o.name, OPTIMIZERS)
@@ -135,7 +154,8 @@ def check_config(cfg: Config) -> None:
     if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
         raise ConfigError(f"optim.betas={list(o.betas)} must be two numbers in [0, 1), e.g. optim.betas=[0.9,0.95]")
     if o.warmup_steps < 0 or o.weight_decay < 0 or o.grad_clip < 0 or o.eps < 0:
-        raise ConfigError("optim.warmup_steps, optim.weight_decay, optim.grad_clip and optim.eps must be >= 0")
+        raise ConfigError("optim.warmup_steps, optim.weight_decay, optim.grad_clip and optim.eps must be >= 0 "
+                          "(optim.grad_clip=0 disables clipping)")
     if not 0.0 < o.decay_fraction <= 1.0:
         raise ConfigError(f"optim.decay_fraction={o.decay_fraction} must be in (0, 1]")
     if cfg.model.vocab_multiple_of < 1:

@@ -56,7 +56,9 @@ def without_timing(lines: list[dict]) -> list[dict]:
 
 
 def snapshot(path: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+    """The run's files, but .lock and train.log: every attempt on the dir writes its PID and log lines there."""
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))
+            if p.is_file() and p.name not in (".lock", "train.log")}
 
 
 @pytest.fixture(scope="session")
@@ -152,12 +154,12 @@ def test_resume_after_sigkill_is_exact(tiny, straight_run, tmp_path):
 
 def test_resume_from_an_older_checkpoint_with_a_new_lr(tiny, straight_run, tmp_path):
     """The config's optim.lr wins over the checkpoint's, and the newer checkpoints of the abandoned
-    trajectory are set aside (not deleted) as this run writes its own."""
+    trajectory are set aside (not deleted; with keep_last=3 the set-aside one still fits at the end)."""
     run_dir = tmp_path / "run"
     shutil.copytree(straight_run, run_dir)
     older = run_dir / "checkpoints" / f"step_{3 * N // 4:08d}"
     result = run_train(*tiny, f"trainer.run_dir={run_dir}", f"trainer.max_steps={N}", f"trainer.ckpt_every={N // 4}",
-                       "trainer.keep_last=2", f"trainer.resume={older}", "optim.lr=1e-3")  # default 3e-3
+                       "trainer.keep_last=3", f"trainer.resume={older}", "optim.lr=1e-3")  # default 3e-3
     assert result.returncode == 0, result.stderr
     lines, reference = metrics(run_dir), metrics(straight_run)
     assert lines[:3 * N // 4] == reference[:3 * N // 4]

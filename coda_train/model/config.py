@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from ..errors import ConfigError
@@ -51,9 +52,9 @@ class LlamaConfig:
              f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} (GQA shares each KV head across a whole group)")
         need(self.head_dim % 2 == 0,
              f"head_dim=dim/n_heads={self.head_dim} must be even (RoPE rotates pairs of columns)")
-        need(self.rope_theta > 0, f"rope_theta={self.rope_theta} must be > 0")
-        need(self.norm_eps > 0, f"norm_eps={self.norm_eps} must be > 0")
-        need(self.init_std > 0, f"init_std={self.init_std} must be > 0")
+        for name in ("rope_theta", "norm_eps", "init_std"):  # NaN fails both tests, inf the first
+            value = getattr(self, name)
+            need(math.isfinite(value) and value > 0, f"{name}={value} must be a finite number > 0")
         return self
 
     def num_params(self, include_embedding: bool = True) -> int:

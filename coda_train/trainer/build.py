@@ -33,10 +33,26 @@ def prepare_data(cfg: DataConfig, world: World) -> PreparedData:
     return data
 
 
+def _shape_errors(cfg: Config, llama: LlamaConfig, backend: str) -> list[str]:
+    return kernel_shape_errors(llama, backend) if cfg.model.impl == "coda" else []  # only coda calls CODA ops
+
+
+def check_model_before_data(cfg: Config, backend: str) -> None:
+    """The model checks that need no tokenizer, before data preparation (which can take long): every
+    model field, trainer.seq_len against max_seq_len, and the kernels' shape limits, all but the
+    vocabulary's when it follows the tokenizer (model.vocab_size null). resolve_model repeats them all."""
+    llama = resolve_model_config(cfg.model, cfg.model.vocab_size or 1, cfg.trainer.seq_len)  # 1: any vocabulary passes
+    errors = _shape_errors(cfg, llama, backend)
+    if cfg.model.vocab_size is None:  # kernel_shape_errors gives one message per model.* key, named first
+        errors = [e for e in errors if not e.startswith("model.vocab_size=")]
+    if errors:
+        raise ConfigError(f"kernels.backend={backend} cannot run this model: " + "; ".join(errors))
+
+
 def resolve_model(cfg: Config, tokenizer_vocab_size: int, backend: str) -> LlamaConfig:
     """The model this run trains, checked against the kernels' shape limits before any GPU work."""
     llama = resolve_model_config(cfg.model, tokenizer_vocab_size, cfg.trainer.seq_len)
-    if cfg.model.impl == "coda" and (errors := kernel_shape_errors(llama, backend)):  # only coda calls CODA ops
+    if errors := _shape_errors(cfg, llama, backend):
         raise ConfigError(f"kernels.backend={backend} cannot run this model: " + "; ".join(errors))
     return llama
 

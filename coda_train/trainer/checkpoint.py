@@ -4,11 +4,24 @@ resume rules: which checkpoint a run continues and what of the model may differ 
 A checkpoint is written into a hidden temporary directory (state.pt, then meta.json holding its
 sha256), each file fsynced, then the directory is renamed to its final name and the parent fsynced.
 So a directory named step_* is complete by construction, and its checksum catches later damage.
+Before writing, the free space is checked against the state's tensor bytes (what torch.save writes,
+plus 1% and 256 KiB for its records and meta.json); a write that fails anyway (disk full, read-only, quota) removes its temporary
+directory and raises the OSError, leaving every earlier checkpoint as it was. Temporary directories
+(.tmp-*) found when a run starts are a dead writer's (the run dir's lock allows one writer) and are
+removed then (remove_partial_writes).
+
+Set-aside checkpoints: resuming from checkpoint N moves this run dir's checkpoints newer than N (another
+trajectory, or damaged ones auto-resume skipped) to .replaced-step_*-<pid> before the first step, so
+a later auto-resume never continues the abandoned trajectory. They are not deleted then, but they count
+against trainer.keep_last: after each save the checkpoints dir holds at most keep_last checkpoint-sized
+directories, set-aside ones pruned first (lowest step first), then the oldest step_*. So disk use stays
+bounded, and an abandoned trajectory survives until the new one's checkpoints displace it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -34,6 +47,8 @@ FORMAT_VERSION = 1
 STATE_FILE, META_FILE = "state.pt", "meta.json"
 CHECKPOINTS_DIR = "checkpoints"  # inside the run dir
 STEP_DIR = re.compile(r"^step_(\d{8})$")
+SET_ASIDE = re.compile(r"^\.replaced-step_(\d{8})-\d+$")
+META_KEYS = ("format", "step", "sha256", "bytes", "model")  # what resuming reads of meta.json
 # model fields free to change on resume: init_std only matters at init, max_seq_len only bounds seq_len
 RESUME_MAY_CHANGE = {"init_std", "max_seq_len"}
 
@@ -53,15 +68,25 @@ class Checkpoint(NamedTuple):
 
 
 class _HashingWriter:
-    """A file object that hashes what torch.save writes, so the checksum needs no second read."""
+    """A file object that hashes what torch.save writes, so the checksum needs no second read. It keeps
+    the first OSError, which torch reports only as its own RuntimeError. full_after (a test hook):
+    bytes after which writes fail with ENOSPC, as on a full disk."""
 
-    def __init__(self, f):
+    def __init__(self, f, full_after: Optional[int] = None):
         self.f, self.sha, self.size = f, hashlib.sha256(), 0
+        self.full_after, self.error = full_after, None
 
     def write(self, b) -> int:
+        try:
+            if self.full_after is not None and self.size + len(b) > self.full_after:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.f.name)
+            n = self.f.write(b)
+        except OSError as e:
+            self.error = self.error or e
+            raise
         self.sha.update(b)
         self.size += len(b)
-        return self.f.write(b)
+        return n
 
     def flush(self) -> None:
         self.f.flush()
@@ -75,40 +100,92 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)), reverse=True)
 
 
+def remove_partial_writes(root: Path) -> None:
+    """Remove the temporary directories (.tmp-*) of dead writers: checkpoints cut short, or old ones
+    half deleted. Call only while holding the run dir's lock (no live writer)."""
+    if root.is_dir():
+        for stale in root.glob(".tmp-*"):
+            log.info("removing %s, left by a run that stopped while writing it", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def set_aside_newer(root: Path, step: int) -> None:
+    """Move the checkpoints of root newer than `step` (the resume point) to .replaced-step_*-<pid>."""
+    for path in list_checkpoints(root):
+        if int(STEP_DIR.match(path.name).group(1)) > step:
+            aside = root / f".replaced-{path.name}-{os.getpid()}"
+            log.warning("this run continues from step %d, so %s (a later step of another trajectory, or damaged) "
+                        "is moved to %s; it counts against trainer.keep_last and is pruned first", step, path, aside)
+            os.rename(path, aside)
+
+
+def prune(root: Path, keep_last: int) -> None:
+    """Keep at most keep_last checkpoint-sized directories: set-aside ones go first (lowest step
+    first), then the oldest step_*; the newest step_* is never removed (keep_last >= 1)."""
+    aside = sorted((p for p in root.iterdir() if SET_ASIDE.match(p.name)), key=lambda p: p.name)  # by step, then pid
+    oldest_first = aside + list_checkpoints(root)[::-1]
+    for old in oldest_first[:max(0, len(oldest_first) - keep_last)]:
+        gone = root / f".tmp-delete-{old.name.lstrip('.')}"  # rename first: a half-deleted directory must not look complete
+        os.rename(old, gone)
+        shutil.rmtree(gone)
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors in a nested state dict: about what torch.save of it writes."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _check_free_space(root: Path, need: int) -> None:
+    free = shutil.disk_usage(root).free
+    if free < need:
+        raise OSError(errno.ENOSPC, f"the checkpoint needs about {need / 2**20:.1f} MiB and the filesystem has "
+                                    f"{free / 2**20:.1f} MiB free (checked before writing)", str(root))
+
+
 def save_checkpoint(root: Path, step: int, state: dict[str, Any], meta: dict[str, Any], keep_last: int,
-                    before_meta: Optional[Callable[[], None]] = None) -> Path:
-    """Write state (torch.save) and meta (json) as checkpoint `step` atomically; keep the newest keep_last.
-    before_meta runs between the two files (a test hook that simulates a crash mid-write)."""
+                    before_meta: Optional[Callable[[], None]] = None, full_after: Optional[int] = None) -> Path:
+    """Write state (torch.save) and meta (json) as checkpoint `step` atomically; then prune to keep_last.
+    An OSError (e.g. disk full) removes the partial write and propagates; earlier checkpoints stay.
+    Test hooks: before_meta runs between the two files (a crash mid-write), full_after fails state.pt
+    with ENOSPC after that many bytes."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
-    if final.exists():  # a damaged one resume skipped, or one of a trajectory resumed from before it
-        aside = root / f".replaced-{final.name}-{os.getpid()}"
-        log.warning("checkpoint %s exists from an earlier run of this dir; moving it to %s (not deleted) "
-                    "and writing this run's", final, aside)
-        os.rename(final, aside)
-    for stale in root.glob(".tmp-*"):  # leftovers of a crashed write; never complete, safe to drop
-        shutil.rmtree(stale, ignore_errors=True)
+    if final.exists():  # set_aside_newer ran at resume; this keeps the rename below safe whatever the caller did
+        set_aside_newer(root, step - 1)
+    _check_free_space(root, int(tensor_bytes(state) * 1.01) + 2**18)  # + torch.save's per-tensor records, meta.json
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     tmp.mkdir()
-    with open(tmp / STATE_FILE, "wb") as f:
-        writer = _HashingWriter(f)
-        torch.save(state, writer)
-        f.flush()
-        os.fsync(f.fileno())
-    if before_meta is not None:
-        before_meta()
-    meta = {"format": FORMAT_VERSION, "step": step, "sha256": writer.sha.hexdigest(), "bytes": writer.size, **meta}
-    with open(tmp / META_FILE, "w") as f:
-        json.dump(meta, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_dir(tmp)
-    os.rename(tmp, final)
+    try:
+        with open(tmp / STATE_FILE, "wb") as f:
+            writer = _HashingWriter(f, full_after)
+            try:
+                torch.save(state, writer)
+            except RuntimeError:  # torch's report of a failed write; the OSError says what failed
+                if writer.error is None:
+                    raise
+                raise writer.error from None
+            f.flush()
+            os.fsync(f.fileno())
+        if before_meta is not None:
+            before_meta()
+        meta = {"format": FORMAT_VERSION, "step": step, "sha256": writer.sha.hexdigest(), "bytes": writer.size, **meta}
+        with open(tmp / META_FILE, "w") as f:
+            json.dump(meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(tmp)
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     fsync_dir(root)
-    for old in list_checkpoints(root)[keep_last:]:
-        doomed = root / f".tmp-delete-{old.name}"  # rename first: a half-deleted directory must not look complete
-        os.rename(old, doomed)
-        shutil.rmtree(doomed)
+    prune(root, keep_last)
     return final
 
 
@@ -118,8 +195,11 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
         meta = json.loads((path / META_FILE).read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path} has no readable {META_FILE} ({e})") from e
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION or not {"sha256", "bytes"} <= meta.keys():
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} has an unknown {META_FILE} format")
+    if missing := [k for k in META_KEYS if k not in meta]:
+        raise CheckpointError(f"checkpoint {path}: {path / META_FILE} lacks the key {missing[0]!r} (edited by hand or "
+                              "by another tool); restore it, or choose another checkpoint")
     state_file = path / STATE_FILE
     if not state_file.is_file() or state_file.stat().st_size != meta["bytes"]:
         raise CheckpointError(f"checkpoint {path}: {STATE_FILE} is missing or truncated")
@@ -201,11 +281,20 @@ class Checkpointer:
     meta: dict[str, Any]
     resumed_from: Optional[Checkpoint] = None
     kill_mid_write_at_step: Optional[int] = None  # test hook: SIGKILL between state.pt and meta.json
+    disk_full_at_step: Optional[int] = None  # test hook: that step's state.pt fails with ENOSPC halfway
+
+    def __post_init__(self) -> None:
+        self.saved: Optional[tuple[int, Path]] = (self.resumed_from.step, self.resumed_from.path) if self.resumed_from else None
 
     def save(self, state: TrainState) -> Path:
-        if self.resumed_from is not None and state.step == self.resumed_from.step:  # nothing trained since: it is saved
-            return self.resumed_from.path
+        """Checkpoint state.step, once: a step already saved (or resumed from) returns its path."""
+        if self.saved is not None and self.saved[0] == state.step:
+            return self.saved[1]
         crash = None
         if self.kill_mid_write_at_step == state.step:
             crash = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
-        return save_checkpoint(self.root, state.step, state.state_dict(), self.meta, self.keep_last, before_meta=crash)
+        state_dict = state.state_dict()
+        full_after = tensor_bytes(state_dict) // 2 if self.disk_full_at_step == state.step else None
+        path = save_checkpoint(self.root, state.step, state_dict, self.meta, self.keep_last, crash, full_after)
+        self.saved = (state.step, path)
+        return path

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -15,26 +16,40 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from coda_train.config import Config, check_config
-from coda_train.data import TokenLoader
+from coda_train.data import DataError, TokenLoader
+from coda_train.durable import LockHeld
+from coda_train.errors import ConfigError
 from coda_train.kernels import resolve_backend
 from coda_train.model import LlamaConfig
 from coda_train.model.liger import require_liger
 
-from .build import build_loader, build_train_state, check_compute, prepare_data, resolve_model
-from .checkpoint import (CHECKPOINTS_DIR, Checkpointer, check_same_model, find_resume_checkpoint,
-                         list_checkpoints, load_state)
+from .build import (build_loader, build_train_state, check_compute, check_model_before_data, prepare_data,
+                    resolve_model)
+from .checkpoint import (CHECKPOINTS_DIR, CheckpointError, Checkpointer, check_same_model, find_resume_checkpoint,
+                         list_checkpoints, load_state, set_aside_newer)
 from .device import pick_compute_dtype, pick_device
 from .distributed import World, any_rank, barrier, close_world, data_parallel, from_main, init_world, process_device
 from .metrics import METRICS_FILE, MetricsLogger, Throughput, metrics_line, mfu, rewind_metrics
 from .optim import apply_config_after_resume
+from .rundir import RunDirError, hold_run_dir, writing
 from .state import TrainState
 from .step import NonFiniteError, evaluate, train_step
 
 log = logging.getLogger(__name__)
 
 # Exit codes of train.py (0: finished, or stopped by SIGTERM/SIGINT after saving a checkpoint).
-EXIT_BAD_INPUT = 1
+EXIT_BAD_INPUT = 1  # config, data, backend, checkpoint, or the run dir in use by another run
 EXIT_NON_FINITE = 3
+EXIT_RUN_DIR = 4  # a run-dir write failed (disk full, read-only, permissions); earlier checkpoints intact
+# the errors a run stops on with a message (and one of the codes above); anything else is a bug
+STOP_ERRORS = (ConfigError, DataError, CheckpointError, LockHeld, RunDirError, NonFiniteError)
+
+
+def exit_code(error: Exception) -> int:
+    """train.py's exit code for one of STOP_ERRORS."""
+    if isinstance(error, NonFiniteError):
+        return EXIT_NON_FINITE
+    return EXIT_RUN_DIR if isinstance(error, RunDirError) else EXIT_BAD_INPUT
 
 
 class StopSignal:
@@ -56,26 +71,33 @@ class StopSignal:
 
 def train(cfg: Config, run_dir: Path) -> Optional[dict[str, Any]]:
     """Train per cfg, writing into run_dir; returns the last metrics line (None if nothing ran).
-    Under torchrun every rank calls this; rank 0's run_dir is used and only rank 0 writes."""
-    check_config(cfg)
-    backend = resolve_backend(cfg.kernels.backend)  # BackendError (e.g. cute without Hopper) before anything else
-    device = pick_device(cfg.trainer.device)
-    if cfg.model.impl == "liger":
-        require_liger(device)
-    world = init_world(device.type)
-    try:
-        result = _train(cfg, from_main(run_dir, world), backend, process_device(device, world), world)
-        barrier(world)  # every rank done (rank 0's last checkpoint too) before gloo/NCCL tear down
-        return result
-    finally:
-        close_world(world)
+    Under torchrun every rank calls this; rank 0's run_dir is used and only rank 0 writes (holding
+    its lock). A STOP_ERRORS error is logged (console, and train.log once the dir is held), then raised."""
+    with contextlib.ExitStack() as held:  # process group and run dir, released after the stop reason is logged
+        try:
+            check_config(cfg)
+            backend = resolve_backend(cfg.kernels.backend)  # BackendError (e.g. cute without Hopper) before anything else
+            device = pick_device(cfg.trainer.device)
+            if cfg.model.impl == "liger":
+                require_liger(device)
+            compute_dtype = pick_compute_dtype(cfg.trainer.compute_dtype, device)
+            check_compute(cfg, backend, compute_dtype)
+            check_model_before_data(cfg, backend)
+            world = init_world(device.type)
+            held.callback(close_world, world)
+            run_dir = from_main(run_dir, world)
+            held.enter_context(hold_run_dir(run_dir, world))  # before anything reads or writes the run dir
+            result = _train(cfg, run_dir, backend, process_device(device, world), compute_dtype, world)
+            barrier(world)  # every rank done (rank 0's last checkpoint too) before gloo/NCCL tear down
+            return result
+        except STOP_ERRORS as e:
+            log.error("%s", e)
+            raise
 
 
-def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, world: World) -> Optional[dict[str, Any]]:
+def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compute_dtype: torch.dtype,
+           world: World) -> Optional[dict[str, Any]]:
     t = cfg.trainer
-    compute_dtype = pick_compute_dtype(t.compute_dtype, device)
-    check_compute(cfg, backend, compute_dtype)
-    run_dir.mkdir(parents=True, exist_ok=True)
     resume_from = find_resume_checkpoint(t.resume, run_dir)  # before data preparation, which can be long
     data = prepare_data(cfg.data, world)
     llama = resolve_model(cfg, data.vocab_size, backend)
@@ -84,7 +106,11 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, world
 
     state = build_train_state(cfg, llama, data, backend, device, compute_dtype, world)
     if resume_from is not None:
-        state.load_state_dict(load_state(resume_from.path))
+        try:
+            state.load_state_dict(load_state(resume_from.path))
+        except (KeyError, ValueError, RuntimeError) as e:  # a state.pt of another layout (its checksum is its own)
+            raise CheckpointError(f"checkpoint {resume_from.path}: {resume_from.path / 'state.pt'} does not hold this "
+                                  f"trainer's state ({type(e).__name__}: {e}); choose another checkpoint") from e
         apply_config_after_resume(state.optimizer, state.scheduler, cfg.optim)
         log.info("resumed from %s (step %d)", resume_from.path, state.step)
     val_loader = build_loader(data, "val", t, world) if t.eval_every else None
@@ -93,13 +119,16 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, world
     config["trainer"]["run_dir"] = str(run_dir)  # this job's dir (a multirun gives each job its own)
     meta = {"model": dataclasses.asdict(llama), "impl": cfg.model.impl, "config": config}
     checkpointer = Checkpointer(run_dir / CHECKPOINTS_DIR, t.keep_last, meta, resume_from,
-                                cfg.debug.sigkill_in_checkpoint_at_step)
+                                cfg.debug.sigkill_in_checkpoint_at_step, cfg.debug.disk_full_in_checkpoint_at_step)
     metrics_logger = None
-    if world.is_main:
-        rewind_metrics(run_dir / METRICS_FILE, state.step)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml({**config, "resolved_model": meta["model"]}))
-        metrics_logger = MetricsLogger(run_dir, cfg.logger, config, resume_from is not None,
-                                       t.progress_bar, state.step, t.max_steps)
+    if world.is_main:  # the first writes, after every check
+        with writing("the run's config.yaml and metrics.jsonl", run_dir, run_dir):
+            if resume_from is not None:
+                set_aside_newer(checkpointer.root, resume_from.step)
+            rewind_metrics(run_dir / METRICS_FILE, state.step)
+            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml({**config, "resolved_model": meta["model"]}))
+            metrics_logger = MetricsLogger(run_dir, cfg.logger, config, resume_from is not None,
+                                           t.progress_bar, state.step, t.max_steps)
         tokens_per_step = t.batch_size * t.seq_len * t.grad_accum_steps * world.world_size
         log.info("model %s (%s, %.2fM params, vocab %d) | kernels %s | %s %s x%d | %d tokens/step | run dir %s",
                  cfg.model.preset, cfg.model.impl, sum(p.numel() for p in state.model.parameters()) / 1e6,
@@ -144,7 +173,8 @@ def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, forward: nn.Module
                 if should_eval:
                     last["val_loss"] = evaluate(state.model, val_loader, t.eval_batches, device, world)
                 if metrics_logger is not None:
-                    metrics_logger.log(last)
+                    with writing(f"the metrics of step {state.step}", Path(metrics_logger.file.name), checkpointer.root.parent):
+                        metrics_logger.log(last)
                 throughput.reset()
             if metrics_logger is not None:
                 metrics_logger.step_done()
@@ -152,6 +182,8 @@ def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, forward: nn.Module
                 _save(checkpointer, state, world)
             if debug.sigkill_after_step == state.step:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if debug.sigterm_after_step == state.step:
+                os.kill(os.getpid(), signal.SIGTERM)
         if state.step < t.max_steps:  # a rank received SIGTERM/SIGINT
             path = _save(checkpointer, state, world)
             if world.is_main:
@@ -166,4 +198,8 @@ def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, forward: nn.Module
 
 def _save(checkpointer: Checkpointer, state: TrainState, world: World) -> Optional[Path]:
     """Rank 0 saves; the ranks hold identical weights, optimizer and loader state."""
-    return checkpointer.save(state) if world.is_main else None
+    if not world.is_main:
+        return None
+    with writing(f"the checkpoint of step {state.step}", checkpointer.root / f"step_{state.step:08d}",
+                 checkpointer.root.parent):
+        return checkpointer.save(state)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -160,7 +161,8 @@ class MetricsLogger:
     def close(self, exit_code: int = 0) -> None:
         if self.bar is not None:
             self.bar.close()
-        self.file.close()
+        with contextlib.suppress(OSError):  # log() flushed every line; a failed one was reported there
+            self.file.close()
         if self.wandb_run is not None:
             self.wandb_run.finish(exit_code=exit_code)
             self.wandb_run = None

@@ -1,0 +1,120 @@
+"""The run directory as one process's property: its lock (<run_dir>/.lock, held by rank 0 for the
+whole run, so two runs never write into one dir), the run's log file (train.log), and the one-paragraph
+error for a write into it that the operating system refuses (disk full, read-only, permissions, quota).
+
+The lock is an fcntl.flock the kernel releases when the holder dies, so a killed run never blocks the
+next one; and since a locked run dir has one writer, every partial write found there is a dead one's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import sys
+from pathlib import Path
+from typing import Iterator, Optional
+
+from coda_train.durable import LockHeld, exclusive_lock
+
+from .checkpoint import CHECKPOINTS_DIR, list_checkpoints, remove_partial_writes
+from .distributed import World, from_main
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = ".lock"
+LOG_FILE = "train.log"
+LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # hydra's, as on the console
+
+
+class RunDirError(RuntimeError):
+    """A file of the run dir could not be written; the message names it, the newest intact checkpoint
+    and the fix."""
+
+
+def _fix(e: OSError, run_dir: Path) -> str:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ("Free space on that filesystem (or raise the quota), or move the run dir to one with room and point "
+                "trainer.run_dir there; a checkpoint needs about as much as the previous one, and up to "
+                "trainer.keep_last + 1 of them exist at once")
+    if e.errno == errno.EROFS:
+        return ("The filesystem is mounted read-only: remount it read-write, or copy the run dir to a writable "
+                "place and point trainer.run_dir there")
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return f"This user may not write there: fix the ownership or permissions of {run_dir}, or choose another trainer.run_dir"
+    return f"Check that filesystem ({errno.errorcode.get(e.errno, 'unknown error')}), or choose another trainer.run_dir"
+
+
+def write_error(e: OSError, what: str, path: Path, run_dir: Path) -> RunDirError:
+    """The paragraph for an OSError `e` while writing `what` to `path` of run_dir."""
+    newest = next(iter(list_checkpoints(run_dir / CHECKPOINTS_DIR)), None)
+    intact = (f"The newest checkpoint, {newest}, is intact and nothing older was touched; training after it is "
+              "not saved. " if newest is not None else "No checkpoint of this run exists yet. ")
+    return RunDirError(f"could not write {what} to {e.filename or path}: {e.strerror or e}. {intact}{_fix(e, run_dir)}; "
+                       "then run the same command again: it continues from the newest checkpoint (partial files "
+                       "of the failed write are removed automatically).")
+
+
+@contextlib.contextmanager
+def writing(what: str, path: Path, run_dir: Path) -> Iterator[None]:
+    """Turn an OSError of the body (writing `what` to `path`) into the RunDirError paragraph."""
+    try:
+        yield
+    except OSError as e:
+        raise write_error(e, what, path, run_dir) from e
+
+
+class _RunLogFile(logging.FileHandler):
+    """train.log (appended to by every run of the dir); if it cannot be written it says so once on
+    stderr and stops, so the console still gets every line, including the error that ends the run."""
+    failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        self.failed = True
+        sys.stderr.write(f"cannot write {self.baseFilename} ({sys.exc_info()[1]}); logging to the console only\n")
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # a buffered line that did not fit was reported by handleError
+            super().close()
+
+
+@contextlib.contextmanager
+def _run_log(run_dir: Path) -> Iterator[None]:
+    handler = _RunLogFile(run_dir / LOG_FILE)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    logging.getLogger().addHandler(handler)
+    try:
+        yield
+    finally:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+
+
+@contextlib.contextmanager
+def hold_run_dir(run_dir: Path, world: World) -> Iterator[None]:
+    """Rank 0 holds <run_dir>/.lock for the body, removes dead writers' partial checkpoints and logs
+    to train.log; every rank raises if the dir is in use (LockHeld) or cannot be written (RunDirError)."""
+    with contextlib.ExitStack() as held:
+        error: Optional[Exception] = None
+        if world.is_main:
+            try:
+                with writing("the run lock", run_dir / LOCK_FILE, run_dir):
+                    run_dir.mkdir(parents=True, exist_ok=True)
+                    held.enter_context(exclusive_lock(run_dir / LOCK_FILE, wait=False))
+                    held.enter_context(_run_log(run_dir))
+                    remove_partial_writes(run_dir / CHECKPOINTS_DIR)
+            except LockHeld as e:
+                error = LockHeld(f"trainer.run_dir={run_dir} is in use by another training run ({e}). Two runs in one "
+                                 "run dir would overwrite each other's checkpoints and metrics, so this one stops "
+                                 "before touching it. Wait for that run to end (or stop it with SIGTERM, which saves a "
+                                 "checkpoint), or choose another trainer.run_dir")
+            except RunDirError as e:
+                error = e
+        error = from_main(error, world)  # every rank stops together
+        if error is not None:
+            raise error
+        yield

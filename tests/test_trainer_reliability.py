@@ -1,0 +1,263 @@
+"""Faults a run meets outside the math: two runs in one run dir, kills and signals at awkward moments,
+a full or read-only disk, non-finite settings, a typo that would cost a data preparation, a
+hand-edited checkpoint. Each asserts the message, the exit code and that earlier state is intact."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from coda_train.config import check_config
+from coda_train.durable import LockHeld, exclusive_lock
+from coda_train.errors import ConfigError
+from coda_train.model import preset
+from coda_train.trainer import checkpoint as checkpoint_module
+from coda_train.trainer.build import check_model_before_data
+from coda_train.trainer.checkpoint import CheckpointError, list_checkpoints, save_checkpoint, set_aside_newer, verify_checkpoint
+from coda_train.trainer.rundir import RunDirError
+
+from test_trainer import REPO, compose_config, metrics, run_train, snapshot, train_in_process
+
+
+def steps_logged(run_dir: Path) -> list[int]:
+    return [m["step"] for m in metrics(run_dir)]
+
+
+def wait_for_steps(proc: subprocess.Popen, run_dir: Path, n: int, timeout: float = 90) -> None:
+    deadline = time.time() + timeout
+    while not ((run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text().count("\n") >= n):
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.time() < deadline, "timeout"
+        time.sleep(0.2)
+
+
+def test_exclusive_lock_names_its_holder_and_dies_with_it(tmp_path):
+    lock = tmp_path / "x.lock"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from coda_train.durable import exclusive_lock\n"
+                               f"with exclusive_lock(Path({str(lock)!r}), wait=False):\n"
+                               "    print('held', flush=True); time.sleep(60)"],
+                              cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"
+    with pytest.raises(LockHeld, match=f"locked by process {holder.pid} on host "):
+        with exclusive_lock(lock, wait=False):
+            pass
+    holder.kill()  # SIGKILL: no cleanup runs, the kernel drops the lock
+    holder.wait()
+    with exclusive_lock(lock, wait=False):
+        assert lock.read_text().split()[0] == str(os.getpid())
+
+
+def test_exclusive_lock_with_wait_blocks_until_the_holder_lets_go(tmp_path, caplog):
+    lock = tmp_path / "x.lock"
+    holder = subprocess.Popen([sys.executable, "-c", "import time; from pathlib import Path; "
+                               "from coda_train.durable import exclusive_lock\n"
+                               f"with exclusive_lock(Path({str(lock)!r}), wait=False):\n"
+                               "    print('held', flush=True); time.sleep(1.5)"],
+                              cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"
+    caplog.set_level("INFO")
+    start = time.monotonic()
+    with exclusive_lock(lock, wait=True):
+        assert time.monotonic() - start > 1.0  # blocked until the holder's 1.5 s were over
+    assert f"held by process {holder.pid} on host" in caplog.text
+    holder.wait()
+
+
+def test_second_run_in_a_busy_run_dir_stops_at_once_naming_the_holder(tiny, tmp_path):
+    run_dir = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, "train.py", *tiny, f"trainer.run_dir={run_dir}", "trainer.max_steps=100000",
+                              "trainer.ckpt_every=0"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for_steps(first, run_dir, 2)
+    other_cache = tmp_path / "other_cache"  # the second run's data would be prepared here: it must not be
+    second = run_train(*[o for o in tiny if not o.startswith("data.cache_dir=")], f"data.cache_dir={other_cache}",
+                       f"trainer.run_dir={run_dir}", "trainer.max_steps=5", "optim.lr=1e-3")
+    output = second.stdout + second.stderr
+    assert second.returncode == 1, output
+    assert f"trainer.run_dir={run_dir} is in use by another training run" in output
+    assert f"process {first.pid} on host" in output and "choose another trainer.run_dir" in output
+    assert "Traceback" not in output and not other_cache.exists()
+    first.send_signal(signal.SIGTERM)
+    out, _ = first.communicate(timeout=60)
+    assert first.returncode == 0, out
+    (saved,) = list_checkpoints(run_dir / "checkpoints")
+    last = verify_checkpoint(saved)["step"]
+    assert steps_logged(run_dir) == list(range(1, last + 1))  # every step once, none lost
+    assert "lr: 0.003" in (run_dir / "config.yaml").read_text()  # the first run's config, not the second's
+
+
+def test_a_killed_runs_lock_and_partial_checkpoint_do_not_block_the_next_run(tiny, tmp_path):
+    common = [*tiny, f"trainer.run_dir={tmp_path}", "trainer.max_steps=8", "trainer.ckpt_every=4"]
+    killed = run_train(*common, "debug.sigkill_in_checkpoint_at_step=8")
+    assert killed.returncode == -signal.SIGKILL
+    ckpts = tmp_path / "checkpoints"
+    assert len(list(ckpts.glob(".tmp-step_00000008-*"))) == 1 and (tmp_path / ".lock").exists()
+    resumed = run_train(*common)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout and "step_00000004 (step 4)" in resumed.stdout
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000004", "step_00000008"]  # partial write removed
+    assert steps_logged(tmp_path) == list(range(1, 9))
+
+
+def test_sigterm_right_after_a_checkpoint_step_saves_it_once(tiny, tmp_path):
+    result = run_train(*tiny, f"trainer.run_dir={tmp_path}", "trainer.max_steps=12", "trainer.ckpt_every=4",
+                       "debug.sigterm_after_step=4")
+    assert result.returncode == 0, result.stderr
+    assert "received SIGTERM" in result.stdout
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000004"]  # no .replaced-*, no .tmp-*
+    assert verify_checkpoint(tmp_path / "checkpoints" / "step_00000004")["step"] == 4
+
+
+def test_disk_full_mid_checkpoint_is_one_paragraph_and_the_next_run_resumes(tiny, tmp_path):
+    common = [*tiny, f"trainer.run_dir={tmp_path}", "trainer.max_steps=8", "trainer.ckpt_every=4"]
+    full = run_train(*common, "debug.disk_full_in_checkpoint_at_step=8")
+    output = full.stdout + full.stderr
+    assert full.returncode == 4, output
+    assert "Traceback" not in output and "unexpected pos" not in output
+    (line,) = [line for line in output.splitlines() if "could not write" in line]
+    assert f"could not write the checkpoint of step 8 to {tmp_path / 'checkpoints'}" in line
+    assert "No space left on device" in line and "Free space on that filesystem" in line
+    assert f"The newest checkpoint, {tmp_path / 'checkpoints' / 'step_00000004'}, is intact" in line
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000004"]  # the partial one removed
+    verify_checkpoint(tmp_path / "checkpoints" / "step_00000004")
+    resumed = run_train(*common)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "step_00000004 (step 4)" in resumed.stdout
+    assert steps_logged(tmp_path) == list(range(1, 9))
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000008", "step_00000004"]
+
+
+def test_free_space_is_checked_before_a_checkpoint_is_written(tiny, tmp_path, monkeypatch):
+    real = shutil.disk_usage
+    calls = []
+
+    def second_checkpoint_finds_a_full_disk(path):
+        calls.append(path)
+        usage = real(path)
+        return usage._replace(free=4096) if len(calls) == 2 else usage
+
+    monkeypatch.setattr(checkpoint_module.shutil, "disk_usage", second_checkpoint_finds_a_full_disk)
+    with pytest.raises(RunDirError) as failure:
+        train_in_process(tmp_path, *tiny, "trainer.max_steps=4", "trainer.ckpt_every=2")
+    message = str(failure.value)
+    assert "could not write the checkpoint of step 4" in message and "MiB free (checked before writing)" in message
+    assert f"{tmp_path / 'checkpoints' / 'step_00000002'}, is intact" in message
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000002"]
+    assert steps_logged(tmp_path) == [1, 2, 3, 4]
+
+
+def test_unwritable_run_dir_is_one_paragraph_and_touches_nothing(tiny, tmp_path, monkeypatch):
+    train_in_process(tmp_path, *tiny, "trainer.max_steps=2", "trainer.ckpt_every=2")
+    before = snapshot(tmp_path)
+    real_open = os.open
+
+    def read_only(path, flags, *args):  # what a read-only mount answers, for root too
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr("coda_train.durable.os.open", read_only)
+    with pytest.raises(RunDirError) as failure:
+        train_in_process(tmp_path, *tiny, "trainer.max_steps=4", "trainer.ckpt_every=2")
+    message = str(failure.value)
+    assert f"could not write the run lock to {tmp_path / '.lock'}: Read-only file system" in message
+    assert "mounted read-only" in message and f"{tmp_path / 'checkpoints' / 'step_00000002'}, is intact" in message
+    monkeypatch.undo()
+    assert snapshot(tmp_path) == before
+
+
+def _mount(*args: str) -> bool:
+    return subprocess.run(["mount", *args], capture_output=True).returncode == 0
+
+
+def test_read_only_mounted_run_dir_exits_4_with_the_fix(tiny, tmp_path):
+    train_in_process(tmp_path, *tiny, "trainer.max_steps=2", "trainer.ckpt_every=2")
+    before = snapshot(tmp_path)
+    if not (shutil.which("mount") and _mount("--bind", str(tmp_path), str(tmp_path))):
+        pytest.skip("needs a read-only bind mount (root and mount(8))")
+    try:
+        if not _mount("-o", "remount,ro,bind", str(tmp_path)):
+            pytest.skip("cannot remount read-only here")
+        result = run_train(*tiny, f"trainer.run_dir={tmp_path}", "trainer.max_steps=4")
+    finally:
+        subprocess.run(["umount", str(tmp_path)], check=True)
+    output = result.stdout + result.stderr
+    assert result.returncode == 4, output
+    assert "Traceback" not in output and "Read-only file system" in output and "remount it read-write" in output
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("override", ["optim.eps=nan", "optim.eps=inf", "optim.lr=inf", "optim.weight_decay=nan",
+                                      "optim.grad_clip=nan", "optim.betas=[0.9,nan]", "optim.min_lr_ratio=nan",
+                                      "model.init_std=inf", "model.rope_theta=nan", "trainer.peak_flops=inf"])
+def test_non_finite_float_settings_are_config_errors_at_start(tiny, tmp_path, override):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"{key}=.* is not a finite number; every float setting must be finite"):
+        check_config(compose_config(tmp_path, *tiny, override))
+    with pytest.raises(ConfigError, match=key):
+        train_in_process(tmp_path / "run", *tiny, override)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name", ["init_std", "rope_theta", "norm_eps"])
+def test_model_config_rejects_non_finite_floats(name):
+    for value in (float("inf"), float("nan")):
+        with pytest.raises(ConfigError, match=f"{name}={value} must be a finite number > 0"):
+            preset("tiny", **{name: value})
+
+
+def test_shape_errors_fail_before_data_preparation(tiny, tmp_path):
+    cache = tmp_path / "cache"
+    fresh_data = [o for o in tiny if not o.startswith("data.cache_dir=")] + [f"data.cache_dir={cache}"]
+    with pytest.raises(ConfigError, match="trainer.seq_len=64 exceeds the model's max_seq_len=32"):
+        train_in_process(tmp_path / "run", *fresh_data, "model.max_seq_len=32", "trainer.seq_len=64")
+    with pytest.raises(ConfigError, match="n_heads=3 must divide dim=64"):
+        train_in_process(tmp_path / "run", *fresh_data, "model.n_heads=3")
+    assert not cache.exists() and not (tmp_path / "run").exists()
+    # the cute kernels' limits, checked on CPU: every dim but a vocabulary that follows the tokenizer
+    with pytest.raises(ConfigError, match="model.ffn_dim=100"):
+        check_model_before_data(compose_config(tmp_path, *tiny, "model.ffn_dim=100"), "cute")
+    check_model_before_data(compose_config(tmp_path, *tiny, "model.vocab_multiple_of=1"), "cute")
+    with pytest.raises(ConfigError, match="model.vocab_size=300"):
+        check_model_before_data(compose_config(tmp_path, *tiny, "model.vocab_size=300"), "cute")
+
+
+def test_meta_json_missing_a_key_is_a_checkpoint_error(tiny, tmp_path, caplog):
+    train_in_process(tmp_path, *tiny, "trainer.max_steps=4", "trainer.ckpt_every=2")
+    newest = tmp_path / "checkpoints" / "step_00000004"
+    meta = json.loads((newest / "meta.json").read_text())
+    del meta["step"]
+    (newest / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=f"{newest / 'meta.json'} lacks the key 'step'"):
+        train_in_process(tmp_path, *tiny, "trainer.max_steps=6", f"trainer.resume={newest}")
+    last = train_in_process(tmp_path, *tiny, "trainer.max_steps=6", "trainer.ckpt_every=2")  # auto: skips it
+    assert "lacks the key 'step'" in caplog.text and last["step"] == 6
+    assert steps_logged(tmp_path) == [1, 2, 3, 4, 5, 6]
+
+
+def test_set_aside_checkpoints_count_against_keep_last(tmp_path):
+    def save(step):
+        save_checkpoint(tmp_path, step, {"w": torch.full((4,), float(step))}, {"model": {}}, keep_last=3)
+
+    def names():
+        return sorted(p.name.rsplit("-", 1)[0] for p in tmp_path.iterdir())
+
+    for step in (1, 2, 3):
+        save(step)
+    set_aside_newer(tmp_path, 1)  # resuming from step 1
+    assert names() == [".replaced-step_00000002", ".replaced-step_00000003", "step_00000001"]
+    save(2)  # 4 checkpoint-sized dirs: the lowest set-aside one goes
+    assert names() == [".replaced-step_00000003", "step_00000001", "step_00000002"]
+    save(3)
+    save(4)
+    assert names() == ["step_00000002", "step_00000003", "step_00000004"]
