@@ -39,6 +39,8 @@ def _model_schema() -> type:
         ("impl", str, dataclasses.field(default="coda")),  # a name in coda_train.model.IMPLS
         *overrides,
         ("vocab_multiple_of", int, dataclasses.field(default=64)),  # so the embedding GEMMs tile evenly
+        # a local Hugging Face Llama directory: its shape and weights (and tokenizer, unless data.tokenizer is set)
+        ("init_from", Optional[str], dataclasses.field(default=None)),
     ], namespace={"__module__": __name__, "__doc__": doc})
 
 
@@ -162,10 +164,43 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"model.vocab_multiple_of={cfg.model.vocab_multiple_of} must be >= 1")
 
 
+# fields a run started from a Hugging Face directory may set: init_std only matters at init, max_seq_len only bounds seq_len
+INIT_FROM_MAY_CHANGE = ("init_std", "max_seq_len")
+
+
+def _init_from_config(model: ModelConfig, overrides: dict[str, Any], tokenizer_vocab_size: int) -> LlamaConfig:
+    """The shape of the Hugging Face model at model.init_from; other shape overrides are refused, not ignored."""
+    from coda_train.model.hf import llama_config_from_hf
+
+    llama = llama_config_from_hf(model.init_from)
+    clash = {k: v for k, v in overrides.items() if k not in INIT_FROM_MAY_CHANGE and v != getattr(llama, k)}
+    if clash:
+        raise ConfigError(f"model.init_from={model.init_from} fixes the model's shape, but the config also sets "
+                          + ", ".join(f"model.{k}={v!r} (the checkpoint has {getattr(llama, k)!r})" for k, v in clash.items())
+                          + f"; remove those overrides (only {', '.join('model.' + k for k in INIT_FROM_MAY_CHANGE)} may change)")
+    if tokenizer_vocab_size > llama.vocab_size:
+        raise ConfigError(f"model.init_from={model.init_from} has vocab_size={llama.vocab_size}, fewer than the "
+                          f"tokenizer's {tokenizer_vocab_size} tokens: train with that model's own tokenizer "
+                          "(leave data.tokenizer unset to use the one in model.init_from)")
+    return dataclasses.replace(llama, **{k: v for k, v in overrides.items() if k in INIT_FROM_MAY_CHANGE}).validate()
+
+
 def resolve_model_config(model: ModelConfig, tokenizer_vocab_size: int, seq_len: int) -> LlamaConfig:
-    """The LlamaConfig this run trains: the preset, the non-null overrides, and a vocab that fits the tokenizer."""
+    """The LlamaConfig this run trains: the preset (or the Hugging Face model at model.init_from), the
+    non-null overrides, and a vocab that fits the tokenizer."""
     fields = {f.name for f in dataclasses.fields(LlamaConfig)}
     overrides = {k: v for k, v in dataclasses.asdict(model).items() if k in fields and v is not None}
+    if model.init_from is not None:
+        llama = _init_from_config(model, overrides, tokenizer_vocab_size)
+    else:
+        llama = _preset_config(model, overrides, tokenizer_vocab_size)
+    if seq_len > llama.max_seq_len:
+        raise ConfigError(f"trainer.seq_len={seq_len} exceeds the model's max_seq_len={llama.max_seq_len}; "
+                          f"lower trainer.seq_len or set model.max_seq_len={seq_len}")
+    return llama
+
+
+def _preset_config(model: ModelConfig, overrides: dict[str, Any], tokenizer_vocab_size: int) -> LlamaConfig:
     if model.vocab_size is None:
         m = model.vocab_multiple_of
         overrides["vocab_size"] = -(-tokenizer_vocab_size // m) * m
@@ -173,11 +208,7 @@ def resolve_model_config(model: ModelConfig, tokenizer_vocab_size: int, seq_len:
         raise ConfigError(f"model.vocab_size={model.vocab_size} is smaller than the tokenizer's vocabulary "
                           f"({tokenizer_vocab_size} tokens); set model.vocab_size>={tokenizer_vocab_size} "
                           "or leave it null to follow the tokenizer")
-    llama = preset(model.preset, **overrides)
-    if seq_len > llama.max_seq_len:
-        raise ConfigError(f"trainer.seq_len={seq_len} exceeds the model's max_seq_len={llama.max_seq_len}; "
-                          f"lower trainer.seq_len or set model.max_seq_len={seq_len}")
-    return llama
+    return preset(model.preset, **overrides)
 
 
 def _unknown_keys(node: Any, schema: type, prefix: str = "") -> list[str]:

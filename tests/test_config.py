@@ -46,7 +46,7 @@ def test_model_fields_override_the_preset():
 
 def test_the_model_schema_is_every_llama_field_plus_the_choices():
     llama_fields = [f.name for f in dataclasses.fields(LlamaConfig)]
-    assert [f.name for f in dataclasses.fields(ModelConfig)] == ["preset", "impl", *llama_fields, "vocab_multiple_of"]
+    assert [f.name for f in dataclasses.fields(ModelConfig)] == ["preset", "impl", *llama_fields, "vocab_multiple_of", "init_from"]
     assert all(getattr(load().model, name) is None for name in llama_fields)  # null: the preset's value
 
 

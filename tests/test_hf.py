@@ -231,6 +231,43 @@ def test_exported_then_imported_model_continues_with_the_same_loss(trained_run, 
             assert imported(inputs, targets).item() == exported_model(inputs, targets).item()
 
 
+def _train_cli(*overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "train.py", *overrides], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def _last_val_loss(run_dir: Path) -> float:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [m for m in lines if "val_loss" in m][-1]["val_loss"]
+
+
+def test_continued_pretraining_from_an_export_starts_at_the_loss_it_ended_at(trained_run, exported, tiny, tmp_path):
+    """model.init_from: a run started from the exported directory (its shape, weights and tokenizer)
+    begins at the exported run's final validation loss: one step at a negligible learning rate, then
+    the same validation batches of the same prepared corpus."""
+    run_dir = tmp_path / "continued"
+    result = _train_cli(*tiny, f"trainer.run_dir={run_dir}", f"model.init_from={exported}", "trainer.max_steps=1",
+                        "optim.lr=1e-12", "optim.warmup_steps=1", "trainer.eval_every=1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "tiny-llama" in result.stdout  # the log names the model it started from
+    assert abs(_last_val_loss(run_dir) - _last_val_loss(trained_run)) < 1e-5
+
+
+@pytest.mark.parametrize("override, named", [("model.dim=128", "model.dim=128 (the checkpoint has 64)"),
+                                             ("model.tie_embeddings=false", "model.tie_embeddings=False")])
+def test_init_from_refuses_shape_overrides_before_data_preparation(exported, tiny, tmp_path, override, named):
+    cache = tmp_path / "cache"
+    result = _train_cli(*tiny, f"trainer.run_dir={tmp_path / 'run'}", f"model.init_from={exported}", override,
+                        f"data.cache_dir={cache}")
+    out = result.stdout + result.stderr
+    assert result.returncode == 1 and named in out and "remove those overrides" in out
+    assert not cache.exists()  # refused before any data work
+
+
+def test_init_from_a_directory_without_a_model_is_a_clear_error(tiny, tmp_path):
+    result = _train_cli(*tiny, f"trainer.run_dir={tmp_path / 'run'}", f"model.init_from={tmp_path}")
+    assert result.returncode == 1 and "has no config.json" in result.stdout + result.stderr
+
+
 # ---- evaluation -------------------------------------------------------------------------
 
 def test_eval_script_reports_loss_and_perplexity_of_the_val_split_and_of_text_files(trained_run, tmp_path):

@@ -3,6 +3,8 @@ pieces the loop drives (data, train state, validation loader). No step runs here
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from coda_train.config import Config, TrainerConfig, resolve_model_config
@@ -21,6 +23,14 @@ def check_compute(cfg: Config, backend: str, compute_dtype: torch.dtype) -> None
         raise ConfigError(f"kernels.backend={cfg.kernels.backend} runs the cute kernels, which compute in bfloat16 only, "
                           f"but trainer.compute_dtype={cfg.trainer.compute_dtype} gives {compute_dtype}; use "
                           "trainer.compute_dtype=bfloat16 (or auto), or kernels.backend=reference")
+
+
+def data_config(cfg: Config) -> DataConfig:
+    """The run's data config; a run started from a Hugging Face directory (model.init_from) tokenizes
+    with that model's tokenizer unless data.tokenizer names another."""
+    if cfg.model.init_from is None or cfg.data.tokenizer is not None:
+        return cfg.data
+    return dataclasses.replace(cfg.data, tokenizer=cfg.model.init_from)
 
 
 def prepare_data(cfg: DataConfig, world: World) -> PreparedData:
@@ -62,10 +72,16 @@ def build_loader(data: PreparedData, split: str, t: TrainerConfig, world: World)
 
 
 def build_train_state(cfg: Config, llama: LlamaConfig, data: PreparedData, backend: str, device: torch.device,
-                      compute_dtype: torch.dtype, world: World) -> TrainState:
-    """A fresh train state at step 0: model, optimizer, scheduler and train loader."""
+                      compute_dtype: torch.dtype, world: World, init_weights: bool = True) -> TrainState:
+    """A fresh train state at step 0: model, optimizer, scheduler and train loader. The weights are
+    model.init_from's when set and init_weights (a resumed run takes its checkpoint's instead)."""
     seed_all(cfg.trainer.seed)  # seeded init on CPU, so both impls and every device start from the same weights
-    model = build_model(llama, cfg.model.impl, backend=backend, compute_dtype=compute_dtype).to(device)
+    model = build_model(llama, cfg.model.impl, backend=backend, compute_dtype=compute_dtype)
+    if cfg.model.init_from is not None and init_weights:
+        from coda_train.model.hf import load_hf_weights
+
+        load_hf_weights(model, cfg.model.init_from)
+    model = model.to(device)
     optimizer = build_optimizer(model, cfg.optim, device)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.max_steps)
     return TrainState(model, optimizer, scheduler, build_loader(data, "train", cfg.trainer, world))

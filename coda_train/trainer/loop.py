@@ -23,8 +23,8 @@ from coda_train.kernels import resolve_backend
 from coda_train.model import LlamaConfig
 from coda_train.model.liger import require_liger
 
-from .build import (build_loader, build_train_state, check_compute, check_model_before_data, prepare_data,
-                    resolve_model)
+from .build import (build_loader, build_train_state, check_compute, check_model_before_data, data_config,
+                    prepare_data, resolve_model)
 from .checkpoint import (CHECKPOINTS_DIR, CheckpointError, Checkpointer, check_same_model, find_resume_checkpoint,
                          list_checkpoints, load_state, set_aside_newer)
 from .device import pick_compute_dtype, pick_device
@@ -99,12 +99,12 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
            world: World) -> Optional[dict[str, Any]]:
     t = cfg.trainer
     resume_from = find_resume_checkpoint(t.resume, run_dir)  # before data preparation, which can be long
-    data = prepare_data(cfg.data, world)
+    data = prepare_data(data_config(cfg), world)
     llama = resolve_model(cfg, data.vocab_size, backend)
     if resume_from is not None:
         check_same_model(resume_from, llama)
 
-    state = build_train_state(cfg, llama, data, backend, device, compute_dtype, world)
+    state = build_train_state(cfg, llama, data, backend, device, compute_dtype, world, init_weights=resume_from is None)
     if resume_from is not None:
         try:
             state.load_state_dict(load_state(resume_from.path))
@@ -131,7 +131,7 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
                                            t.progress_bar, state.step, t.max_steps)
         tokens_per_step = t.batch_size * t.seq_len * t.grad_accum_steps * world.world_size
         log.info("model %s (%s, %.2fM params, vocab %d) | kernels %s | %s %s x%d | %d tokens/step | run dir %s",
-                 cfg.model.preset, cfg.model.impl, sum(p.numel() for p in state.model.parameters()) / 1e6,
+                 cfg.model.init_from or cfg.model.preset, cfg.model.impl, sum(p.numel() for p in state.model.parameters()) / 1e6,
                  llama.vocab_size, backend, device.type, str(compute_dtype).removeprefix("torch."), world.world_size,
                  tokens_per_step, run_dir)
     forward = data_parallel(state.model, device, world)
