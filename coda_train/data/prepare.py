@@ -1,4 +1,8 @@
-"""Command line: python -m coda_train.data.prepare [--source PATH|NAME] [--vocab-size N] ... prints what was prepared."""
+"""Command line: python -m coda_train.data.prepare [--source PATH|NAME] [--vocab-size N] ... prints what was prepared.
+
+Exit codes: 0 prepared (or reused), 2 bad input or damaged data, 128 + signal number when stopped by SIGINT (130) or
+SIGTERM (143), after removing this run's unfinished folder.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import sys
 import time
 from typing import Optional
 
-from coda_train.data import DataConfig, DataError, PreparedData, prepare
+from coda_train.data import DataConfig, DataError, PreparationInterrupted, PreparedData, prepare
 
 
 def parse_args(argv: Optional[list[str]] = None) -> tuple[DataConfig, bool]:
@@ -59,6 +63,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         data = prepare(cfg)
         if verify:
             data.verify_checksums()
+    except PreparationInterrupted as e:
+        print(f"stopped: {e}", file=sys.stderr)
+        return 128 + e.signum
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
