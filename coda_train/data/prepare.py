@@ -52,6 +52,10 @@ def summary(data: PreparedData) -> str:
     ]
     for split, info in m["splits"].items():
         lines.append(f"{split:<6} {info['num_documents']:>10,} {info['num_tokens']:>14,} {len(info['shards']):>7}")
+    counts = m.get("document_counts", {})  # absent in folders prepared before it was recorded
+    if any(counts.get(k) for k in ("missing_field", "skipped", "replaced")):
+        lines.append(f"reading   {counts['missing_field']:,} rows without the text field and {counts['skipped']:,} "
+                     f"undecodable ones skipped, {counts['replaced']:,} with invalid UTF-8 repaired; first at {counts['first']}")
     return "\n".join(lines)
 
 

@@ -330,35 +330,13 @@ def _build(
     tokenizer_seconds = time.perf_counter() - start
 
     log.info("tokenizing %s with %d process(es)", source.name, cfg.num_proc)
-    writers = {split: _ShardWriter(out, split, dtype, cfg.tokens_per_shard) for split in SPLITS}
-    num_docs = {split: 0 for split in SPLITS}
-    num_chars = 0
-    doc_index = 0
     counts, progress = DocumentCounts(), Progress("tokenizing", total_bytes)
     docs = stop.checked(iter_documents(source, cfg, counts=counts))
-    for texts, tokens, lengths in _tokenize(docs, tokenizer, eos_id, dtype, cfg.num_proc, stop):
-        num_chars += sum(len(t) for t in texts)
-        progress.update(counts.bytes_read, doc_index + len(lengths), sum(w.num_tokens for w in writers.values()))
-        # document i is held out when the running count floor(i * val_fraction) steps up: exact and spread evenly
-        index = np.arange(doc_index, doc_index + len(lengths))
-        is_val = np.floor((index + 1) * cfg.val_fraction) > np.floor(index * cfg.val_fraction)
-        doc_index += len(lengths)
-        ends = np.cumsum(lengths)
-        if not is_val.any():
-            writers["train"].write(tokens)
-        else:
-            for doc_end, length, val in zip(ends, lengths, is_val):
-                writers["val" if val else "train"].write(tokens[doc_end - length : doc_end])
-        num_docs["val"] += int(is_val.sum())
-        num_docs["train"] += int((~is_val).sum())
+    splits, num_chars = _write_shards(cfg, _tokenize(docs, tokenizer, eos_id, dtype, cfg.num_proc, stop), out, dtype,
+                                      lambda tokens: progress.update(counts.bytes_read, counts.documents, tokens))
     progress.close()
     for line in counts.summary():
         log.warning("%s: %s", source.name, line)
-    splits = {}
-    for split, writer in writers.items():
-        shards = writer.close()
-        splits[split] = {"num_documents": num_docs[split], "num_tokens": sum(s["num_tokens"] for s in shards), "shards": shards}
-    seconds = time.perf_counter() - start
     manifest = {
         "format_version": FORMAT_VERSION,
         "inputs": inputs,
@@ -373,18 +351,46 @@ def _build(
             "eos_id": eos_id,
         },
         "dtype": dtype.name,
-        "num_documents": sum(num_docs.values()),
+        "num_documents": sum(split["num_documents"] for split in splits.values()),
         "num_characters": num_chars,
-        "num_tokens": sum(s["num_tokens"] for s in splits.values()),
+        "num_tokens": sum(split["num_tokens"] for split in splits.values()),
         "document_counts": counts.as_dict(),  # documents used, and rows skipped or repaired while reading
         "splits": splits,
         "prepared_with": asdict(cfg),  # the full config of the run that built this folder, for the record
-        "seconds": {"tokenizer": round(tokenizer_seconds, 3), "total": round(seconds, 3)},
+        "seconds": {"tokenizer": round(tokenizer_seconds, 3), "total": round(time.perf_counter() - start, 3)},
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     # the shards were hashed as they were written: remember that, so the first open need not read them again
     _write_verified(out, {s["file"]: _stamp(out / s["file"], s["sha256"]) for split in splits.values() for s in split["shards"]})
     write_synced(out / MANIFEST, json.dumps(manifest, indent=2).encode())  # written last: its presence marks a complete folder
+
+
+def _write_shards(cfg: DataConfig, encoded: Iterator, out: Path, dtype: np.dtype, report) -> tuple[dict, int]:
+    """Each encoded chunk's documents into the train or val shards; returns the manifest's splits and the characters."""
+    writers = {split: _ShardWriter(out, split, dtype, cfg.tokens_per_shard) for split in SPLITS}
+    num_docs = {split: 0 for split in SPLITS}
+    num_chars = 0
+    doc_index = 0
+    for texts, tokens, lengths in encoded:
+        num_chars += sum(len(t) for t in texts)
+        # document i is held out when the running count floor(i * val_fraction) steps up: exact and spread evenly
+        index = np.arange(doc_index, doc_index + len(lengths))
+        is_val = np.floor((index + 1) * cfg.val_fraction) > np.floor(index * cfg.val_fraction)
+        doc_index += len(lengths)
+        ends = np.cumsum(lengths)
+        if not is_val.any():
+            writers["train"].write(tokens)
+        else:
+            for doc_end, length, val in zip(ends, lengths, is_val):
+                writers["val" if val else "train"].write(tokens[doc_end - length : doc_end])
+        num_docs["val"] += int(is_val.sum())
+        num_docs["train"] += int((~is_val).sum())
+        report(sum(w.num_tokens for w in writers.values()))
+    splits = {}
+    for split, writer in writers.items():
+        shards = writer.close()
+        splits[split] = {"num_documents": num_docs[split], "num_tokens": sum(s["num_tokens"] for s in shards), "shards": shards}
+    return splits, num_chars
 
 
 def _reporting(docs: Iterator[str], counts: DocumentCounts, progress: Progress) -> Iterator[str]:
