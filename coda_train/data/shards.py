@@ -105,7 +105,10 @@ class PreparedData:
             )
         data = cls(path, manifest, tokenizer)
         if verify != "never":
-            data._verify_shards(remember=verify == "first_use")
+            try:
+                data._verify_shards(remember=verify == "first_use")
+            except (KeyError, TypeError) as e:  # a shard entry without its sha256
+                raise DataError(f"the manifest {path / MANIFEST} is truncated or corrupt ({e!r}); {fix}") from e
         return data
 
     def num_tokens(self, split: str) -> int:
@@ -127,7 +130,7 @@ class PreparedData:
         todo = [s for s in shards if verified.get(s["file"]) != _stamp(self.path / s["file"], s["sha256"])]
         if not todo:
             return
-        gigabytes = sum(s["bytes"] for s in todo) / 1e9
+        gigabytes = sum(s["num_tokens"] for s in todo) * self.dtype.itemsize / 1e9
         log.info("verifying the sha256 of %d shards (%.2f GB) in %s%s", len(todo), gigabytes, self.path,
                  " (once per copy of the data; data.verify_shards=never skips this)" if remember else "")
         for shard in todo:

@@ -165,18 +165,21 @@ def _text_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -
 def _json_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -> Iterator[tuple[str, dict]]:
     """JSON Lines (one object per line), or a file holding one JSON array of objects."""
     with open(file, "rb") as f:
-        if f.read(4096).lstrip()[:1] == b"[":
-            data = f.seek(0) or f.read()
+        is_array = f.read(4096).lstrip()[:1] == b"["
+        f.seek(0)
+        if is_array:
+            data = f.read()
             counts.bytes_read += len(data)
             text = _decode(data, file, 1, cfg, counts, warn)
             try:
                 rows = json.loads(text) if text is not None else []
             except json.JSONDecodeError as e:
                 raise DataError(f"could not read documents from {file}:{e.lineno}: not valid JSON ({e.msg})") from e
+            if not isinstance(rows, list):
+                raise DataError(f"{file} starts like a JSON array but is not one; use JSON Lines or an array of objects")
             for i, row in enumerate(rows):
                 yield _json_object(row, f"{file} item {i}")
             return
-        f.seek(0)
         for number, line in enumerate(f, start=1):
             counts.bytes_read += len(line)
             if not line.strip():
