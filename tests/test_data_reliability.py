@@ -323,3 +323,17 @@ def test_bare_names_go_to_the_hub(tmp_path, monkeypatch, name):
     monkeypatch.chdir(tmp_path)
     source = resolve_source(DataConfig(source=name))
     assert source.format == "hub" and source.hub_name == name
+
+
+def test_long_preparations_log_progress_off_a_terminal(tmp_path, corpus, caplog, monkeypatch):
+    monkeypatch.setattr("coda_train.data.progress.LOG_EVERY_SECONDS", 0.0)  # every update logs, as every 30 s would
+    with caplog.at_level(logging.INFO):
+        prepare(config(corpus, tmp_path / "cache"))
+    lines = [r.message for r in caplog.records if r.message.startswith("tokenizing: ")]
+    assert lines and "(100%) read" in lines[-1] and "40 documents" in lines[-1] and "tokens" in lines[-1]
+
+
+@pytest.mark.parametrize("key", ["decode_errors", "verify_shards"])
+def test_unknown_modes_are_refused(tmp_path, key):
+    with pytest.raises(DataError, match=rf"data.{key}='sometimes' is not one of"):
+        prepare(config(tmp_path / "corpus.jsonl", tmp_path / "cache", **{key: "sometimes"}))
