@@ -198,7 +198,13 @@ def prepare(cfg: DataConfig) -> PreparedData:
     if final.exists():
         log.info("reusing prepared data %s", final)
         return PreparedData.open(final, expected_tokenizer, cfg.verify_shards)
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(cache_dir, os.W_OK | os.X_OK):
+            raise PermissionError("not writable")
+    except OSError as e:
+        raise DataError(f"cannot prepare data in data.cache_dir={cache_dir} ({e}); point data.cache_dir at a writable "
+                        f"folder (or at the copy that already holds this data)") from e
     with _StopSignals() as stop, exclusive_lock(cache_dir / f".{final.name}.lock", wait=True):
         if final.exists():
             log.info("another run prepared %s while this one waited; reusing it", final)
