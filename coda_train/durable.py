@@ -3,14 +3,16 @@ crash leaves either the old complete folder or the new complete one, and damage 
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import hashlib
 import logging
 import os
 import socket
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+
+log = logging.getLogger(__name__)
 
 
 def write_synced(path: Path, data: bytes) -> None:
@@ -38,35 +40,51 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-class LockHeld(RuntimeError):
-    """Another process holds the lock; the message names it (PID and host, as its lock file says)."""
+class LockHeldError(RuntimeError):
+    """Another live process holds an exclusive_lock; the message names its PID and host."""
 
 
-def _lock_holder(fd: int) -> str:
-    text = os.pread(fd, 512, 0).decode(errors="replace").split()
-    if len(text) == 2 and text[0].isdigit():
-        return f"process {text[0]} on host {text[1]}"
-    return "a process that has not written its PID yet"
-
-
-@contextlib.contextmanager
+@contextmanager
 def exclusive_lock(path: Path, wait: bool) -> Iterator[None]:
-    """Hold an advisory exclusive lock (fcntl.flock) on `path`, created if missing, for the body, and
-    write "PID host" into it. The kernel releases the lock when the holder dies, so a killed process
-    never leaves a stale lock; the file stays, naming its last holder. On contention, wait=False
-    raises LockHeld naming the holder; wait=True logs who is being waited for and blocks."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
+    """Hold an advisory flock on `path` (created if missing) that records this process's PID and host.
+
+    The kernel drops an flock when its holder dies, so a killed run never leaves a stale lock. With
+    wait=True a held lock is waited for (logging the holder); with wait=False LockHeldError names it.
+    The file is removed on release; an acquirer whose file was removed meanwhile retries on the new one.
+    """
+    path = Path(path)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _lock_holder(fd)
-            if not wait:
-                raise LockHeld(f"{path} is locked by {holder}") from None
-            logging.getLogger(__name__).info("waiting for the lock %s, held by %s", path, holder)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
+            if not _flock(fd, path, blocking=False):
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a process that has not written its name yet"
+                if not wait:
+                    raise LockHeldError(f"{path} is locked by {holder}; wait for it to finish, or stop that process")
+                log.info("waiting for %s, held by %s", path, holder)
+                _flock(fd, path, blocking=True)
+            try:
+                same_file = os.fstat(fd).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same_file = False
+            if not same_file:  # the previous holder removed it while we waited: lock the current file instead
+                continue
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+            try:
+                yield
+            finally:
+                path.unlink(missing_ok=True)  # while still locked, so no one else can be holding this file
+            return
+        finally:
+            os.close(fd)  # releases the flock
+
+
+def _flock(fd: int, path: Path, blocking: bool) -> bool:
+    """Take the flock (False if held elsewhere and not blocking); filesystems without flock get a warning, no lock."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as e:  # e.g. ENOLCK/EOPNOTSUPP on some network filesystems: run uncoordinated rather than not at all
+        log.warning("cannot lock %s on this filesystem (%s); concurrent runs are not coordinated", path, e)
+    return True

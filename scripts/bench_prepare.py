@@ -1,9 +1,12 @@
 """Preparation throughput on the embedded default corpus (Python stdlib sources), from scratch in a temp dir.
 
     python scripts/bench_prepare.py [--num-proc 1,2] [--vocab-size 8192] [--out runs/bench_prepare.json]
+    python scripts/bench_prepare.py --whitespace-free-mb 4      # hostile input: documents without any whitespace
 
 Per process count, two rows: the full default preparation (train the BPE, then tokenize and write shards), and
-tokenization alone with that tokenizer given as a file. Prints a table and writes JSON.
+tokenization alone with that tokenizer given as a file. Prints a table and writes JSON. With --whitespace-free-mb,
+instead: the full preparation of one repeated "abab..." document and one random base64-like document of that size
+each (BPE training cost grows with the square of the longest piece unless pieces are capped).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import tempfile
 import time
 from pathlib import Path
@@ -42,7 +46,10 @@ def main() -> None:
     p.add_argument("--num-proc", default="1,2", help="comma-separated process counts")
     p.add_argument("--vocab-size", type=int, default=DataConfig.vocab_size)
     p.add_argument("--out", type=Path, default=Path("runs/bench_prepare.json"))
+    p.add_argument("--whitespace-free-mb", type=float, default=None, help="benchmark whitespace-free documents instead")
     args = p.parse_args()
+    if args.whitespace_free_mb is not None:
+        return whitespace_free(args)
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -66,6 +73,23 @@ def main() -> None:
         )
     machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    results = [{k: v for k, v in r.items() if k != "tokenizer_file"} for r in rows]
+    args.out.write_text(json.dumps({"machine": machine, "vocab_size": args.vocab_size, "rows": results}, indent=2))
+    print(f"wrote {args.out}")
+
+
+def whitespace_free(args: argparse.Namespace) -> None:
+    size = int(args.whitespace_free_mb * 1e6)
+    documents = {"repeated": ("ab" * size)[:size], "random": "".join(random.Random(0).choices("abcdefghij0123456789+/", k=size))}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, text in documents.items():
+            Path(tmp, f"{name}.txt").write_text(text)
+            cfg = DataConfig(source=f"{tmp}/{name}.txt", cache_dir=f"{tmp}/cache", vocab_size=args.vocab_size, val_fraction=0.0)
+            rows.append({"document": name, "megabytes": size / 1e6, **run(cfg)})
+            print(f"{name:<9} {size / 1e6:.2f} MB  {rows[-1]['seconds']:.2f} s (BPE {rows[-1]['tokenizer_seconds']:.2f} s)")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
     results = [{k: v for k, v in r.items() if k != "tokenizer_file"} for r in rows]
     args.out.write_text(json.dumps({"machine": machine, "vocab_size": args.vocab_size, "rows": results}, indent=2))
     print(f"wrote {args.out}")

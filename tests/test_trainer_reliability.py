@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from coda_train.config import check_config
-from coda_train.durable import LockHeld, exclusive_lock
+from coda_train.durable import LockHeldError, exclusive_lock
 from coda_train.errors import ConfigError
 from coda_train.model import preset
 from coda_train.trainer import checkpoint as checkpoint_module
@@ -49,13 +49,13 @@ def test_exclusive_lock_names_its_holder_and_dies_with_it(tmp_path):
                                "    print('held', flush=True); time.sleep(60)"],
                               cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline() == "held\n"
-    with pytest.raises(LockHeld, match=f"locked by process {holder.pid} on host "):
+    with pytest.raises(LockHeldError, match=f"locked by pid {holder.pid} on host "):
         with exclusive_lock(lock, wait=False):
             pass
     holder.kill()  # SIGKILL: no cleanup runs, the kernel drops the lock
     holder.wait()
     with exclusive_lock(lock, wait=False):
-        assert lock.read_text().split()[0] == str(os.getpid())
+        assert lock.read_text().split()[:2] == ["pid", str(os.getpid())]
 
 
 def test_exclusive_lock_with_wait_blocks_until_the_holder_lets_go(tmp_path, caplog):
@@ -70,7 +70,7 @@ def test_exclusive_lock_with_wait_blocks_until_the_holder_lets_go(tmp_path, capl
     start = time.monotonic()
     with exclusive_lock(lock, wait=True):
         assert time.monotonic() - start > 1.0  # blocked until the holder's 1.5 s were over
-    assert f"held by process {holder.pid} on host" in caplog.text
+    assert f"held by pid {holder.pid} on host" in caplog.text
     holder.wait()
 
 

@@ -2,6 +2,6 @@
 
 from .config import DataConfig, DataError
 from .loader import TokenLoader
-from .shards import PreparedData, prepare
+from .shards import PreparationInterrupted, PreparedData, prepare
 
-__all__ = ["DataConfig", "DataError", "PreparedData", "TokenLoader", "prepare"]
+__all__ = ["DataConfig", "DataError", "PreparationInterrupted", "PreparedData", "TokenLoader", "prepare"]

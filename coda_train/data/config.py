@@ -3,6 +3,9 @@
 from dataclasses import dataclass
 from typing import Optional
 
+DECODE_ERRORS = ("replace", "skip_document", "strict")
+VERIFY_SHARDS = ("first_use", "always", "never")
+
 
 class DataError(ValueError):
     """Bad data input or a damaged prepared folder; the message says how to fix it."""
@@ -23,6 +26,8 @@ class DataConfig:
     num_proc: int = 2  # tokenization processes
     max_documents: Optional[int] = None  # use only the first N non-empty documents
     tokens_per_shard: int = 2**27  # 256 MiB per uint16 shard
+    decode_errors: str = "replace"  # invalid UTF-8: replace (U+FFFD) | skip_document | strict (error naming file:line)
+    verify_shards: str = "first_use"  # shard sha256 check at open: first_use (remembered per file size+mtime) | always | never
 
     def validate(self) -> None:
         formats = ("auto", "text", "json", "parquet", "hub")
@@ -36,5 +41,9 @@ class DataConfig:
             raise DataError(f"data.num_proc={self.num_proc} must be >= 1")
         if self.max_documents is not None and self.max_documents < 1:
             raise DataError(f"data.max_documents={self.max_documents} must be >= 1 (or None for all)")
+        if self.decode_errors not in DECODE_ERRORS:
+            raise DataError(f"data.decode_errors={self.decode_errors!r} is not one of {DECODE_ERRORS}")
+        if self.verify_shards not in VERIFY_SHARDS:
+            raise DataError(f"data.verify_shards={self.verify_shards!r} is not one of {VERIFY_SHARDS}")
         if self.tokens_per_shard < 1:
             raise DataError(f"data.tokens_per_shard={self.tokens_per_shard} must be >= 1")

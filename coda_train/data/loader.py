@@ -98,6 +98,18 @@ class TokenLoader:
     def _batch(self, windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         shard_ids = np.searchsorted(self.shard_offsets, windows, side="right") - 1
         starts = (windows - self.shard_offsets[shard_ids]) * self.seq_len
-        rows = [self.shards[s][start : start + self.seq_len + 1] for s, start in zip(shard_ids, starts)]
-        tokens = torch.from_numpy(np.stack(rows).astype(np.int64))
+        rows = np.stack([self.shards[s][start : start + self.seq_len + 1] for s, start in zip(shard_ids, starts)])
+        if rows.size and rows.max() >= self.data.vocab_size:  # one pass over a small batch; an id past the embedding crashes
+            raise self._bad_token_error(rows, shard_ids, starts)
+        tokens = torch.from_numpy(rows.astype(np.int64))
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def _bad_token_error(self, rows: np.ndarray, shard_ids: np.ndarray, starts: np.ndarray) -> DataError:
+        row, column = np.argwhere(rows >= self.data.vocab_size)[0]
+        file = self.data.path / self.data.manifest["splits"][self.split]["shards"][shard_ids[row]]["file"]
+        return DataError(
+            f"shard {file} holds token id {int(rows[row, column])} at token {int(starts[row]) + int(column)}, but the "
+            f"tokenizer has only {self.data.vocab_size} ids: the shard was damaged after preparation (data.verify_shards "
+            f"checks checksums only once per copy, or was set to never). Delete the folder {self.data.path} and run "
+            f"preparation again (python -m coda_train.data.prepare with the same data settings, or just start training again)"
+        )

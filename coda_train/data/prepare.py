@@ -1,4 +1,8 @@
-"""Command line: python -m coda_train.data.prepare [--source PATH|NAME] [--vocab-size N] ... prints what was prepared."""
+"""Command line: python -m coda_train.data.prepare [--source PATH|NAME] [--vocab-size N] ... prints what was prepared.
+
+Exit codes: 0 prepared (or reused), 2 bad input or damaged data, 128 + signal number when stopped by SIGINT (130) or
+SIGTERM (143), after removing this run's unfinished folder.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import sys
 import time
 from typing import Optional
 
-from coda_train.data import DataConfig, DataError, PreparedData, prepare
+from coda_train.data import DataConfig, DataError, PreparationInterrupted, PreparedData, prepare
 
 
 def parse_args(argv: Optional[list[str]] = None) -> tuple[DataConfig, bool]:
@@ -48,6 +52,10 @@ def summary(data: PreparedData) -> str:
     ]
     for split, info in m["splits"].items():
         lines.append(f"{split:<6} {info['num_documents']:>10,} {info['num_tokens']:>14,} {len(info['shards']):>7}")
+    counts = m.get("document_counts", {})  # absent in folders prepared before it was recorded
+    if any(counts.get(k) for k in ("missing_field", "skipped", "replaced")):
+        lines.append(f"reading   {counts['missing_field']:,} rows without the text field and {counts['skipped']:,} "
+                     f"undecodable ones skipped, {counts['replaced']:,} with invalid UTF-8 repaired; first at {counts['first']}")
     return "\n".join(lines)
 
 
@@ -59,6 +67,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         data = prepare(cfg)
         if verify:
             data.verify_checksums()
+    except PreparationInterrupted as e:
+        print(f"stopped: {e}", file=sys.stderr)
+        return 128 + e.signum
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -8,10 +8,16 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections import deque
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager, suppress
 from dataclasses import asdict
 from pathlib import Path
 from typing import Iterator, Optional
@@ -19,9 +25,10 @@ from typing import Iterator, Optional
 import numpy as np
 from tokenizers import Tokenizer
 
-from ..durable import fsync_dir, sha256_file, write_synced
+from ..durable import exclusive_lock, fsync_dir, sha256_file, write_synced
 from .config import DataConfig, DataError
-from .sources import Source, iter_documents, resolve_source
+from .progress import Progress
+from .sources import DocumentCounts, Source, iter_documents, resolve_source
 from .tokenizer import encode_documents, find_eos, fingerprint, load_tokenizer, token_dtype, train_bpe
 
 log = logging.getLogger(__name__)
@@ -29,9 +36,19 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1  # bump when the shard layout or any choice below changes what gets written
 MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
+VERIFIED_FILE = "verified.json"  # shards whose sha256 was checked on this storage, keyed by size and mtime
 SPLITS = ("train", "val")
 TOKENIZER_TRAIN_CHARS = 200_000_000  # BPE merges settle long before this; bounds training time and memory on big corpora
 CHUNK_CHARS = 1_000_000  # text per tokenization task: large enough to amortize inter-process transfer
+
+
+class PreparationInterrupted(DataError):
+    """SIGTERM/SIGINT stopped a preparation; its temp folder is gone and finished folders are untouched."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"data preparation stopped by {signal.Signals(signum).name}; nothing of this run was kept and "
+                         f"finished prepared folders are untouched; run the same command again to prepare from the start")
 
 
 class PreparedData:
@@ -46,8 +63,12 @@ class PreparedData:
         self.dtype = np.dtype(manifest["dtype"])
 
     @classmethod
-    def open(cls, path: str | os.PathLike, expected_tokenizer: Optional[str] = None) -> "PreparedData":
-        """Check the manifest, shard sizes and tokenizer; expected_tokenizer is the fingerprint the caller will train with."""
+    def open(
+        cls, path: str | os.PathLike, expected_tokenizer: Optional[str] = None, verify: str = "first_use"
+    ) -> "PreparedData":
+        """Check the manifest, shard sizes, tokenizer and (per `verify`, see data.verify_shards) shard checksums.
+
+        expected_tokenizer is the fingerprint the caller will train with."""
         path = Path(path)
         fix = f"delete {path} and run prepare again"
         try:
@@ -82,7 +103,13 @@ class PreparedData:
                 f"data.tokenizer now points at ({expected_tokenizer[:12]}); the tokenizer file changed after preparation. "
                 f"Restore it, or {fix}"
             )
-        return cls(path, manifest, tokenizer)
+        data = cls(path, manifest, tokenizer)
+        if verify != "never":
+            try:
+                data._verify_shards(remember=verify == "first_use")
+            except (KeyError, TypeError) as e:  # a shard entry without its sha256
+                raise DataError(f"the manifest {path / MANIFEST} is truncated or corrupt ({e!r}); {fix}") from e
+        return data
 
     def num_tokens(self, split: str) -> int:
         return self._split(split)["num_tokens"]
@@ -92,12 +119,32 @@ class PreparedData:
         return [np.memmap(self.path / s["file"], dtype=self.dtype, mode="r", shape=(s["num_tokens"],)) for s in shards]
 
     def verify_checksums(self) -> None:
-        """Full content check (reads every shard); open() only checks sizes, which catches truncation cheaply."""
-        for split in SPLITS:
-            for shard in self._split(split)["shards"]:
-                file = self.path / shard["file"]
-                if sha256_file(file) != shard["sha256"]:
-                    raise DataError(f"shard {file} does not match its checksum; delete {self.path} and run prepare again")
+        """Full content check: reads every shard, whatever was verified before."""
+        self._verify_shards(remember=False)
+
+    def _verify_shards(self, remember: bool) -> None:
+        """sha256 of every shard against the manifest; with remember, shards already verified at their current size and
+        mtime (VERIFIED_FILE) are skipped and newly verified ones are added to it."""
+        shards = [shard for split in SPLITS for shard in self._split(split)["shards"]]
+        verified = _read_verified(self.path) if remember else {}
+        todo = [s for s in shards if verified.get(s["file"]) != _stamp(self.path / s["file"], s["sha256"])]
+        if not todo:
+            return
+        gigabytes = sum(s["num_tokens"] for s in todo) * self.dtype.itemsize / 1e9
+        log.info("verifying the sha256 of %d shards (%.2f GB) in %s%s", len(todo), gigabytes, self.path,
+                 " (once per copy of the data; data.verify_shards=never skips this)" if remember else "")
+        for shard in todo:
+            file = self.path / shard["file"]
+            if sha256_file(file) != shard["sha256"]:
+                raise DataError(
+                    f"shard {file} does not match the sha256 in {self.path / MANIFEST}: its contents changed after "
+                    f"preparation (disk or copy damage, or an edit), so training on it would use wrong tokens. Delete the "
+                    f"folder {self.path} and run preparation again (python -m coda_train.data.prepare with the same data "
+                    f"settings, or just start training again); a copy of the corpus elsewhere can be copied over instead"
+                )
+            verified[shard["file"]] = _stamp(file, shard["sha256"])
+        if remember:
+            _write_verified(self.path, verified)
 
     def _split(self, split: str) -> dict:
         if split not in SPLITS:
@@ -105,8 +152,39 @@ class PreparedData:
         return self.manifest["splits"][split]
 
 
+def _stamp(file: Path, sha256: str) -> list:
+    """What a verification is remembered by: a rewrite or copy changes the mtime, so it is verified again."""
+    stat = file.stat()
+    return [stat.st_size, stat.st_mtime_ns, sha256]
+
+
+def _read_verified(folder: Path) -> dict:
+    try:
+        verified = json.loads((folder / VERIFIED_FILE).read_text())
+        return verified if isinstance(verified, dict) else {}
+    except (OSError, ValueError):  # missing or damaged: everything is verified again, which is always safe
+        return {}
+
+
+def _write_verified(folder: Path, verified: dict) -> None:
+    """Atomically (temp file + rename), so concurrent openers and a kill leave a whole file or the old one."""
+    tmp = folder / f".{VERIFIED_FILE}.{os.getpid()}.tmp"
+    try:
+        write_synced(tmp, json.dumps(verified, indent=1).encode())
+        os.replace(tmp, folder / VERIFIED_FILE)
+    except OSError as e:  # a read-only copy of the data: fine to use, only the check cannot be remembered
+        with suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        log.warning("cannot record verified shards in %s (%s): they are hashed again at each start; set "
+                    "data.verify_shards=never to skip that", folder, e)
+
+
 def prepare(cfg: DataConfig) -> PreparedData:
-    """Prepare cfg's data under cfg.cache_dir, or reuse the folder prepared from the same inputs."""
+    """Prepare cfg's data under cfg.cache_dir, or reuse the folder prepared from the same inputs.
+
+    Runs preparing the same inputs take turns on a lock file, so a second one waits and reuses the first one's folder.
+    SIGTERM/SIGINT raise PreparationInterrupted after the worker pool and the temp folder are cleaned up.
+    """
     if not isinstance(cfg, DataConfig):  # a hydra DictConfig or a plain dict with the same keys
         cfg = DataConfig(**cfg)
     cfg.validate()
@@ -119,12 +197,37 @@ def prepare(cfg: DataConfig) -> PreparedData:
     expected_tokenizer = fingerprint(requested) if requested else None
     if final.exists():
         log.info("reusing prepared data %s", final)
-        return PreparedData.open(final, expected_tokenizer)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    # build in a private temp folder on the same filesystem, then rename: a failed run leaves every finished folder untouched
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=cache_dir))
+        return PreparedData.open(final, expected_tokenizer, cfg.verify_shards)
     try:
-        _build(cfg, source, requested, config_eos, inputs, tmp)
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(cache_dir, os.W_OK | os.X_OK):
+            raise PermissionError("not writable")
+    except OSError as e:
+        raise DataError(f"cannot prepare data in data.cache_dir={cache_dir} ({e}); point data.cache_dir at a writable "
+                        f"folder (or at the copy that already holds this data)") from e
+    with _StopSignals() as stop, exclusive_lock(cache_dir / f".{final.name}.lock", wait=True):
+        if final.exists():
+            log.info("another run prepared %s while this one waited; reusing it", final)
+        else:
+            _remove_dead_temp_folders(cache_dir, final.name)
+            _build_atomically(cfg, source, requested, config_eos, inputs, final, stop)
+    return PreparedData.open(final, expected_tokenizer, cfg.verify_shards)
+
+
+def _build_atomically(
+    cfg: DataConfig,
+    source: Source,
+    tokenizer: Optional[Tokenizer],
+    config_eos: Optional[str],
+    inputs: dict,
+    final: Path,
+    stop: _StopSignals,
+) -> None:
+    """Build in a private temp folder on the same filesystem, then rename: a failed run leaves finished folders untouched."""
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}-", dir=final.parent))
+    try:
+        with stop.deferred():
+            _build(cfg, source, tokenizer, config_eos, inputs, tmp, stop)
         tmp.chmod(0o755)
         fsync_dir(tmp)
         try:
@@ -132,13 +235,67 @@ def prepare(cfg: DataConfig) -> PreparedData:
         except OSError:
             if not final.exists():
                 raise
-            log.info("another process prepared %s first; using it", final)
+            log.info("another process prepared %s first; using it", final)  # one that could not take the lock
         else:
-            fsync_dir(cache_dir)
+            fsync_dir(final.parent)
     finally:
         if tmp.exists():
-            shutil.rmtree(tmp)
-    return PreparedData.open(final, expected_tokenizer)
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+TMP_PREFIX = ".tmp-"  # hidden, and without a manifest: never taken for a finished folder
+
+
+def _remove_dead_temp_folders(cache_dir: Path, name: str) -> None:
+    """Temp folders of `name` left by killed runs; called under the lock of `name`, so no live run is writing them."""
+    dead = [p for p in cache_dir.glob(f"{TMP_PREFIX}{name}-*") if p.is_dir()]
+    for folder in dead:
+        shutil.rmtree(folder, ignore_errors=True)
+    if dead:
+        log.info("removed %d unfinished temp folder(s) of %s left by a stopped run", len(dead), name)
+
+
+class _StopSignals:
+    """Within `with`: the first SIGTERM/SIGINT raises PreparationInterrupted, so `finally` blocks clean up. Inside
+    deferred() it is only recorded and raised by check(), which the loops call, so it never fires inside the worker
+    pool's own locks (where it would deadlock the pool's shutdown)."""
+
+    def __init__(self):
+        self.signum: Optional[int] = None
+        self._deferring = False
+        self._previous: dict = {}
+
+    def __enter__(self) -> "_StopSignals":
+        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+            self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, old in self._previous.items():
+            signal.signal(s, old)
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is None:  # later signals must not interrupt the cleanup of the first
+            self.signum = signum
+            if not self._deferring:
+                raise PreparationInterrupted(signum)
+
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+
+    def check(self) -> None:
+        if self.signum is not None:
+            raise PreparationInterrupted(self.signum)
+
+    def checked(self, docs: Iterator[str]) -> Iterator[str]:
+        for text in docs:
+            self.check()
+            yield text
 
 
 def _inputs(cfg: DataConfig, source: Source) -> dict:
@@ -158,12 +315,23 @@ def _inputs(cfg: DataConfig, source: Source) -> dict:
 
 
 def _build(
-    cfg: DataConfig, source: Source, tokenizer: Optional[Tokenizer], config_eos: Optional[str], inputs: dict, out: Path
+    cfg: DataConfig,
+    source: Source,
+    tokenizer: Optional[Tokenizer],
+    config_eos: Optional[str],
+    inputs: dict,
+    out: Path,
+    stop: _StopSignals,
 ) -> None:
     start = time.perf_counter()
+    total_bytes = sum(os.path.getsize(f) for f in source.files) if source.files else None
     if tokenizer is None:
         log.info("training a byte-level BPE (vocab %d) on %s", cfg.vocab_size, source.name)
-        tokenizer = train_bpe(iter_documents(source, cfg, max_chars=TOKENIZER_TRAIN_CHARS), cfg.vocab_size)
+        counts, progress = DocumentCounts(), Progress("reading for BPE", min(total_bytes or 0, TOKENIZER_TRAIN_CHARS) or None)
+        docs = _reporting(iter_documents(source, cfg, max_chars=TOKENIZER_TRAIN_CHARS, counts=counts), counts, progress)
+        tokenizer = train_bpe(stop.checked(docs), cfg.vocab_size, show_progress=sys.stderr.isatty())
+        progress.close()
+        stop.check()  # a signal during the merges (native code) is seen here
     eos_token, eos_id = find_eos(tokenizer, cfg.eos_token, config_eos)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     dtype = token_dtype(vocab_size)
@@ -171,29 +339,13 @@ def _build(
     tokenizer_seconds = time.perf_counter() - start
 
     log.info("tokenizing %s with %d process(es)", source.name, cfg.num_proc)
-    writers = {split: _ShardWriter(out, split, dtype, cfg.tokens_per_shard) for split in SPLITS}
-    num_docs = {split: 0 for split in SPLITS}
-    num_chars = 0
-    doc_index = 0
-    for texts, tokens, lengths in _tokenize(iter_documents(source, cfg), tokenizer, eos_id, dtype, cfg.num_proc):
-        num_chars += sum(len(t) for t in texts)
-        # document i is held out when the running count floor(i * val_fraction) steps up: exact and spread evenly
-        index = np.arange(doc_index, doc_index + len(lengths))
-        is_val = np.floor((index + 1) * cfg.val_fraction) > np.floor(index * cfg.val_fraction)
-        doc_index += len(lengths)
-        ends = np.cumsum(lengths)
-        if not is_val.any():
-            writers["train"].write(tokens)
-        else:
-            for doc_end, length, val in zip(ends, lengths, is_val):
-                writers["val" if val else "train"].write(tokens[doc_end - length : doc_end])
-        num_docs["val"] += int(is_val.sum())
-        num_docs["train"] += int((~is_val).sum())
-    splits = {}
-    for split, writer in writers.items():
-        shards = writer.close()
-        splits[split] = {"num_documents": num_docs[split], "num_tokens": sum(s["num_tokens"] for s in shards), "shards": shards}
-    seconds = time.perf_counter() - start
+    counts, progress = DocumentCounts(), Progress("tokenizing", total_bytes)
+    docs = stop.checked(iter_documents(source, cfg, counts=counts))
+    splits, num_chars = _write_shards(cfg, _tokenize(docs, tokenizer, eos_id, dtype, cfg.num_proc, stop), out, dtype,
+                                      lambda tokens: progress.update(counts.bytes_read, counts.documents, tokens))
+    progress.close()
+    for line in counts.summary():
+        log.warning("%s: %s", source.name, line)
     manifest = {
         "format_version": FORMAT_VERSION,
         "inputs": inputs,
@@ -208,19 +360,57 @@ def _build(
             "eos_id": eos_id,
         },
         "dtype": dtype.name,
-        "num_documents": sum(num_docs.values()),
+        "num_documents": sum(split["num_documents"] for split in splits.values()),
         "num_characters": num_chars,
-        "num_tokens": sum(s["num_tokens"] for s in splits.values()),
+        "num_tokens": sum(split["num_tokens"] for split in splits.values()),
+        "document_counts": counts.as_dict(),  # documents used, and rows skipped or repaired while reading
         "splits": splits,
         "prepared_with": asdict(cfg),  # the full config of the run that built this folder, for the record
-        "seconds": {"tokenizer": round(tokenizer_seconds, 3), "total": round(seconds, 3)},
+        "seconds": {"tokenizer": round(tokenizer_seconds, 3), "total": round(time.perf_counter() - start, 3)},
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+    # the shards were hashed as they were written: remember that, so the first open need not read them again
+    _write_verified(out, {s["file"]: _stamp(out / s["file"], s["sha256"]) for split in splits.values() for s in split["shards"]})
     write_synced(out / MANIFEST, json.dumps(manifest, indent=2).encode())  # written last: its presence marks a complete folder
 
 
+def _write_shards(cfg: DataConfig, encoded: Iterator, out: Path, dtype: np.dtype, report) -> tuple[dict, int]:
+    """Each encoded chunk's documents into the train or val shards; returns the manifest's splits and the characters."""
+    writers = {split: _ShardWriter(out, split, dtype, cfg.tokens_per_shard) for split in SPLITS}
+    num_docs = {split: 0 for split in SPLITS}
+    num_chars = 0
+    doc_index = 0
+    for texts, tokens, lengths in encoded:
+        num_chars += sum(len(t) for t in texts)
+        # document i is held out when the running count floor(i * val_fraction) steps up: exact and spread evenly
+        index = np.arange(doc_index, doc_index + len(lengths))
+        is_val = np.floor((index + 1) * cfg.val_fraction) > np.floor(index * cfg.val_fraction)
+        doc_index += len(lengths)
+        ends = np.cumsum(lengths)
+        if not is_val.any():
+            writers["train"].write(tokens)
+        else:
+            for doc_end, length, val in zip(ends, lengths, is_val):
+                writers["val" if val else "train"].write(tokens[doc_end - length : doc_end])
+        num_docs["val"] += int(is_val.sum())
+        num_docs["train"] += int((~is_val).sum())
+        report(sum(w.num_tokens for w in writers.values()))
+    splits = {}
+    for split, writer in writers.items():
+        shards = writer.close()
+        splits[split] = {"num_documents": num_docs[split], "num_tokens": sum(s["num_tokens"] for s in shards), "shards": shards}
+    return splits, num_chars
+
+
+def _reporting(docs: Iterator[str], counts: DocumentCounts, progress: Progress) -> Iterator[str]:
+    for text in docs:
+        yield text
+        if counts.documents % 1000 == 0:
+            progress.update(counts.bytes_read, counts.documents)
+
+
 def _tokenize(
-    docs: Iterator[str], tokenizer: Tokenizer, eos_id: int, dtype: np.dtype, num_proc: int
+    docs: Iterator[str], tokenizer: Tokenizer, eos_id: int, dtype: np.dtype, num_proc: int, stop: _StopSignals
 ) -> Iterator[tuple[list[str], np.ndarray, np.ndarray]]:
     """(texts, tokens, lengths) per chunk of documents, in document order, encoded by num_proc processes."""
     chunks = _chunks(docs)
@@ -229,16 +419,33 @@ def _tokenize(
             yield texts, *encode_documents(tokenizer, texts, eos_id, dtype)
         return
     context = mp.get_context("fork" if sys.platform == "linux" else "spawn")
-    with context.Pool(num_proc, _init_worker, (tokenizer.to_str(), eos_id, dtype.str)) as pool:
+    # an executor, not mp.Pool: a worker killed by a signal or the OOM killer breaks it cleanly instead of deadlocking
+    pool = ProcessPoolExecutor(num_proc, context, _init_worker, (tokenizer.to_str(), eos_id, dtype.str))
+    try:
         pending: deque = deque()
         for texts in chunks:
-            pending.append((texts, pool.apply_async(_encode_in_worker, (texts,))))
+            pending.append((texts, pool.submit(_encode_in_worker, texts)))
             if len(pending) >= 2 * num_proc:  # bounded read-ahead keeps memory flat on huge streamed corpora
                 texts, result = pending.popleft()
-                yield texts, *result.get()
+                yield texts, *_result(result, stop)
         while pending:
             texts, result = pending.popleft()
-            yield texts, *result.get()
+            yield texts, *_result(result, stop)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # running chunks finish (under a second each), queued ones are dropped
+
+
+def _result(result: Future, stop: _StopSignals):
+    """A worker's result, waiting in short slices so a stop signal is acted on while the workers are busy."""
+    while True:
+        try:
+            return result.result(timeout=0.1)
+        except FuturesTimeout:
+            stop.check()
+        except BrokenProcessPool as e:
+            stop.check()  # the signal that stopped us also reached the workers
+            raise DataError("a tokenization process died (killed from outside, or out of memory); run preparation "
+                            "again, with a smaller data.num_proc if memory is short") from e
 
 
 def _chunks(docs: Iterator[str]) -> Iterator[list[str]]:
@@ -258,6 +465,8 @@ _worker: tuple = ()
 
 def _init_worker(tokenizer_json: str, eos_id: int, dtype: str) -> None:
     global _worker
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the parent stops the pool
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's handler, inherited through fork
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism; also silences the after-fork warning
     _worker = (Tokenizer.from_str(tokenizer_json), eos_id, np.dtype(dtype))
 
@@ -273,6 +482,7 @@ class _ShardWriter:
     def __init__(self, folder: Path, split: str, dtype: np.dtype, tokens_per_shard: int):
         self.folder, self.split, self.dtype, self.tokens_per_shard = folder, split, dtype, tokens_per_shard
         self.shards: list[dict] = []
+        self.num_tokens = 0
         self._file = None
 
     def write(self, tokens: np.ndarray) -> None:
@@ -286,6 +496,7 @@ class _ShardWriter:
             self._file.write(data)
             self._hash.update(data)
             self._count += len(part)
+            self.num_tokens += len(part)
             if self._count == self.tokens_per_shard:
                 self._finish()
 

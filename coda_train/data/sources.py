@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import glob
+import json
+import logging
 import os
 import re
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
 import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from .config import DataConfig, DataError
+
+log = logging.getLogger(__name__)
 
 # stdlib folders that are not library source: third-party installs, test suites, compiled caches, codec tables
 BUILTIN_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "encodings"}
@@ -53,12 +59,13 @@ def _slug(name: str) -> str:
 
 
 def _looks_local(source: str) -> bool:
-    return (
-        os.path.exists(os.path.expanduser(source))
-        or any(c in source for c in "*?[")
-        or source.startswith(("/", ".", "~"))
-        or Path(source).suffix in LOCAL_SUFFIXES
-    )
+    """A path the user means as a file, folder or glob: only an existing path, a bare `name` or an `org/name` whose org is
+    not a local folder can be a hub dataset, so a mistyped path fails at once instead of after hub retries."""
+    if os.path.exists(os.path.expanduser(source)) or source.startswith(("/", ".", "~")) or any(c in source for c in "*?["):
+        return True
+    if Path(source).suffix in LOCAL_SUFFIXES or source.count("/") > 1:
+        return True
+    return "/" in source and os.path.isdir(source.split("/")[0])  # "data/corpus" with a local data/ folder
 
 
 def _expand_files(source: str) -> list[str]:
@@ -94,49 +101,205 @@ def resolve_source(cfg: DataConfig) -> Source:
     return Source(_slug(base), fmt, tuple(files))
 
 
-def _load(source: Source, cfg: DataConfig):
-    if source.format == "hub":
-        try:
-            return datasets.load_dataset(source.hub_name, split=cfg.split, streaming=cfg.streaming)
-        except Exception as e:  # datasets raises many types here; the user needs one message
+@dataclass
+class DocumentCounts:
+    """What reading the corpus met, for the log and the manifest; `first` holds where each kind was first seen."""
+
+    documents: int = 0  # non-empty documents yielded
+    empty: int = 0  # rows whose text is ""
+    missing_field: int = 0  # rows without the text field (or with null there), skipped
+    replaced: int = 0  # documents with invalid UTF-8, decoded with U+FFFD (decode_errors=replace)
+    skipped: int = 0  # documents dropped for invalid UTF-8 or malformed JSON (decode_errors=skip_document)
+    bytes_read: int = 0  # of local files, for progress
+    first: dict = field(default_factory=dict)
+
+    def note(self, kind: str, where: str, warn: bool) -> None:
+        setattr(self, kind, getattr(self, kind) + 1)
+        if kind not in self.first:
+            self.first[kind] = where
+            if warn:
+                log.warning("%s: %s; later ones are only counted (summary at the end)", where, PROBLEMS[kind])
+
+    def summary(self) -> list[str]:
+        """One line per kind of problem met: its count and first location."""
+        return [f"{getattr(self, kind):,} documents: {PROBLEMS[kind]} (first at {where})" for kind, where in self.first.items()]
+
+    def as_dict(self) -> dict:
+        kinds = ("documents", "empty", "missing_field", "replaced", "skipped")
+        return {k: getattr(self, k) for k in kinds} | {"first": dict(self.first)}
+
+
+PROBLEMS = {
+    "missing_field": "no text field (or null), skipped; set data.text_field if the text is in another column",
+    "replaced": "invalid UTF-8, bad bytes replaced by U+FFFD (data.decode_errors=replace)",
+    "skipped": "invalid UTF-8 or malformed JSON, skipped (data.decode_errors=skip_document)",
+}
+NEWLINE = b"\n"
+MISSING_FIELD_LIMIT = 1000  # this many rows without the field before any document: data.text_field is wrong
+
+
+def _decode(data: bytes, file: str, line: int, cfg: DataConfig, counts: DocumentCounts, warn: bool) -> Optional[str]:
+    """UTF-8 text of a document starting at file:line, per data.decode_errors; None means skip this document."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if cfg.decode_errors == "strict":
+            where = f"{file}:{line + data.count(NEWLINE, 0, e.start)}"
             raise DataError(
-                f"could not load hub dataset {source.hub_name!r} (split {cfg.split!r}): {e}\n"
-                f"If it is a local path, it does not exist (cwd {os.getcwd()}); if it is a hub dataset, check the name and "
-                f"the network, or set HF_DATASETS_OFFLINE=1 to use a cached copy."
+                f"{where}: invalid UTF-8 ({e.reason} at byte {e.start} of the document); fix the file, or set "
+                f"data.decode_errors=replace (bad bytes become U+FFFD) or skip_document (drop such documents)"
             ) from e
-    # local files are always streamed: we read each document once, so an Arrow cache copy would only cost disk
-    options = {"sample_by": "document"} if source.format == "text" else {}  # one file = one document
-    return datasets.load_dataset(source.format, data_files=list(source.files), split="train", streaming=True, **options)
+        counts.note("skipped" if cfg.decode_errors == "skip_document" else "replaced", f"{file}:{line}", warn)
+        return None if cfg.decode_errors == "skip_document" else data.decode("utf-8", errors="replace")
 
 
-def iter_documents(source: Source, cfg: DataConfig, max_chars: Optional[int] = None) -> Iterator[str]:
-    """Non-empty document texts in a fixed order; stops after cfg.max_documents documents or once max_chars were yielded."""
-    field = "text" if source.format == "text" else cfg.text_field  # the text builder always names its column "text"
-    where = source.hub_name or cfg.source
-    rows = iter(_load(source, cfg))
-    count, chars = 0, 0
-    while cfg.max_documents is None or count < cfg.max_documents:
+def _text_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -> Iterator[tuple[str, dict]]:
+    """One document per file, newlines universal ("\r\n" and "\r" become "\n") as when a file is opened as text."""
+    data = Path(file).read_bytes()
+    counts.bytes_read += len(data)
+    text = _decode(data, file, 1, cfg, counts, warn)
+    if text is not None:
+        yield f"{file}:1", {"text": text.replace("\r\n", "\n").replace("\r", "\n")}
+
+
+def _json_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -> Iterator[tuple[str, dict]]:
+    """JSON Lines (one object per line), or a file holding one JSON array of objects."""
+    with open(file, "rb") as f:
+        is_array = f.read(4096).lstrip()[:1] == b"["
+        f.seek(0)
+        if is_array:
+            data = f.read()
+            counts.bytes_read += len(data)
+            text = _decode(data, file, 1, cfg, counts, warn)
+            try:
+                rows = json.loads(text) if text is not None else []
+            except json.JSONDecodeError as e:
+                raise DataError(f"could not read documents from {file}:{e.lineno}: not valid JSON ({e.msg})") from e
+            if not isinstance(rows, list):
+                raise DataError(f"{file} starts like a JSON array but is not one; use JSON Lines or an array of objects")
+            for i, row in enumerate(rows):
+                yield _json_object(row, f"{file} item {i}")
+            return
+        for number, line in enumerate(f, start=1):
+            counts.bytes_read += len(line)
+            if not line.strip():
+                continue
+            where = f"{file}:{number}"
+            text = _decode(line, file, number, cfg, counts, warn)
+            if text is None:
+                continue
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as e:
+                if cfg.decode_errors == "skip_document":
+                    counts.note("skipped", where, warn)
+                    continue
+                raise DataError(
+                    f"could not read documents from {where}: not valid JSON ({e.msg} at column {e.colno}); fix or remove "
+                    f"that line, or set data.decode_errors=skip_document to skip such lines (counted in the manifest)"
+                ) from e
+            yield _json_object(row, where)
+
+
+def _json_object(row, where: str) -> tuple[str, dict]:
+    if not isinstance(row, dict):
+        raise DataError(f"{where} holds a JSON {type(row).__name__}, not an object; each document must be an object like "
+                        f'{{"text": "..."}}')
+    return where, row
+
+
+def _parquet_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -> Iterator[tuple[str, dict]]:
+    try:
+        parquet = pq.ParquetFile(file)
+        columns = parquet.schema_arrow.names
+        if cfg.text_field not in columns:
+            raise DataError(f"{file} has no column {cfg.text_field!r}; available fields: {sorted(columns)}. "
+                            f"Set data.text_field to one of them")
+        row = 0
+        for batch in parquet.iter_batches(columns=[cfg.text_field]):
+            for value in batch.column(0).to_pylist():
+                row += 1
+                yield f"{file} row {row}", {cfg.text_field: value}
+        counts.bytes_read += os.path.getsize(file)  # progress of Parquet moves file by file
+    except (OSError, pa.ArrowException) as e:
+        raise DataError(f"could not read documents from {file}: {e}; the file is damaged or not Parquet") from e
+
+
+def _hub_rows(source: Source, cfg: DataConfig) -> Iterator[tuple[str, dict]]:
+    try:
+        rows = iter(datasets.load_dataset(source.hub_name, split=cfg.split, streaming=cfg.streaming))
+    except Exception as e:  # datasets raises many types here; the user needs one message
+        raise DataError(
+            f"could not load hub dataset {source.hub_name!r} (split {cfg.split!r}): {e}\n"
+            f"If it is a local path, it does not exist (cwd {os.getcwd()}); if it is a hub dataset, check the name and "
+            f"the network, or set HF_DATASETS_OFFLINE=1 to use a cached copy."
+        ) from e
+    number = 0
+    while True:
         try:
             row = next(rows, None)
-        except Exception as e:  # malformed JSON/Parquet surfaces here as pyarrow or datasets errors
-            raise DataError(f"could not read documents from {where!r}: {e}") from e
+        except Exception as e:  # a damaged download surfaces here as pyarrow or datasets errors
+            raise DataError(f"could not read documents from hub dataset {source.hub_name!r} after row {number}: {e}") from e
         if row is None:
-            break
-        if field not in row:
-            raise DataError(
-                f"documents from {where!r} have no field {field!r}; available fields: {sorted(row)}. "
-                f"Set data.text_field to one of them"
-            )
-        text = row[field]
-        if text is None or text == "":
+            return
+        number += 1
+        yield f"{source.hub_name} row {number}", row
+
+
+READERS = {"text": _text_rows, "json": _json_rows, "parquet": _parquet_rows}
+
+
+def _rows(source: Source, cfg: DataConfig, counts: DocumentCounts, warn: bool) -> Iterator[tuple[str, dict]]:
+    """(where, row) in a fixed order; where is file:line (or row/item) for messages."""
+    if source.format == "hub":
+        yield from _hub_rows(source, cfg)
+        return
+    for file in source.files:
+        try:
+            yield from READERS[source.format](file, cfg, counts, warn)
+        except OSError as e:  # removed or unreadable after listing
+            raise DataError(f"could not read documents from {file}: {e}") from e
+
+
+def iter_documents(
+    source: Source, cfg: DataConfig, max_chars: Optional[int] = None, counts: Optional[DocumentCounts] = None
+) -> Iterator[str]:
+    """Non-empty document texts in a fixed order; stops after cfg.max_documents documents or once max_chars were yielded.
+
+    Rows without the text field, and undecodable ones (per data.decode_errors), are counted in `counts`; passing `counts`
+    also logs a warning at the first of each kind (the caller logs the summary).
+    """
+    warn = counts is not None
+    counts = counts if counts is not None else DocumentCounts()
+    field_name = "text" if source.format == "text" else cfg.text_field  # a text file is one document named "text"
+    where_all = source.hub_name or cfg.source
+    chars, fields_seen = 0, None
+    for where, row in _rows(source, cfg, counts, warn):
+        text = row.get(field_name)
+        if text is None:
+            if field_name not in row and fields_seen is None:
+                fields_seen = sorted(row)
+            counts.note("missing_field", where, warn)
+            if counts.documents == 0 and counts.missing_field >= MISSING_FIELD_LIMIT:
+                break
+            continue
+        if text == "":
+            counts.empty += 1
             continue
         if not isinstance(text, str):
             kind = type(text).__name__
-            raise DataError(f"field {field!r} of {where!r} holds {kind}, not text; set data.text_field to a text column")
+            raise DataError(f"field {field_name!r} at {where} holds {kind}, not text; set data.text_field to a text column")
         yield text
-        count, chars = count + 1, chars + len(text)
-        if max_chars is not None and chars >= max_chars:
+        counts.documents += 1
+        chars += len(text)
+        if counts.documents == cfg.max_documents or (max_chars is not None and chars >= max_chars):
             return
-    if count == 0:
-        raise DataError(f"the corpus {where!r} is empty: no non-empty {field!r} documents; check data.source and data.text_field")
-
+    if counts.documents == 0 and fields_seen is not None and counts.empty == 0:
+        raise DataError(
+            f"documents from {where_all!r} have no field {field_name!r}; available fields: {fields_seen}. "
+            f"Set data.text_field to one of them"
+        )
+    if counts.documents == 0:
+        problems = "; ".join(counts.summary())
+        raise DataError(f"the corpus {where_all!r} is empty: no non-empty {field_name!r} documents"
+                        f"{f' ({problems})' if problems else ''}; check data.source and data.text_field")

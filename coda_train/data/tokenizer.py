@@ -8,25 +8,34 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 import numpy as np
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from .config import DataError
 
 EOS_TOKEN = "<|endoftext|>"
 # EOS names used by common tokenizers (GPT-2/NeoX, Llama-3, Llama-2/Mistral, Gemma), tried in this order
 KNOWN_EOS_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+# longest pre-tokenized piece, in bytes: BPE training cost grows with the square of a piece's length, so a long run
+# without whitespace (minified code, base64, "abab...") is cut into pieces this long; ordinary words are far shorter
+MAX_PIECE_BYTES = 64
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
-    """Byte-level BPE (GPT-2 style): every string round-trips exactly; the EOS special token is id 0."""
+def train_bpe(texts: Iterable[str], vocab_size: int, show_progress: bool = False) -> Tokenizer:
+    """Byte-level BPE (GPT-2 style, pieces capped at MAX_PIECE_BYTES): every string round-trips exactly; EOS is id 0.
+
+    show_progress draws the trainer's own progress bars (for terminals)."""
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.ByteLevel(add_prefix_space=False),  # GPT-2 split into words/numbers/punctuation/spaces, as bytes
+        # then pieces of at most MAX_PIECE_BYTES byte-level characters (one per byte); "." matches all of them
+        pre_tokenizers.Split(Regex(f".{{1,{MAX_PIECE_BYTES}}}"), behavior="isolated"),
+    ])
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=[EOS_TOKEN],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes, so no input is ever unknown
-        show_progress=False,
+        show_progress=show_progress,
     )
     tokenizer.train_from_iterator(texts, trainer)
     return tokenizer

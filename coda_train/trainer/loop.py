@@ -17,7 +17,7 @@ from torch import nn
 
 from coda_train.config import Config, check_config
 from coda_train.data import DataError, TokenLoader
-from coda_train.durable import LockHeld
+from coda_train.durable import LockHeldError
 from coda_train.errors import ConfigError
 from coda_train.kernels import resolve_backend
 from coda_train.model import LlamaConfig
@@ -42,7 +42,7 @@ EXIT_BAD_INPUT = 1  # config, data, backend, checkpoint, or the run dir in use b
 EXIT_NON_FINITE = 3
 EXIT_RUN_DIR = 4  # a run-dir write failed (disk full, read-only, permissions); earlier checkpoints intact
 # the errors a run stops on with a message (and one of the codes above); anything else is a bug
-STOP_ERRORS = (ConfigError, DataError, CheckpointError, LockHeld, RunDirError, NonFiniteError)
+STOP_ERRORS = (ConfigError, DataError, CheckpointError, LockHeldError, RunDirError, NonFiniteError)
 
 
 def exit_code(error: Exception) -> int:

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Iterator, Optional
 
-from coda_train.durable import LockHeld, exclusive_lock
+from coda_train.durable import LockHeldError, exclusive_lock
 
 from .checkpoint import CHECKPOINTS_DIR, list_checkpoints, remove_partial_writes
 from .distributed import World, from_main
@@ -97,7 +97,7 @@ def _run_log(run_dir: Path) -> Iterator[None]:
 @contextlib.contextmanager
 def hold_run_dir(run_dir: Path, world: World) -> Iterator[None]:
     """Rank 0 holds <run_dir>/.lock for the body, removes dead writers' partial checkpoints and logs
-    to train.log; every rank raises if the dir is in use (LockHeld) or cannot be written (RunDirError)."""
+    to train.log; every rank raises if the dir is in use (LockHeldError) or cannot be written (RunDirError)."""
     with contextlib.ExitStack() as held:
         error: Optional[Exception] = None
         if world.is_main:
@@ -107,8 +107,8 @@ def hold_run_dir(run_dir: Path, world: World) -> Iterator[None]:
                     held.enter_context(exclusive_lock(run_dir / LOCK_FILE, wait=False))
                     held.enter_context(_run_log(run_dir))
                     remove_partial_writes(run_dir / CHECKPOINTS_DIR)
-            except LockHeld as e:
-                error = LockHeld(f"trainer.run_dir={run_dir} is in use by another training run ({e}). Two runs in one "
+            except LockHeldError as e:
+                error = LockHeldError(f"trainer.run_dir={run_dir} is in use by another training run ({e}). Two runs in one "
                                  "run dir would overwrite each other's checkpoints and metrics, so this one stops "
                                  "before touching it. Wait for that run to end (or stop it with SIGTERM, which saves a "
                                  "checkpoint), or choose another trainer.run_dir")

@@ -1,0 +1,339 @@
+"""Data pipeline under faults: damaged shards, hostile text, bad rows, signals, concurrent runs, mistyped paths."""
+
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from coda_train.data import DataConfig, DataError, PreparedData, TokenLoader, prepare
+from coda_train.data import shards as shards_module
+from coda_train.data.sources import resolve_source
+from coda_train.data.tokenizer import EOS_TOKEN, MAX_PIECE_BYTES, train_bpe
+from coda_train.durable import LockHeldError, exclusive_lock
+
+WORDS = "the model reads a token stream while loss falls seed rank epoch shard naïve 日本語 def return (x)".split()
+
+
+def make_docs(n: int = 40, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 120))) for _ in range(n)]
+
+
+def config(source, cache_dir: Path, **overrides) -> DataConfig:
+    settings = dict(source=str(source), cache_dir=str(cache_dir), vocab_size=300, val_fraction=0.1, num_proc=1)
+    return DataConfig(**{**settings, **overrides})
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def folder_bytes(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+def documents_in(data: PreparedData, split: str) -> list[str]:
+    tokens = np.concatenate([np.asarray(s) for s in data.shards(split)])
+    cuts = np.flatnonzero(tokens == data.eos_id)
+    starts = np.concatenate([[0], cuts[:-1] + 1])
+    return [data.tokenizer.decode(tokens[a:b].tolist()) for a, b in zip(starts, cuts)]
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    return write_jsonl(tmp_path / "corpus.jsonl", [{"text": d} for d in make_docs()])
+
+
+def damage(file: Path, values: np.ndarray) -> None:
+    """Overwrite the start of a uint16 shard with `values`, keeping its size (and so passing the size check)."""
+    tokens = np.fromfile(file, dtype=np.uint16)
+    tokens[: len(values)] = values
+    tokens.tofile(file)
+
+
+# --- damaged shards ----------------------------------------------------------------------------------------------
+
+
+def test_out_of_range_ids_stop_at_the_batch_naming_the_shard(tmp_path, corpus):
+    data = prepare(config(corpus, tmp_path / "cache"))
+    shard = data.path / "train_00000.bin"
+    damage(shard, np.full(len(np.fromfile(shard, dtype=np.uint16)), 65535, dtype=np.uint16))  # every id past the vocab
+    damaged = folder_bytes(data.path)
+    opened = prepare(config(corpus, tmp_path / "cache", verify_shards="never"))  # sizes match, checksum skipped
+    loader = TokenLoader(opened, "train", batch_size=2, seq_len=16, seed=0)
+    with pytest.raises(DataError, match=rf"shard {shard} holds token id 65535 at token \d+, but the tokenizer has only "
+                                        rf"300 ids.*Delete the folder {data.path} and run preparation again"):
+        loader.next_batch()
+    assert folder_bytes(data.path) == damaged  # the error names the fix; nothing is deleted
+
+
+def test_in_range_corruption_fails_the_checksum_at_first_use(tmp_path, corpus):
+    data = prepare(config(corpus, tmp_path / "cache"))
+    shard = data.path / "val_00000.bin"
+    damage(shard, np.array([7, 7, 7, 7], dtype=np.uint16))  # valid ids, wrong tokens: only the checksum can tell
+    damaged = folder_bytes(data.path)
+    with pytest.raises(DataError, match=rf"shard {shard} does not match the sha256.*Delete the folder {data.path} and "
+                                        "run preparation again"):
+        prepare(config(corpus, tmp_path / "cache"))
+    with pytest.raises(DataError, match="does not match the sha256"):  # remembered as unverified: fails every time
+        PreparedData.open(data.path)
+    assert prepare(config(corpus, tmp_path / "cache", verify_shards="never")).path == data.path  # the user's opt-out
+    assert folder_bytes(data.path) == damaged
+
+
+def test_checksums_are_verified_once_per_file_version(tmp_path, corpus, monkeypatch):
+    hashed = []
+    real = shards_module.sha256_file
+    monkeypatch.setattr(shards_module, "sha256_file", lambda path: hashed.append(Path(path).name) or real(path))
+    data = prepare(config(corpus, tmp_path / "cache", tokens_per_shard=1000))
+    num_shards = sum(len(data.manifest["splits"][s]["shards"]) for s in ("train", "val"))
+    assert num_shards > 2 and hashed == []  # hashed while written: the first open reads nothing again
+    (data.path / "verified.json").unlink()  # e.g. a copy made without it
+    PreparedData.open(data.path)
+    assert len(hashed) == num_shards and (data.path / "verified.json").is_file()
+    hashed.clear()
+    PreparedData.open(data.path)
+    assert hashed == []  # the stamp skips hashing
+    os.utime(data.path / "train_00001.bin", ns=(time.time_ns(), time.time_ns()))  # rewritten or copied: checked again
+    PreparedData.open(data.path)
+    assert hashed == ["train_00001.bin"]
+    hashed.clear()
+    PreparedData.open(data.path, verify="always")
+    assert len(hashed) == num_shards
+    hashed.clear()
+    prepare(config(corpus, tmp_path / "cache", tokens_per_shard=1000, verify_shards="never"))
+    (data.path / "verified.json").write_text("{not json")  # a damaged stamp only means verifying again
+    PreparedData.open(data.path, verify="never")
+    assert hashed == []
+    PreparedData.open(data.path)
+    assert len(hashed) == num_shards
+
+
+# --- hostile text ------------------------------------------------------------------------------------------------
+
+
+def test_whitespace_free_document_prepares_in_seconds(tmp_path):
+    rng = random.Random(0)
+    repeated = "ab" * 1_500_000  # 3 MB: before the piece cap, 0.25 MB of this took 17-100 s to train on
+    random_run = "".join(rng.choices("abcdefghijklmnopqrstuvwxyz0123456789+/", k=1_000_000))  # base64-like, 1 MB
+    (tmp_path / "a_repeated.txt").write_text(repeated)
+    (tmp_path / "b_random.txt").write_text(random_run)
+    (tmp_path / "c_normal.txt").write_text(" ".join(make_docs(5)))
+    start = time.perf_counter()
+    data = prepare(config(tmp_path / "*.txt", tmp_path / "cache", vocab_size=1000, val_fraction=0.0))
+    seconds = time.perf_counter() - start
+    assert seconds < 60, f"{seconds:.1f} s: BPE training is no longer near-linear in piece length"  # ~5 s on 2 cores
+    assert documents_in(data, "train")[:2] == [repeated, random_run]  # still round-trips exactly
+    longest = max(len(token.encode()) for token in data.tokenizer.get_vocab())
+    assert longest <= 2 * MAX_PIECE_BYTES  # byte-level characters are up to 2 UTF-8 bytes each
+
+
+def test_capped_pieces_leave_ordinary_text_tokenization_unchanged():
+    """Without pieces longer than MAX_PIECE_BYTES, the capped BPE learns and encodes exactly as plain byte-level BPE."""
+    docs = make_docs(200)
+    uncapped = Tokenizer(models.BPE())
+    uncapped.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    uncapped.decoder = decoders.ByteLevel()
+    uncapped.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=400, special_tokens=[EOS_TOKEN], show_progress=False,
+                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    capped = train_bpe(docs, vocab_size=400)
+    assert capped.get_vocab() == uncapped.get_vocab()
+    for doc in docs[:20]:
+        assert capped.encode(doc).ids == uncapped.encode(doc).ids
+
+
+# --- bad rows ----------------------------------------------------------------------------------------------------
+
+
+def test_rows_without_the_text_field_are_counted_and_warned(tmp_path, caplog):
+    docs = make_docs(9)
+    rows = [{"text": d} if i not in (1, 4, 5, 7) else {"body": d} for i, d in enumerate(docs)]
+    source = write_jsonl(tmp_path / "corpus.jsonl", rows)
+    with caplog.at_level(logging.WARNING):
+        data = prepare(config(source, tmp_path / "cache", val_fraction=0.0))
+    counts = data.manifest["document_counts"]
+    assert counts["documents"] == 5 and counts["missing_field"] == 4
+    assert counts["first"]["missing_field"] == f"{source}:2"
+    assert f"4 documents: no text field" in caplog.text and f"(first at {source}:2)" in caplog.text
+    assert documents_in(data, "train") == [d for i, d in enumerate(docs) if i not in (1, 4, 5, 7)]
+
+
+@pytest.mark.parametrize("mode", ["replace", "skip_document", "strict"])
+def test_invalid_utf8_per_decode_errors(tmp_path, mode):
+    docs = make_docs(6)
+    lines = [json.dumps({"text": d}).encode() for d in docs]
+    lines[3] = b'{"text": "caf\xe9 latin-1 bytes"}'  # invalid UTF-8 on line 4
+    source = tmp_path / "corpus.jsonl"
+    source.write_bytes(b"\n".join(lines) + b"\n")
+    cfg = config(source, tmp_path / "cache", val_fraction=0.0, decode_errors=mode)
+    if mode == "strict":
+        with pytest.raises(DataError, match=rf"{source}:4: invalid UTF-8 .*data.decode_errors=replace"):
+            prepare(cfg)
+        assert os.listdir(tmp_path / "cache") == []
+        return
+    data = prepare(cfg)
+    counts = data.manifest["document_counts"]
+    if mode == "replace":
+        assert counts["replaced"] == 1 and counts["documents"] == 6
+        assert documents_in(data, "train")[3] == "caf\ufffd latin-1 bytes"
+    else:
+        assert counts["skipped"] == 1 and counts["documents"] == 5
+        assert documents_in(data, "train") == [d for i, d in enumerate(docs) if i != 3]
+    assert counts["first"] == {"replaced" if mode == "replace" else "skipped": f"{source}:4"}
+
+
+def test_invalid_utf8_in_a_text_file_names_the_line(tmp_path):
+    (tmp_path / "doc.txt").write_bytes(b"line one\nline two\nbad \xff byte\n")
+    with pytest.raises(DataError, match=rf"{tmp_path / 'doc.txt'}:3: invalid UTF-8"):
+        prepare(config(tmp_path / "doc.txt", tmp_path / "cache", decode_errors="strict"))
+    data = prepare(config(tmp_path / "doc.txt", tmp_path / "cache", val_fraction=0.0))
+    assert documents_in(data, "train") == ["line one\nline two\nbad \ufffd byte\n"]
+
+
+@pytest.mark.parametrize("mode", ["replace", "strict", "skip_document"])
+def test_bad_json_line_names_file_and_line(tmp_path, mode):
+    docs = make_docs(8)
+    lines = [json.dumps({"text": d}) for d in docs]
+    lines[5] = '{"text": "cut off mid-wri'
+    source = tmp_path / "corpus.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    cfg = config(source, tmp_path / "cache", val_fraction=0.0, decode_errors=mode)
+    if mode != "skip_document":
+        with pytest.raises(DataError, match=rf"could not read documents from {source}:6: not valid JSON"):
+            prepare(cfg)
+        assert os.listdir(tmp_path / "cache") == []
+        return
+    data = prepare(cfg)
+    assert data.manifest["document_counts"]["skipped"] == 1
+    assert documents_in(data, "train") == [d for i, d in enumerate(docs) if i != 5]
+
+
+# --- signals and concurrent runs ---------------------------------------------------------------------------------
+
+PREPARE = [sys.executable, "-m", "coda_train.data.prepare"]
+
+
+def big_corpus(tmp_path: Path, megabytes: int) -> tuple[Path, Path]:
+    """A JSONL corpus of `megabytes` MB and a tokenizer for it (so runs start tokenizing at once)."""
+    docs = make_docs(200)
+    tokenizer = tmp_path / "tokenizer.json"
+    train_bpe(docs, vocab_size=300).save(str(tokenizer))
+    source = tmp_path / "big.jsonl"
+    row = "".join(json.dumps({"text": d}) + "\n" for d in docs)
+    source.write_text(row * (megabytes * 2**20 // len(row) + 1))
+    return source, tokenizer
+
+
+def wait_for(condition, seconds: float = 60.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def temp_folders(cache: Path) -> list[Path]:
+    return list(cache.glob(".tmp-*"))
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGKILL"])
+def test_stopping_a_preparation_leaves_nothing_that_blocks_the_next(tmp_path, how):
+    source, tokenizer = big_corpus(tmp_path, 8)
+    cache = tmp_path / "cache"
+    args = ["--source", str(source), "--tokenizer", str(tokenizer), "--cache-dir", str(cache), "--num-proc", "2"]
+    run = subprocess.Popen([*PREPARE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)  # its own process group, as a terminal's Ctrl-C reaches
+    wait_for(lambda: any((t / "train_00000.bin").exists() for t in temp_folders(cache)))  # the worker pool is running
+    os.killpg(run.pid, getattr(signal, how))
+    _, stderr = run.communicate(timeout=60)
+    if how == "SIGKILL":
+        assert run.returncode == -signal.SIGKILL and len(temp_folders(cache)) == 1  # a dead writer's leftover
+    else:
+        assert run.returncode == 128 + getattr(signal, how), stderr
+        assert "Traceback" not in stderr and f"stopped: data preparation stopped by {how}" in stderr
+        assert temp_folders(cache) == []
+    assert not [p for p in cache.iterdir() if not p.name.startswith(".")]  # nothing taken for a finished folder
+
+    again = subprocess.run([*PREPARE, *args], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert [p.name for p in cache.iterdir()] == [next(cache.glob("big-*")).name]  # no temp folder, no lock file
+    assert PreparedData.open(next(cache.glob("big-*")), verify="always").manifest["num_documents"] > 0
+
+
+def test_concurrent_preparations_take_turns_and_share_one_result(tmp_path):
+    source, tokenizer = big_corpus(tmp_path, 2)
+    cache = tmp_path / "cache"
+    args = ["--source", str(source), "--tokenizer", str(tokenizer), "--cache-dir", str(cache), "--num-proc", "1"]
+    first = subprocess.Popen([*PREPARE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: any(p.read_text().startswith("pid") for p in cache.glob(".*.lock")) if cache.exists() else False)
+    os.kill(first.pid, signal.SIGSTOP)  # holds the lock mid-preparation for as long as this test needs
+    try:
+        second = subprocess.Popen([*PREPARE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        waiting = second.stderr.readline()  # its first log line: it waits, naming the holder
+        assert "waiting for" in waiting and f"pid {first.pid} on host {socket.gethostname()}" in waiting
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    first_out, first_err = first.communicate(timeout=120)
+    second_out, second_rest = second.communicate(timeout=120)
+    assert first.returncode == 0 and second.returncode == 0, first_err + second_rest
+    assert "another run prepared" in second_rest and "reusing it" in second_rest
+    prepared = [p for p in cache.iterdir() if (p / "manifest.json").is_file()]
+    assert len(prepared) == 1 and [p.name for p in cache.iterdir()] == [prepared[0].name]
+    assert first_out.splitlines()[0] == second_out.splitlines()[0] == f"prepared  {prepared[0]}"
+
+
+def test_exclusive_lock_names_its_holder(tmp_path):
+    lock = tmp_path / "run.lock"
+    with exclusive_lock(lock, wait=False):
+        with pytest.raises(LockHeldError, match=f"locked by pid {os.getpid()} on host {socket.gethostname()}"):
+            with exclusive_lock(lock, wait=False):
+                pass
+    assert not lock.exists()  # released and removed
+    with exclusive_lock(lock, wait=False):  # free again
+        assert lock.read_text().startswith(f"pid {os.getpid()}")
+
+
+# --- mistyped paths ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("source", ["./corpus", "../corpus", "~/no-such-corpus-dir", "corpus.jsonl", "data/*.jsonl",
+                                    "data/train/part0", "data/train"])
+def test_missing_local_path_fails_at_once_without_the_hub(tmp_path, monkeypatch, source):
+    (tmp_path / "data").mkdir()  # "data/train": org "data" is a local folder, so this is a path, not a hub name
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("datasets.load_dataset", lambda *a, **k: pytest.fail("the hub must not be tried"))
+    start = time.perf_counter()
+    with pytest.raises(DataError, match=rf"no files match data.source='{source.replace('*', '.')}' \(cwd {tmp_path}\)"):
+        prepare(config(source, tmp_path / "cache"))
+    assert time.perf_counter() - start < 5
+
+
+@pytest.mark.parametrize("name", ["wikitext", "HuggingFaceFW/fineweb-edu"])
+def test_bare_names_go_to_the_hub(tmp_path, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)
+    source = resolve_source(DataConfig(source=name))
+    assert source.format == "hub" and source.hub_name == name
+
+
+def test_long_preparations_log_progress_off_a_terminal(tmp_path, corpus, caplog, monkeypatch):
+    monkeypatch.setattr("coda_train.data.progress.LOG_EVERY_SECONDS", 0.0)  # every update logs, as every 30 s would
+    with caplog.at_level(logging.INFO):
+        prepare(config(corpus, tmp_path / "cache"))
+    lines = [r.message for r in caplog.records if r.message.startswith("tokenizing: ")]
+    assert lines and "(100%) read" in lines[-1] and "40 documents" in lines[-1] and "tokens" in lines[-1]
+
+
+@pytest.mark.parametrize("key", ["decode_errors", "verify_shards"])
+def test_unknown_modes_are_refused(tmp_path, key):
+    with pytest.raises(DataError, match=rf"data.{key}='sometimes' is not one of"):
+        prepare(config(tmp_path / "corpus.jsonl", tmp_path / "cache", **{key: "sometimes"}))
