@@ -85,7 +85,7 @@ def test_second_run_in_a_busy_run_dir_stops_at_once_naming_the_holder(tiny, tmp_
     output = second.stdout + second.stderr
     assert second.returncode == 1, output
     assert f"trainer.run_dir={run_dir} is in use by another training run" in output
-    assert f"process {first.pid} on host" in output and "choose another trainer.run_dir" in output
+    assert f"pid {first.pid} on host" in output and "choose another trainer.run_dir" in output
     assert "Traceback" not in output and not other_cache.exists()
     first.send_signal(signal.SIGTERM)
     out, _ = first.communicate(timeout=60)
