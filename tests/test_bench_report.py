@@ -48,7 +48,7 @@ def test_report_writes_tables_summary_and_chart(tmp_path):
     # summary: coda 40 ms vs best peer compile 31 ms and floor 25 ms
     assert "| 125m | 40.00 | compile | 31.00 | 1.29 | 25.00 | 1.60 | 3.0 | 4.0 |" in text
     assert "| liger | failed: RuntimeError: no liger here" in text
-    assert "Not run at this shape: compile-max-autotune." in text
+    assert "Not run at this shape: compile-max-autotune (opt-in: its GEMM autotuning" in text
     assert "1 of 2 shapes on quack" in text and "| [copies / casts] | 2.000 |" in text
     # the gap: rope's 7 ms against its floor GEMM (qkv fwd, 12 x 0.5 ms), the casts have no floor, idle 40 - 29
     assert "| gemm_rowscale_rope | 7.00 | 6.00 | +1.00 |" in text and "| [copies / casts] | 2.00 | 0.00 | +2.00 |" in text
