@@ -4,6 +4,7 @@ trained with (the run's prepared data, or a tokenizer given explicitly and check
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -38,6 +39,27 @@ class TrainedCheckpoint:
     eos_token: str
     eos_id: int
     data: Optional[PreparedData]  # the run's prepared data, when the tokenizer came from it
+
+
+def checkpoint_parser(description: str, compute: bool) -> argparse.ArgumentParser:
+    """The command line every checkpoint script shares: the checkpoint, --tokenizer, and with
+    compute also --device and --dtype (trainer/device.py's choices)."""
+    from coda_train.trainer.device import COMPUTE_DTYPES, DEVICES
+
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="run dir or checkpoint dir")
+    parser.add_argument("--tokenizer", help="tokenizer.json or HF dir (default: the run's own, from its prepared data)")
+    if compute:
+        parser.add_argument("--device", default="auto", choices=DEVICES)
+        parser.add_argument("--dtype", default="auto", choices=list(COMPUTE_DTYPES),
+                            help="compute dtype; auto: bfloat16 on cuda, float32 on cpu")
+    return parser
+
+
+def log_progress_to_stderr() -> None:
+    """coda_train's progress lines (data preparation) on stderr, other libraries' warnings only."""
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("coda_train").setLevel(logging.INFO)
 
 
 def find_checkpoint(path: str | Path) -> Checkpoint:

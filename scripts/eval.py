@@ -12,34 +12,27 @@ whatever impl trained the checkpoint (one parameter layout).
 
 from __future__ import annotations
 
-import argparse
-import logging
 import math
 import sys
 from pathlib import Path
 
 from coda_train.data import DataError, TokenLoader, prepare
 from coda_train.errors import ConfigError
-from coda_train.inference import load_eager_model, mean_loss, open_checkpoint, run_data_config, text_windows
+from coda_train.inference import (checkpoint_parser, load_eager_model, log_progress_to_stderr, mean_loss, open_checkpoint,
+                                  run_data_config, text_windows)
 from coda_train.trainer.checkpoint import CheckpointError
-from coda_train.trainer.device import COMPUTE_DTYPES, DEVICES, pick_compute_dtype, pick_device
+from coda_train.trainer.device import pick_compute_dtype, pick_device
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", help="run dir or checkpoint dir")
+    parser = checkpoint_parser(__doc__, compute=True)
     parser.add_argument("--split", choices=("val", "train"), default="val", help="split of the run's prepared data")
     parser.add_argument("--text", nargs="+", metavar="FILE", help="evaluate these text files instead")
     parser.add_argument("--batch-size", type=int, help="sequences per forward (default: the run's trainer.batch_size)")
     parser.add_argument("--seq-len", type=int, help="tokens per window (default: the run's trainer.seq_len)")
     parser.add_argument("--max-batches", type=int, help="evaluate at most this many batches (default: all)")
-    parser.add_argument("--device", default="auto", choices=DEVICES)
-    parser.add_argument("--dtype", default="auto", choices=list(COMPUTE_DTYPES),
-                        help="compute dtype; auto: bfloat16 on cuda, float32 on cpu")
-    parser.add_argument("--tokenizer", help="tokenizer.json or HF dir (default: the run's own, from its prepared data)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    logging.getLogger("coda_train").setLevel(logging.INFO)  # our progress (data preparation) on stderr
+    log_progress_to_stderr()
     try:
         ckpt = open_checkpoint(args.checkpoint, args.tokenizer)
         trainer = ckpt.meta["config"]["trainer"]

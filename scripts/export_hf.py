@@ -11,29 +11,24 @@ generation_config.json; `transformers.LlamaForCausalLM.from_pretrained(DIR)` and
 
 from __future__ import annotations
 
-import argparse
-import logging
 import sys
 
 import torch
 
 from coda_train.data import DataError
 from coda_train.errors import ConfigError
-from coda_train.inference import open_checkpoint
+from coda_train.inference import checkpoint_parser, log_progress_to_stderr, open_checkpoint
 from coda_train.model.hf import export_hf
 from coda_train.trainer.checkpoint import CheckpointError
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", help="run dir or checkpoint dir")
+    parser = checkpoint_parser(__doc__, compute=False)
     parser.add_argument("--out", required=True, help="output directory (must not exist, or be empty)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weight dtype written")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB or 500MB")
-    parser.add_argument("--tokenizer", help="tokenizer.json or HF dir (default: the run's own, from its prepared data)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    logging.getLogger("coda_train").setLevel(logging.INFO)  # our progress (data preparation) on stderr
+    log_progress_to_stderr()
     try:
         ckpt = open_checkpoint(args.checkpoint, args.tokenizer)
         out = export_hf(ckpt.weights, ckpt.model_config, args.out, tokenizer_file=ckpt.tokenizer_file,

@@ -11,8 +11,6 @@ starts a fresh document after EOS. Uses the eager model with a KV cache.
 
 from __future__ import annotations
 
-import argparse
-import logging
 import sys
 
 import torch
@@ -20,28 +18,22 @@ from tokenizers.decoders import DecodeStream
 
 from coda_train.data import DataError
 from coda_train.errors import ConfigError
-from coda_train.inference import load_eager_model, open_checkpoint
+from coda_train.inference import checkpoint_parser, load_eager_model, log_progress_to_stderr, open_checkpoint
 from coda_train.model.generate import generate
 from coda_train.trainer.checkpoint import CheckpointError
-from coda_train.trainer.device import COMPUTE_DTYPES, DEVICES, pick_compute_dtype, pick_device
+from coda_train.trainer.device import pick_compute_dtype, pick_device
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", help="run dir or checkpoint dir")
+    parser = checkpoint_parser(__doc__, compute=True)
     parser.add_argument("--prompt", default="", help="text to continue")
     parser.add_argument("--max-new-tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     parser.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
     parser.add_argument("--top-p", type=float, help="sample among the most likely tokens holding this probability mass")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="auto", choices=DEVICES)
-    parser.add_argument("--dtype", default="auto", choices=list(COMPUTE_DTYPES),
-                        help="compute dtype; auto: bfloat16 on cuda, float32 on cpu")
-    parser.add_argument("--tokenizer", help="tokenizer.json or HF dir (default: the run's own, from its prepared data)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    logging.getLogger("coda_train").setLevel(logging.INFO)  # on stderr: the text alone goes to stdout
+    log_progress_to_stderr()  # the text alone goes to stdout
     try:
         ckpt = open_checkpoint(args.checkpoint, args.tokenizer)
         device = pick_device(args.device)
