@@ -153,6 +153,8 @@ class CodaLlama(LlamaWeights):
         T = tokens.shape[1]
         rope = self.rope_rows(tokens.numel(), T, tokens.device)
         shape = BlockShape(cfg.n_heads, cfg.n_kv_heads, T, cfg.norm_eps)
+        for layer in self.layers:  # under FSDP2 gathers every block's weights: block l also reads l+1's attn_norm
+            layer()
         # Norm weights in order: block l's attention norm is produced by block l-1 (or the entry).
         gammas = [layer.attn_norm.to(dt) for layer in self.layers] + [self.norm.to(dt)]
         emb = self.tok_emb.to(dt)

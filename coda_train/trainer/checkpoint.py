@@ -286,14 +286,18 @@ class Checkpointer:
     def __post_init__(self) -> None:
         self.saved: Optional[tuple[int, Path]] = (self.resumed_from.step, self.resumed_from.path) if self.resumed_from else None
 
-    def save(self, state: TrainState) -> Path:
-        """Checkpoint state.step, once: a step already saved (or resumed from) returns its path."""
+    def save(self, state: TrainState, writer: bool = True) -> Optional[Path]:
+        """Checkpoint state.step, once: a step already saved (or resumed from) returns its path. Every
+        rank calls it (gathering a sharded state takes them all); only the writer (rank 0) writes."""
         if self.saved is not None and self.saved[0] == state.step:
             return self.saved[1]
+        state_dict = state.state_dict()
+        if not writer:
+            self.saved = (state.step, self.root / f"step_{state.step:08d}")
+            return None
         crash = None
         if self.kill_mid_write_at_step == state.step:
             crash = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
-        state_dict = state.state_dict()
         full_after = tensor_bytes(state_dict) // 2 if self.disk_full_at_step == state.step else None
         path = save_checkpoint(self.root, state.step, state_dict, self.meta, self.keep_last, crash, full_after)
         self.saved = (state.step, path)
