@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from coda_train.trainer.checkpoint import list_checkpoints, load_state
+from coda_train.trainer.checkpoint import CheckpointError, list_checkpoints, load_state, verify_checkpoint
 
 from test_trainer import REPO, metrics, run_train
 
@@ -55,16 +55,18 @@ def test_two_ranks_match_one_process_with_the_whole_batch(tiny, one_process, tmp
     assert f"x2 {parallel}" in result.stderr + result.stdout
     assert_same_trajectory(metrics(tmp_path), metrics(one_process[impl]))
     assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000006"]
-    # the checkpoint holds the whole model, as one process writes it
-    saved, single = load_state(tmp_path / "checkpoints" / "step_00000006"), load_state(one_process[impl] / "checkpoints" / "step_00000006")
-    assert {k: v.shape for k, v in saved["model"].items()} == {k: v.shape for k, v in single["model"].items()}
-    assert len(saved["optimizer"]["state"]) == len(single["optimizer"]["state"])
-
+    saved = tmp_path / "checkpoints" / "step_00000006"
+    if parallel == "ddp":  # rank 0 writes the whole state, as one process does
+        assert load_state(saved)["model"].keys() == load_state(one_process[impl] / "checkpoints" / "step_00000006")["model"].keys()
+    else:  # each rank writes its shards; meta.json, written last, holds every file's checksum
+        assert set(verify_checkpoint(saved)["files"]) == {"run_state.pt", "shards/.metadata", "shards/__0_0.distcp",
+                                                          "shards/__1_0.distcp"}
 
 def test_fsdp_run_killed_resumes_on_two_and_on_one_process(tiny, tmp_path):
-    """A 2-process FSDP2 run SIGKILLed after step 6 (checkpoint at 4) continues from step 4 on 2
-    processes (batch 2 each) and on 1 (batch 4): the same global batch, so the same trajectory as the
-    uninterrupted run; measured: 2 -> 2 bit-exact, 2 -> 1 within 2e-7 (the reduction order differs)."""
+    """A 2-process FSDP2 run SIGKILLed after step 6 (checkpoint at 4, sharded) continues from step 4 on
+    2 processes (batch 2 each) and on 1 (batch 4, the shards read into whole tensors): the same global
+    batch, so the same trajectory as the uninterrupted run; measured: 2 -> 2 bit-exact, 2 -> 1 within
+    2e-7 of the loss (the reduction order differs)."""
     common = [*tiny, "trainer.max_steps=12", "trainer.ckpt_every=4", "trainer.eval_every=6", "trainer.parallel=fsdp"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     assert run_two_ranks(*common, "trainer.batch_size=2", f"trainer.run_dir={straight}").returncode == 0
@@ -93,3 +95,21 @@ def test_one_process_checkpoint_resumes_on_two_fsdp_processes(tiny, tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert "step_00000004 (step 4)" in resumed.stderr + resumed.stdout and "x2 fsdp" in resumed.stderr + resumed.stdout
     assert_same_trajectory(metrics(killed), metrics(straight))
+
+
+def test_fsdp_crash_mid_checkpoint_keeps_the_previous_one_and_damage_is_detected(tiny, tmp_path):
+    """SIGKILL on rank 0 after every rank wrote its shards of step 8 but before meta.json: step 4 stays
+    the newest checkpoint; a damaged shard of it is then caught by its checksum."""
+    result = run_two_ranks(*tiny, "trainer.max_steps=12", "trainer.ckpt_every=4", "trainer.batch_size=2",
+                           "trainer.parallel=fsdp", f"trainer.run_dir={tmp_path}", "debug.sigkill_in_checkpoint_at_step=8")
+    assert result.returncode != 0
+    ckpts = tmp_path / "checkpoints"
+    assert [p.name for p in list_checkpoints(ckpts)] == ["step_00000004"]
+    (partial,) = ckpts.glob(".tmp-step_00000008-*")
+    assert (partial / "shards" / "__1_0.distcp").exists() and not (partial / "meta.json").exists()
+    shard = ckpts / "step_00000004" / "shards" / "__1_0.distcp"
+    damaged = bytearray(shard.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    shard.write_bytes(bytes(damaged))
+    with pytest.raises(CheckpointError, match="shards/__1_0.distcp does not match its checksum"):
+        verify_checkpoint(ckpts / "step_00000004")

@@ -26,7 +26,7 @@ from coda_train.model.liger import require_liger
 from .build import (build_loader, build_train_state, check_compute, check_model_before_data, data_config,
                     prepare_data, resolve_model)
 from .checkpoint import (CHECKPOINTS_DIR, CheckpointError, Checkpointer, check_same_model, find_resume_checkpoint,
-                         list_checkpoints, load_state, set_aside_newer)
+                         list_checkpoints, restore, set_aside_newer)
 from .device import pick_compute_dtype, pick_device
 from .distributed import (World, any_rank, barrier, close_world, data_parallel, from_main, init_world, process_device,
                           resolve_parallel)
@@ -109,11 +109,7 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
     state = build_train_state(cfg, llama, data, backend, device, compute_dtype, world, init_weights=resume_from is None,
                               parallel=parallel)
     if resume_from is not None:
-        try:
-            state.load_state_dict(load_state(resume_from.path))
-        except (KeyError, ValueError, RuntimeError) as e:  # a state.pt of another layout (its checksum is its own)
-            raise CheckpointError(f"checkpoint {resume_from.path}: {resume_from.path / 'state.pt'} does not hold this "
-                                  f"trainer's state ({type(e).__name__}: {e}); choose another checkpoint") from e
+        restore(state, resume_from)
         apply_config_after_resume(state.optimizer, state.scheduler, cfg.optim)
         log.info("resumed from %s (step %d)", resume_from.path, state.step)
     val_loader = build_loader(data, "val", t, world) if t.eval_every else None
@@ -200,8 +196,7 @@ def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, forward: nn.Module
 
 
 def _save(checkpointer: Checkpointer, state: TrainState, world: World) -> Optional[Path]:
-    """Rank 0 writes the whole state (every rank takes part in gathering it under FSDP2); the loader
-    state is the same on every rank."""
+    """Rank 0 writes the state (every rank its own shards under FSDP2); the loader state is the same on every rank."""
     with writing(f"the checkpoint of step {state.step}", checkpointer.root / f"step_{state.step:08d}",
                  checkpointer.root.parent):
-        return checkpointer.save(state, world.is_main)
+        return checkpointer.save(state, world)
