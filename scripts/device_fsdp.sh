@@ -4,7 +4,8 @@
 # 1. llama3_1b on 1 GPU and under FSDP2 on 2 GPUs with the same global batch (20 steps each): the
 #    losses must agree (bf16: to about 1e-2) and the tokens/s are compared;
 # 2. llama3_8b under FSDP2 on 2 GPUs for 50 steps (batch 2 x 2048 per GPU);
-# 3. the 1b FSDP2 run's checkpoint (saved on 2 GPUs) resumed on 1 GPU for 10 more steps.
+# 3. the 1b FSDP2 run's checkpoint (saved on 2 GPUs, sharded) resumed on 1 GPU for 10 more steps;
+# 4. llama3_1b on 1 GPU with trainer.recompute=block for 20 steps (losses as run 1's, less memory).
 # Summaries land in $OUT/fsdp_summary.txt; full logs in $OUT/*.log.
 set -uo pipefail
 OUT=${OUT:-runs/fsdp}
@@ -28,11 +29,16 @@ summary "$OUT/8b_fsdp.log" 8b_fsdp
 timeout 120 python3 train.py model=llama3_1b $COMMON trainer.batch_size=8 trainer.max_steps=30 trainer.ckpt_every=0 \
   trainer.run_dir=$R/1b_fsdp > "$OUT/1b_resume_1gpu.log" 2>&1; echo "1b_resume_1gpu rc=$?" >> "$OUT/fsdp_summary.txt"
 summary "$OUT/1b_resume_1gpu.log" 1b_resume_1gpu
+timeout 150 python3 train.py model=llama3_1b $COMMON trainer.batch_size=8 trainer.max_steps=20 trainer.ckpt_every=0 \
+  trainer.recompute=block trainer.run_dir=$R/1b_recompute > "$OUT/1b_recompute.log" 2>&1; echo "1b_recompute rc=$?" >> "$OUT/fsdp_summary.txt"
+summary "$OUT/1b_recompute.log" 1b_recompute
 python3 - "$R" >> "$OUT/fsdp_summary.txt" <<'PY'
 import json, sys
 def losses(d): return {m["step"]: m["loss"] for m in map(json.loads, open(f"{sys.argv[1]}/{d}/metrics.jsonl"))}
-one, two = losses("1b_1gpu"), losses("1b_fsdp")
-common = sorted(set(one) & set(two) & set(range(1, 21)))
-print("1b 1 GPU vs FSDP2 x2, max |loss diff| over steps 1-20:", max(abs(one[s] - two[s]) for s in common))
+one = losses("1b_1gpu")
+for other in ("1b_fsdp", "1b_recompute"):
+    two = losses(other)
+    common = sorted(set(one) & set(two) & set(range(1, 21)))
+    print(f"1b 1 GPU vs {other}, max |loss diff| over steps 1-20:", max(abs(one[s] - two[s]) for s in common))
 PY
 cat "$OUT/fsdp_summary.txt"

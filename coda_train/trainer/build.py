@@ -78,7 +78,8 @@ def build_train_state(cfg: Config, llama: LlamaConfig, data: PreparedData, backe
     scheduler and train loader. The weights are model.init_from's when set and init_weights (a
     resumed run takes its checkpoint's instead)."""
     seed_all(cfg.trainer.seed)  # seeded init on CPU, so both impls and every device start from the same weights
-    model = build_model(llama, cfg.model.impl, backend=backend, compute_dtype=compute_dtype)
+    recompute = {"recompute": cfg.trainer.recompute} if cfg.model.impl == "coda" else {}
+    model = build_model(llama, cfg.model.impl, backend=backend, compute_dtype=compute_dtype, **recompute)
     if cfg.model.init_from is not None and init_weights:
         from coda_train.model.hf import load_hf_weights
 
