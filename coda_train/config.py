@@ -22,8 +22,9 @@ from omegaconf import MISSING, OmegaConf
 from coda_train.data import DataConfig
 from coda_train.errors import ConfigError
 from coda_train.kernels import BACKENDS
-from coda_train.model import IMPLS, LlamaConfig, preset
+from coda_train.model import IMPLS, RECOMPUTE, LlamaConfig, preset
 from coda_train.trainer.device import COMPUTE_DTYPES, DEVICES
+from coda_train.trainer.distributed import PARALLEL
 from coda_train.trainer.metrics import LOGGERS, WANDB_MODES, LoggerConfig
 from coda_train.trainer.optim import OPTIMIZERS, SCHEDULES, OptimConfig
 
@@ -62,6 +63,8 @@ class TrainerConfig:
     grad_accum_steps: int = 1  # micro-batches per optimizer step
     device: str = "auto"  # one of trainer/device.py DEVICES
     compute_dtype: str = "auto"  # one of trainer/device.py COMPUTE_DTYPES; parameters stay fp32
+    parallel: str = "auto"  # one of trainer/distributed.py PARALLEL (multi-process runs under torchrun)
+    recompute: str = "none"  # one of model/coda.py RECOMPUTE (model.impl=coda only): block = keep each block's input only
     log_every: int = 10  # steps between metrics lines (the last step is always logged)
     eval_every: int = 100  # steps between validation losses (and at the last step); 0 = never
     eval_batches: int = 8
@@ -135,6 +138,11 @@ def check_config(cfg: Config) -> None:
     _choose("optim.schedule", o.schedule, SCHEDULES)
     _choose("trainer.device", t.device, DEVICES)
     _choose("trainer.compute_dtype", t.compute_dtype, tuple(COMPUTE_DTYPES))
+    _choose("trainer.parallel", t.parallel, PARALLEL)
+    _choose("trainer.recompute", t.recompute, RECOMPUTE)
+    if t.recompute != "none" and cfg.model.impl != "coda":
+        raise ConfigError(f"trainer.recompute={t.recompute} recomputes the CODA blocks; use model.impl=coda "
+                          "or trainer.recompute=none")
     _choose("logger.name", cfg.logger.name, LOGGERS)
     _choose("logger.mode", cfg.logger.mode, WANDB_MODES)
     for name in ("max_steps", "batch_size", "seq_len", "grad_accum_steps", "log_every", "keep_last"):

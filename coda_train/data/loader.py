@@ -76,12 +76,20 @@ class TokenLoader:
     def load_state_dict(self, state: dict) -> None:
         """Continue exactly where the saved loader stopped; refuses states whose batches this loader cannot reproduce."""
         mine = self.state_dict()
-        differing = {k: (state.get(k), mine[k]) for k in mine if k not in ("epoch", "step") and state.get(k) != mine[k]}
+        # rank r's step s is windows r, r+W, ... of the permutation's slice [s*B*W, (s+1)*B*W): every split
+        # of the global batch B*W into ranks takes the same windows per step (and the same epoch length)
+        differing = {k: (state.get(k), mine[k]) for k in mine
+                     if k not in ("epoch", "step", "batch_size", "world_size") and state.get(k) != mine[k]}
+        saved_global = state.get("batch_size", 0) * state.get("world_size", 0)
+        if saved_global != self.batch_size * self.world_size:
+            key, saved, now = (("batch_size", state.get("batch_size"), self.batch_size) if state.get("world_size") == self.world_size
+                               else ("batch_size x world_size", saved_global, self.batch_size * self.world_size))
+            differing[key] = (saved, now)
         if differing:
             detail = ", ".join(f"{k}: saved {saved!r} vs now {now!r}" for k, (saved, now) in differing.items())
             raise DataError(
                 f"cannot resume the data position, the loader differs from the checkpoint ({detail}); "
-                f"resume with the same data and batch settings"
+                f"resume with the same data and global batch (trainer.batch_size x processes)"
             )
         if not (0 <= state["step"] <= self.steps_per_epoch and state["epoch"] >= 0):
             position = f"epoch={state['epoch']} step={state['step']}"

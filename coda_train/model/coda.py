@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from torch.autograd import Function
 
+from ..errors import ConfigError
 from ..kernels import OpSet, op_set
 from .config import LlamaConfig
 from .weights import LlamaWeights
@@ -63,7 +64,25 @@ class CodaBlock(Function):
     @staticmethod
     def forward(ctx, x: Tensor, h: Tensor, r: Tensor, attn_norm: Tensor, w_qkv: Tensor, w_o: Tensor,
                 mlp_norm: Tensor, w_gate_up: Tensor, w_down: Tensor, next_norm: Tensor,
-                rope: Tensor, shape: BlockShape, ops: OpSet):
+                rope: Tensor, shape: BlockShape, ops: OpSet, recompute: bool = False):
+        d = x.shape[1]
+        qkv, o, lse, x1, h_m, r_m, gu, a = CodaBlock._to_swiglu(x, h, r, w_qkv, w_o, mlp_norm, w_gate_up, rope, shape, ops)
+        x2, h2, sumsq2 = ops.gemm_residual_rmsnorm_partial(a, w_down, x1, next_norm)  # F6
+        r2 = ops.rstd_from_partials(sumsq2, d, shape.eps)
+
+        # Saved: block inputs, qkv/o/lse for attention, x1/h_m/r_m/gu for the MLP. No normalized
+        # activation, and not a: the dSwiGLU epilogue recomputes it (B1). With recompute only the
+        # inputs and weights: backward runs F1..F5 again.
+        activations = () if recompute else (qkv, o, lse, x1, h_m, r_m, gu)
+        ctx.save_for_backward(x, h, r, attn_norm, w_qkv, w_o, mlp_norm, w_gate_up, w_down, rope, *activations)
+        ctx.shape, ctx.ops = shape, ops
+        ctx.mark_non_differentiable(h2, r2)
+        ctx.set_materialize_grads(False)
+        return x2, h2, r2
+
+    @staticmethod
+    def _to_swiglu(x, h, r, w_qkv, w_o, mlp_norm, w_gate_up, rope, shape: BlockShape, ops: OpSet):
+        """F1..F5: qkv, o, lse, x1, h_m, r_m, gu and the SwiGLU output a."""
         H, Hkv, T, eps = shape
         d, n_rope_cols = x.shape[1], (H + Hkv) * (w_o.shape[1] // H)
         qkv = ops.gemm_rowscale_rope(h, r, w_qkv, rope, n_rope_cols)                 # F1
@@ -71,24 +90,18 @@ class CodaBlock(Function):
         x1, h_m, sumsq_m = ops.gemm_residual_rmsnorm_partial(o, w_o, x, mlp_norm)    # F3
         r_m = ops.rstd_from_partials(sumsq_m, d, eps)                                # F4
         gu, a = ops.gemm_rowscale_swiglu(h_m, r_m, w_gate_up)                        # F5
-        x2, h2, sumsq2 = ops.gemm_residual_rmsnorm_partial(a, w_down, x1, next_norm) # F6
-        r2 = ops.rstd_from_partials(sumsq2, d, eps)
-
-        # Saved: block inputs, qkv/o/lse for attention, x1/h_m/r_m/gu for the MLP. No normalized
-        # activation, and not a: the dSwiGLU epilogue recomputes it (B1).
-        ctx.save_for_backward(x, h, r, qkv, o, lse, x1, h_m, r_m, gu,
-                              attn_norm, w_qkv, w_o, mlp_norm, w_gate_up, w_down, rope)
-        ctx.shape, ctx.ops = shape, ops
-        ctx.mark_non_differentiable(h2, r2)
-        ctx.set_materialize_grads(False)
-        return x2, h2, r2
+        return qkv, o, lse, x1, h_m, r_m, gu, a
 
     @staticmethod
     def backward(ctx, g_x2: Tensor, _g_h2: None, _g_r2: None):
         if g_x2 is None:  # x2 unused downstream: nothing flows back
-            return (None,) * 13
-        (x, h, r, qkv, o, lse, x1, h_m, r_m, gu,
-         attn_norm, w_qkv, w_o, mlp_norm, w_gate_up, w_down, rope) = ctx.saved_tensors
+            return (None,) * 14
+        x, h, r, attn_norm, w_qkv, w_o, mlp_norm, w_gate_up, w_down, rope, *activations = ctx.saved_tensors
+        if activations:
+            qkv, o, lse, x1, h_m, r_m, gu = activations
+        else:  # recompute: the forward's F1..F5 again, from the saved inputs and weights
+            qkv, o, lse, x1, h_m, r_m, gu, _ = CodaBlock._to_swiglu(x, h, r, w_qkv, w_o, mlp_norm, w_gate_up, rope,
+                                                                   ctx.shape, ctx.ops)
         H, Hkv, T, _ = ctx.shape
         d, n_rope_cols, ops = x.shape[1], (H + Hkv) * (w_o.shape[1] // H), ctx.ops
 
@@ -106,7 +119,7 @@ class CodaBlock(Function):
         g_x, g_attn_norm = ops.gemm_rmsnorm_backward(g_y, w_qkv, g_x1, x, attn_norm, c_a)        # B6b
         g_w_qkv = ops.matmul_tn(g_y, h)
         return (g_x, None, None, g_attn_norm, g_w_qkv, g_w_o, g_mlp_norm, g_w_gate_up, g_w_down,
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 class LMHeadLoss(Function):
@@ -129,10 +142,17 @@ class LMHeadLoss(Function):
         return g_x, None, None, g_norm, ops.matmul_tn(g_logits, h), None, None
 
 
+RECOMPUTE = ("none", "block")  # block: each block's backward recomputes its forward from (x, h, r)
+
+
 class CodaLlama(LlamaWeights):
-    def __init__(self, cfg: LlamaConfig, compute_dtype: torch.dtype = torch.float32, backend: str = "reference"):
+    def __init__(self, cfg: LlamaConfig, compute_dtype: torch.dtype = torch.float32, backend: str = "reference",
+                 recompute: str = "none"):
         super().__init__(cfg, compute_dtype)
+        if recompute not in RECOMPUTE:
+            raise ConfigError(f"unknown trainer.recompute={recompute!r}; choose one of {list(RECOMPUTE)}")
         self.ops = op_set(backend)  # this model's CODA ops ('auto' resolved here)
+        self.recompute = recompute == "block"  # activations of a block: its input triple only
 
     def forward(self, tokens: Tensor, targets: Tensor) -> Tensor:
         """Mean next-token cross-entropy of targets given tokens, both (B, T)."""
@@ -153,6 +173,8 @@ class CodaLlama(LlamaWeights):
         T = tokens.shape[1]
         rope = self.rope_rows(tokens.numel(), T, tokens.device)
         shape = BlockShape(cfg.n_heads, cfg.n_kv_heads, T, cfg.norm_eps)
+        for layer in self.layers:  # under FSDP2 gathers every block's weights: block l also reads l+1's attn_norm
+            layer()
         # Norm weights in order: block l's attention norm is produced by block l-1 (or the entry).
         gammas = [layer.attn_norm.to(dt) for layer in self.layers] + [self.norm.to(dt)]
         emb = self.tok_emb.to(dt)
@@ -162,5 +184,5 @@ class CodaLlama(LlamaWeights):
         for layer, attn_norm, next_norm in zip(self.layers, gammas, gammas[1:]):
             x, h, r = CodaBlock.apply(x, h, r, attn_norm, layer.w_qkv.to(dt), layer.w_o.to(dt),
                                       layer.mlp_norm.to(dt), layer.w_gate_up.to(dt), layer.w_down.to(dt),
-                                      next_norm, rope, shape, self.ops)
+                                      next_norm, rope, shape, self.ops, self.recompute)
         return x, h, r, gammas[-1], w_lm

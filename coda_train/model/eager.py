@@ -68,6 +68,7 @@ class EagerLlama(LlamaWeights):
 
         x = F.embedding(tokens, self.tok_emb.to(dt))
         for i, layer in enumerate(self.layers):
+            layer()  # gathers its weights under FSDP2
             h = F.rms_norm(x, (d,), layer.attn_norm.to(dt), cfg.norm_eps)
             q, k, v = F.linear(h, layer.w_qkv.to(dt)).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
             q = apply_rope(q.view(B, T, H, hd), cos, sin).transpose(1, 2)

@@ -24,6 +24,10 @@ class LayerWeights(nn.Module):
         self.w_gate_up = nn.Parameter(torch.empty(2 * cfg.ffn_dim, d))
         self.w_down = nn.Parameter(torch.empty(d, cfg.ffn_dim))
 
+    def forward(self) -> None:
+        """Computes nothing: the models call a block's weights before reading them, so that under
+        FSDP2 (trainer/distributed.py shard_model) its hooks gather them first."""
+
 
 class LlamaWeights(nn.Module):
     """Parameters of a Llama plus the RoPE tables; the models subclass it and add forward().

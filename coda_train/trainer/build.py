@@ -12,7 +12,7 @@ from coda_train.data import DataConfig, PreparedData, TokenLoader, prepare
 from coda_train.errors import ConfigError
 from coda_train.model import LlamaConfig, build_model, kernel_shape_errors
 
-from .distributed import World, barrier
+from .distributed import World, barrier, shard_model
 from .optim import build_optimizer, build_scheduler
 from .state import TrainState, seed_all
 
@@ -72,16 +72,21 @@ def build_loader(data: PreparedData, split: str, t: TrainerConfig, world: World)
 
 
 def build_train_state(cfg: Config, llama: LlamaConfig, data: PreparedData, backend: str, device: torch.device,
-                      compute_dtype: torch.dtype, world: World, init_weights: bool = True) -> TrainState:
-    """A fresh train state at step 0: model, optimizer, scheduler and train loader. The weights are
-    model.init_from's when set and init_weights (a resumed run takes its checkpoint's instead)."""
+                      compute_dtype: torch.dtype, world: World, init_weights: bool = True,
+                      parallel: str = "none") -> TrainState:
+    """A fresh train state at step 0: model (sharded in place when parallel is fsdp), optimizer,
+    scheduler and train loader. The weights are model.init_from's when set and init_weights (a
+    resumed run takes its checkpoint's instead)."""
     seed_all(cfg.trainer.seed)  # seeded init on CPU, so both impls and every device start from the same weights
-    model = build_model(llama, cfg.model.impl, backend=backend, compute_dtype=compute_dtype)
+    recompute = {"recompute": cfg.trainer.recompute} if cfg.model.impl == "coda" else {}
+    model = build_model(llama, cfg.model.impl, backend=backend, compute_dtype=compute_dtype, **recompute)
     if cfg.model.init_from is not None and init_weights:
         from coda_train.model.hf import load_hf_weights
 
         load_hf_weights(model, cfg.model.init_from)
     model = model.to(device)
+    if parallel == "fsdp":
+        shard_model(model, compute_dtype)
     optimizer = build_optimizer(model, cfg.optim, device)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.max_steps)
     return TrainState(model, optimizer, scheduler, build_loader(data, "train", cfg.trainer, world))

@@ -1,5 +1,8 @@
 """Atomic, verified checkpoints: <run_dir>/checkpoints/step_XXXXXXXX/{state.pt, meta.json}, and the
 resume rules: which checkpoint a run continues and what of the model may differ from it.
+Under FSDP2 a checkpoint is sharded instead: {shards/, run_state.pt, meta.json}, each rank writing its
+own shards through torch.distributed.checkpoint, meta.json (last) holding every file's sha256; it is
+written and renamed the same way, and restore() reads either layout on any number of processes.
 
 A checkpoint is written into a hidden temporary directory (state.pt, then meta.json holding its
 sha256), each file fsynced, then the directory is renamed to its final name and the parent fsynced.
@@ -34,10 +37,16 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from coda_train.model import LlamaConfig
 
 from ..durable import fsync_dir, sha256_file
+from .distributed import World, from_main
 from .metrics import METRICS_FILE
 from .state import TrainState
 
@@ -49,6 +58,10 @@ CHECKPOINTS_DIR = "checkpoints"  # inside the run dir
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 SET_ASIDE = re.compile(r"^\.replaced-step_(\d{8})-\d+$")
 META_KEYS = ("format", "step", "sha256", "bytes", "model")  # what resuming reads of meta.json
+# a sharded checkpoint (FSDP2): shards/ (torch.distributed.checkpoint: one file per rank + .metadata),
+# run_state.pt (scheduler, loader, RNGs, counters) and meta.json, whose "files" has each file's sha256
+SHARDS_DIR, RUN_STATE_FILE = "shards", "run_state.pt"
+SHARDED_META_KEYS = ("format", "step", "files", "model")
 # model fields free to change on resume: init_std only matters at init, max_seq_len only bounds seq_len
 RESUME_MAY_CHANGE = {"init_std", "max_seq_len"}
 
@@ -131,7 +144,10 @@ def prune(root: Path, keep_last: int) -> None:
 
 
 def tensor_bytes(obj: Any) -> int:
-    """Bytes of the tensors in a nested state dict: about what torch.save of it writes."""
+    """Bytes of the tensors in a nested state dict: about what torch.save of it writes (a DTensor: this
+    rank's shard)."""
+    if isinstance(obj, DTensor):
+        obj = obj.to_local()
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
     if isinstance(obj, dict):
@@ -189,6 +205,74 @@ def save_checkpoint(root: Path, step: int, state: dict[str, Any], meta: dict[str
     return final
 
 
+def save_sharded_checkpoint(root: Path, step: int, state: TrainState, meta: dict[str, Any], keep_last: int,
+                            world: World, before_meta: Optional[Callable[[], None]] = None) -> Optional[Path]:
+    """Every rank calls it: each writes its shards of model and optimizer (torch.distributed.checkpoint)
+    into rank 0's temporary directory; rank 0 then writes run_state.pt and, last, meta.json with every
+    file's size and sha256, and renames the directory (complete by construction, as save_checkpoint's).
+    Returns the path on rank 0. The free space is checked on rank 0 for all ranks' shards (one host)."""
+    final, tmp, error = root / f"step_{step:08d}", None, None
+    sharded = state.sharded_state_dict()
+    if world.is_main:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            if final.exists():  # as in save_checkpoint
+                set_aside_newer(root, step - 1)
+            _check_free_space(root, int(tensor_bytes(sharded) * world.world_size * 1.01) + 2**20)
+            tmp = root / f".tmp-{final.name}-{os.getpid()}"
+            tmp.mkdir()
+        except OSError as e:
+            error = e
+    tmp, error = from_main((tmp, error), world)  # every rank stops on rank 0's error, none waits on the others
+    if error is not None:
+        raise error
+    try:
+        dcp.save(sharded, storage_writer=FileSystemWriter(tmp / SHARDS_DIR, sync_files=True))
+        if not world.is_main:
+            return None
+        with open(tmp / RUN_STATE_FILE, "wb") as f:
+            torch.save(state.run_state_dict(), f)
+            f.flush()
+            os.fsync(f.fileno())
+        if before_meta is not None:
+            before_meta()
+        fsync_dir(tmp / SHARDS_DIR)
+        files = {str(p.relative_to(tmp)): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+                 for p in sorted(tmp.rglob("*")) if p.is_file()}
+        meta = {"format": FORMAT_VERSION, "step": step, "files": files, "processes": world.world_size, **meta}
+        with open(tmp / META_FILE, "w") as f:
+            json.dump(meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(tmp)
+        os.rename(tmp, final)
+    except BaseException:
+        if world.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(root)
+    prune(root, keep_last)
+    return final
+
+
+def restore(state: TrainState, checkpoint: Checkpoint) -> None:
+    """Load a verified checkpoint into state, whichever layout it has and however many processes wrote
+    it: state.pt (whole tensors) or shards/ (resharded to this run's processes by torch.distributed.checkpoint)."""
+    path = checkpoint.path
+    try:
+        if "files" not in checkpoint.meta:
+            state.load_state_dict(load_state(path))
+            return
+        sharded = state.sharded_state_dict()
+        dcp.load(sharded, storage_reader=FileSystemReader(path / SHARDS_DIR))
+        state.load_sharded_state_dict(sharded)
+        state.load_run_state_dict(torch.load(path / RUN_STATE_FILE, map_location="cpu", weights_only=True))
+    except (KeyError, ValueError, RuntimeError, CheckpointException) as e:  # another layout (its checksums are its own)
+        held = path / (STATE_FILE if "files" not in checkpoint.meta else SHARDS_DIR)
+        raise CheckpointError(f"checkpoint {path}: {held} does not hold this trainer's state ({type(e).__name__}: {e}); "
+                              "choose another checkpoint") from e
+
+
 def verify_checkpoint(path: Path) -> dict[str, Any]:
     """meta.json of a checkpoint directory whose state.pt has the recorded size and sha256."""
     try:
@@ -197,14 +281,16 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path} has no readable {META_FILE} ({e})") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} has an unknown {META_FILE} format")
-    if missing := [k for k in META_KEYS if k not in meta]:
+    if missing := [k for k in (SHARDED_META_KEYS if "files" in meta else META_KEYS) if k not in meta]:
         raise CheckpointError(f"checkpoint {path}: {path / META_FILE} lacks the key {missing[0]!r} (edited by hand or "
                               "by another tool); restore it, or choose another checkpoint")
-    state_file = path / STATE_FILE
-    if not state_file.is_file() or state_file.stat().st_size != meta["bytes"]:
-        raise CheckpointError(f"checkpoint {path}: {STATE_FILE} is missing or truncated")
-    if sha256_file(state_file) != meta["sha256"]:
-        raise CheckpointError(f"checkpoint {path}: {STATE_FILE} does not match its checksum (corrupt)")
+    files = meta["files"] if "files" in meta else {STATE_FILE: {"sha256": meta["sha256"], "bytes": meta["bytes"]}}
+    for name, recorded in files.items():
+        file = path / name
+        if not file.is_file() or file.stat().st_size != recorded["bytes"]:
+            raise CheckpointError(f"checkpoint {path}: {name} is missing or truncated")
+        if sha256_file(file) != recorded["sha256"]:
+            raise CheckpointError(f"checkpoint {path}: {name} does not match its checksum (corrupt)")
     return meta
 
 
@@ -286,13 +372,20 @@ class Checkpointer:
     def __post_init__(self) -> None:
         self.saved: Optional[tuple[int, Path]] = (self.resumed_from.step, self.resumed_from.path) if self.resumed_from else None
 
-    def save(self, state: TrainState) -> Path:
-        """Checkpoint state.step, once: a step already saved (or resumed from) returns its path."""
+    def save(self, state: TrainState, world: World = World()) -> Optional[Path]:
+        """Checkpoint state.step, once: a step already saved (or resumed from) returns its path. Every
+        rank calls it: under FSDP2 each writes its shards; otherwise rank 0 writes state.pt alone."""
         if self.saved is not None and self.saved[0] == state.step:
             return self.saved[1]
         crash = None
         if self.kill_mid_write_at_step == state.step:
             crash = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
+        if isinstance(state.model, FSDPModule):
+            path = save_sharded_checkpoint(self.root, state.step, state, self.meta, self.keep_last, world, crash)
+            self.saved = (state.step, path or self.root / f"step_{state.step:08d}")
+            return path
+        if not world.is_main:
+            return None
         state_dict = state.state_dict()
         full_after = tensor_bytes(state_dict) // 2 if self.disk_full_at_step == state.step else None
         path = save_checkpoint(self.root, state.step, state_dict, self.meta, self.keep_last, crash, full_after)

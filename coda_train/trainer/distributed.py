@@ -1,7 +1,10 @@
-"""Data parallelism under torchrun (DDP); a plain `python train.py` is world size 1 and touches none of it."""
+"""Data parallelism under torchrun (trainer.parallel: DDP, or FSDP2 sharding parameters, gradients and
+optimizer state); a plain `python train.py` is world size 1 and touches none of it. Multi-GPU runs
+export NCCL_NVLS_ENABLE=0 (NVLink SHARP multicast off; README, Multi-GPU)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -9,7 +12,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
+
+from coda_train.errors import ConfigError
+
+PARALLEL = ("auto", "none", "ddp", "fsdp")  # auto: none for one process, fsdp under torchrun
 
 
 @dataclass(frozen=True)
@@ -48,12 +57,64 @@ def process_device(device: torch.device, world: World) -> torch.device:
     return device
 
 
-def data_parallel(model: nn.Module, device: torch.device, world: World) -> nn.Module:
-    """What the step calls forward on: under torchrun a DDP wrapper, which averages gradients across
-    ranks during backward (its wrapper only runs forward); the model itself otherwise."""
-    if not world.distributed:
+def resolve_parallel(name: str, world: World) -> str:
+    """trainer.parallel for this world: none | ddp | fsdp."""
+    if name == "auto":
+        return "fsdp" if world.distributed else "none"
+    if name != "none" and not world.distributed:
+        return "none"  # one process has nothing to average or shard
+    if name == "none" and world.distributed:
+        raise ConfigError(f"trainer.parallel=none cannot run {world.world_size} processes (each would train alone); "
+                          "use trainer.parallel=fsdp or ddp, or launch one process")
+    return name
+
+
+def shard_model(model: nn.Module, compute_dtype: torch.dtype) -> None:
+    """FSDP2 in place, before the optimizer is built (it then holds the sharded DTensor parameters):
+    one unit per block (LayerWeights), the root unit holding the embedding, final norm and LM head.
+    Units keep their weights gathered from their forward to the end of backward
+    (reshard_after_forward=False): the models gather every block first, because a CODA block Function
+    also reads the next block's attn_norm (docs/design.md, FSDP2 and the CODA Functions). In bf16 the
+    gathered weights are bf16 (the compute copies), the fp32 masters stay sharded and gradients are
+    reduced in fp32; otherwise the policy changes nothing."""
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype if compute_dtype != torch.float32 else None,
+                                  reduce_dtype=torch.float32)
+    for layer in model.layers:
+        fully_shard(layer, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=False)
+
+
+def data_parallel(model: nn.Module, parallel: str, device: torch.device) -> nn.Module:
+    """What the step calls forward on: a DDP wrapper (it averages gradients across ranks during
+    backward; the wrapper only runs forward), or the model itself (unwrapped, or sharded in place)."""
+    if parallel != "ddp":
         return model
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+@contextlib.contextmanager
+def gradient_sync(forward: nn.Module, sync: bool):
+    """Inside, a backward averages gradients across ranks only if sync: accumulation micro-batches
+    other than the last skip the communication (DDP no_sync, FSDP2 set_requires_gradient_sync)."""
+    if sync:
+        yield
+    elif isinstance(forward, DistributedDataParallel):
+        with forward.no_sync():
+            yield
+    elif isinstance(forward, FSDPModule):
+        forward.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            forward.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def global_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all gradients together; for sharded (DTensor) gradients the norm over every rank's shards."""
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def close_world(world: World) -> None:

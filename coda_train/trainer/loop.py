@@ -26,9 +26,10 @@ from coda_train.model.liger import require_liger
 from .build import (build_loader, build_train_state, check_compute, check_model_before_data, data_config,
                     prepare_data, resolve_model)
 from .checkpoint import (CHECKPOINTS_DIR, CheckpointError, Checkpointer, check_same_model, find_resume_checkpoint,
-                         list_checkpoints, load_state, set_aside_newer)
+                         list_checkpoints, restore, set_aside_newer)
 from .device import pick_compute_dtype, pick_device
-from .distributed import World, any_rank, barrier, close_world, data_parallel, from_main, init_world, process_device
+from .distributed import (World, any_rank, barrier, close_world, data_parallel, from_main, init_world, process_device,
+                          resolve_parallel)
 from .metrics import METRICS_FILE, MetricsLogger, Throughput, metrics_line, mfu, rewind_metrics
 from .optim import apply_config_after_resume
 from .rundir import RunDirError, hold_run_dir, writing
@@ -104,13 +105,11 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
     if resume_from is not None:
         check_same_model(resume_from, llama)
 
-    state = build_train_state(cfg, llama, data, backend, device, compute_dtype, world, init_weights=resume_from is None)
+    parallel = resolve_parallel(t.parallel, world)
+    state = build_train_state(cfg, llama, data, backend, device, compute_dtype, world, init_weights=resume_from is None,
+                              parallel=parallel)
     if resume_from is not None:
-        try:
-            state.load_state_dict(load_state(resume_from.path))
-        except (KeyError, ValueError, RuntimeError) as e:  # a state.pt of another layout (its checksum is its own)
-            raise CheckpointError(f"checkpoint {resume_from.path}: {resume_from.path / 'state.pt'} does not hold this "
-                                  f"trainer's state ({type(e).__name__}: {e}); choose another checkpoint") from e
+        restore(state, resume_from)
         apply_config_after_resume(state.optimizer, state.scheduler, cfg.optim)
         log.info("resumed from %s (step %d)", resume_from.path, state.step)
     val_loader = build_loader(data, "val", t, world) if t.eval_every else None
@@ -130,11 +129,11 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
             metrics_logger = MetricsLogger(run_dir, cfg.logger, config, resume_from is not None,
                                            t.progress_bar, state.step, t.max_steps)
         tokens_per_step = t.batch_size * t.seq_len * t.grad_accum_steps * world.world_size
-        log.info("model %s (%s, %.2fM params, vocab %d) | kernels %s | %s %s x%d | %d tokens/step | run dir %s",
+        log.info("model %s (%s, %.2fM params, vocab %d) | kernels %s | %s %s x%d %s | %d tokens/step | run dir %s",
                  cfg.model.init_from or cfg.model.preset, cfg.model.impl, sum(p.numel() for p in state.model.parameters()) / 1e6,
                  llama.vocab_size, backend, device.type, str(compute_dtype).removeprefix("torch."), world.world_size,
-                 tokens_per_step, run_dir)
-    forward = data_parallel(state.model, device, world)
+                 parallel, tokens_per_step, run_dir)
+    forward = data_parallel(state.model, parallel, device)
     return _loop(cfg, llama, state, forward, val_loader, checkpointer, metrics_logger, world, device)
 
 
@@ -197,9 +196,7 @@ def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, forward: nn.Module
 
 
 def _save(checkpointer: Checkpointer, state: TrainState, world: World) -> Optional[Path]:
-    """Rank 0 saves; the ranks hold identical weights, optimizer and loader state."""
-    if not world.is_main:
-        return None
+    """Rank 0 writes the state (every rank its own shards under FSDP2); the loader state is the same on every rank."""
     with writing(f"the checkpoint of step {state.step}", checkpointer.root / f"step_{state.step:08d}",
                  checkpointer.root.parent):
-        return checkpointer.save(state)
+        return checkpointer.save(state, world)

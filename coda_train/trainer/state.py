@@ -10,6 +10,9 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict, set_state_dict)
+from torch.distributed.fsdp import FSDPModule
 
 from coda_train.data import TokenLoader
 
@@ -34,18 +37,52 @@ class TrainState:
         return self.elapsed_before_s + (time.perf_counter() if now is None else now) - self.clock_start
 
     def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "train_loader": self.train_loader.state_dict(),
-                "rng": rng_state(), "step": self.step, "tokens": self.tokens, "elapsed_s": self.elapsed_s()}
+        """The whole state of an unsharded model (what state.pt holds)."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), **self.run_state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """A whole state (state.pt) into this state; under FSDP2 every rank loads it and keeps its shards."""
+        if isinstance(self.model, FSDPModule):
+            full = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(self.model, state["model"], options=full)
+            by_name = _optimizer_by_name(state["optimizer"], self._names_in_optimizer_order())
+            set_optimizer_state_dict(self.model, self.optimizer, by_name, options=full)
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.load_run_state_dict(state)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """Model and optimizer keyed by parameter name, as torch.distributed.checkpoint saves and loads
+        them: this rank's shards (DTensors) under FSDP2, whole tensors otherwise."""
+        model, optimizer = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optimizer": optimizer}
+
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+    def run_state_dict(self) -> dict[str, Any]:
+        """All but model and optimizer: the same on every rank but the RNGs (rank 0's are saved)."""
+        return {"scheduler": self.scheduler.state_dict(), "train_loader": self.train_loader.state_dict(),
+                "rng": rng_state(), "step": self.step, "tokens": self.tokens, "elapsed_s": self.elapsed_s()}
+
+    def load_run_state_dict(self, state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
         self.train_loader.load_state_dict(state["train_loader"])  # the same on every rank: each takes its own windows
         set_rng_state(state["rng"])
         self.step, self.tokens, self.elapsed_before_s = state["step"], state["tokens"], state["elapsed_s"]
         self.start_clock()
+
+    def _names_in_optimizer_order(self) -> list[str]:
+        """Parameter names in the order optimizer.state_dict() numbers the parameters (group by group)."""
+        names = {p: n for n, p in self.model.named_parameters()}
+        return [names[p] for group in self.optimizer.param_groups for p in group["params"]]
+
+
+def _optimizer_by_name(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """optimizer.state_dict(), which numbers the parameters, keyed by their names instead."""
+    return {"state": {names[i]: v for i, v in state["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
 
 
 def seed_all(seed: int) -> None:

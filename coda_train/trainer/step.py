@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -11,7 +10,7 @@ from torch import nn
 
 from coda_train.data import TokenLoader
 
-from .distributed import World, mean_over_ranks
+from .distributed import World, global_grad_norm, gradient_sync, mean_over_ranks
 from .state import TrainState
 
 
@@ -31,8 +30,8 @@ class StepResult:
 def train_step(state: TrainState, forward: nn.Module, world: World, device: torch.device, grad_accum_steps: int,
                grad_clip: float, poison_loss: bool = False) -> StepResult:
     """grad_accum_steps micro-batches, the global gradient norm clipped to grad_clip (0: not clipped),
-    then the optimizer and scheduler steps. `forward` is the model or its DDP wrapper; poison_loss
-    (a test hook) multiplies the loss by NaN. Raises NonFiniteError before any weight changes."""
+    then the optimizer and scheduler steps. `forward` is the model (maybe sharded in place) or its DDP
+    wrapper; poison_loss (a test hook) multiplies the loss by NaN. Raises NonFiniteError before any weight changes."""
     optimizer = state.optimizer
     lr = optimizer.param_groups[0]["lr"]
     loss_sum = torch.zeros((), device=device)
@@ -41,14 +40,16 @@ def train_step(state: TrainState, forward: nn.Module, world: World, device: torc
         inputs, targets = state.train_loader.next_batch()
         # gradients are averaged across ranks once, in the last micro-batch's backward
         last_micro = micro == grad_accum_steps - 1
-        with contextlib.nullcontext() if last_micro or not world.distributed else forward.no_sync():
+        with gradient_sync(forward, last_micro):
             loss = forward(inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True))
             if poison_loss:
                 loss = loss * float("nan")
             (loss / grad_accum_steps).backward()
         loss_sum += loss.detach()
         tokens += inputs.numel()
-    grad_norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+    params = list(state.model.parameters())
+    grad_norm = global_grad_norm(params)
+    torch.nn.utils.clip_grads_with_norm_(params, grad_clip if grad_clip > 0 else math.inf, grad_norm)
     loss_value = mean_over_ranks(loss_sum, world).item() / grad_accum_steps
     grad_norm_value = grad_norm.item()  # the same on every rank: the gradients are already averaged
     if not (math.isfinite(loss_value) and math.isfinite(grad_norm_value)):

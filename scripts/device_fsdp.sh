@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# On a 2-GPU H200 host, from the repo root, after `source .device/carry/setup.sh` (ONE device call,
+# kind nvidia-h200-x2; the timeouts add up to 580 s):   bash scripts/device_fsdp.sh
+# 1. llama3_1b on 1 GPU and under FSDP2 on 2 GPUs with the same global batch (20 steps each): the
+#    losses must agree (bf16: to about 1e-2) and the tokens/s are compared;
+# 2. llama3_8b under FSDP2 on 2 GPUs for 50 steps (batch 2 x 2048 per GPU);
+# 3. the 1b FSDP2 run's checkpoint (saved on 2 GPUs, sharded) resumed on 1 GPU for 10 more steps;
+# 4. llama3_1b on 1 GPU with trainer.recompute=block for 20 steps (losses as run 1's, less memory).
+# Summaries land in $OUT/fsdp_summary.txt; full logs in $OUT/*.log.
+set -uo pipefail
+OUT=${OUT:-runs/fsdp}
+R=/tmp/fsdp_runs
+mkdir -p "$OUT" "$R"
+export NCCL_NVLS_ENABLE=0  # NVLink SHARP multicast off for multi-GPU runs (see README, Multi-GPU)
+TWO="python3 -m torch.distributed.run --standalone --nproc_per_node=2 train.py"
+COMMON="trainer.progress_bar=false trainer.log_every=1 trainer.eval_every=0 trainer.seq_len=2048 kernels.backend=auto"
+summary() { grep -E "model |step +(1|10|20|30|40|50|60) \||resumed|Error|error" "$1" | tail -n 20 | sed "s|^|$2: |" >> "$OUT/fsdp_summary.txt"; }
+
+timeout 90 python3 train.py model=llama3_1b $COMMON trainer.batch_size=8 trainer.max_steps=20 trainer.ckpt_every=0 \
+  trainer.run_dir=$R/1b_1gpu > "$OUT/1b_1gpu.log" 2>&1; echo "1b_1gpu rc=$?" >> "$OUT/fsdp_summary.txt"
+summary "$OUT/1b_1gpu.log" 1b_1gpu
+timeout 110 $TWO model=llama3_1b $COMMON trainer.batch_size=4 trainer.max_steps=20 trainer.ckpt_every=10 \
+  trainer.parallel=fsdp trainer.run_dir=$R/1b_fsdp > "$OUT/1b_fsdp.log" 2>&1; echo "1b_fsdp rc=$?" >> "$OUT/fsdp_summary.txt"
+summary "$OUT/1b_fsdp.log" 1b_fsdp
+timeout 220 $TWO model=llama3_8b $COMMON trainer.batch_size=2 trainer.max_steps=50 trainer.ckpt_every=0 \
+  trainer.parallel=fsdp trainer.run_dir=$R/8b_fsdp > "$OUT/8b_fsdp.log" 2>&1; echo "8b_fsdp rc=$?" >> "$OUT/fsdp_summary.txt"
+summary "$OUT/8b_fsdp.log" 8b_fsdp
+# saved on 2 GPUs at step 20, resumed on 1 GPU (same global batch 8) to step 30
+timeout 70 python3 train.py model=llama3_1b $COMMON trainer.batch_size=8 trainer.max_steps=30 trainer.ckpt_every=0 \
+  trainer.run_dir=$R/1b_fsdp > "$OUT/1b_resume_1gpu.log" 2>&1; echo "1b_resume_1gpu rc=$?" >> "$OUT/fsdp_summary.txt"
+summary "$OUT/1b_resume_1gpu.log" 1b_resume_1gpu
+timeout 90 python3 train.py model=llama3_1b $COMMON trainer.batch_size=8 trainer.max_steps=20 trainer.ckpt_every=0 \
+  trainer.recompute=block trainer.run_dir=$R/1b_recompute > "$OUT/1b_recompute.log" 2>&1; echo "1b_recompute rc=$?" >> "$OUT/fsdp_summary.txt"
+summary "$OUT/1b_recompute.log" 1b_recompute
+python3 - "$R" >> "$OUT/fsdp_summary.txt" <<'PY'
+import json, sys
+def losses(d): return {m["step"]: m["loss"] for m in map(json.loads, open(f"{sys.argv[1]}/{d}/metrics.jsonl"))}
+one = losses("1b_1gpu")
+for other in ("1b_fsdp", "1b_recompute"):
+    two = losses(other)
+    common = sorted(set(one) & set(two) & set(range(1, 21)))
+    print(f"1b 1 GPU vs {other}, max |loss diff| over steps 1-20:", max(abs(one[s] - two[s]) for s in common))
+PY
+cat "$OUT/fsdp_summary.txt"
