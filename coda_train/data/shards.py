@@ -465,8 +465,10 @@ _worker: tuple = ()
 
 def _init_worker(tokenizer_json: str, eos_id: int, dtype: str) -> None:
     global _worker
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the parent stops the pool
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's handler, inherited through fork
+    # Ctrl-C and SIGTERM reach the whole process group; the parent stops the pool in order. A worker killed
+    # mid-task can leave the executor's feeder thread blocked on a full pipe, hanging the parent's shutdown.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism; also silences the after-fork warning
     _worker = (Tokenizer.from_str(tokenizer_json), eos_id, np.dtype(dtype))
 
