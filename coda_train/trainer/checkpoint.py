@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from coda_train.model import LlamaConfig
 
-from ..durable import fsync_dir, sha256_file
+from ..durable import fsync_dir, sha256_file, write_synced
 from .distributed import World, from_main
 from .metrics import METRICS_FILE
 from .state import TrainState
@@ -190,19 +190,21 @@ def save_checkpoint(root: Path, step: int, state: dict[str, Any], meta: dict[str
             os.fsync(f.fileno())
         if before_meta is not None:
             before_meta()
-        meta = {"format": FORMAT_VERSION, "step": step, "sha256": writer.sha.hexdigest(), "bytes": writer.size, **meta}
-        with open(tmp / META_FILE, "w") as f:
-            json.dump(meta, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(tmp)
-        os.rename(tmp, final)
+        _publish(tmp, final, {"format": FORMAT_VERSION, "step": step, "sha256": writer.sha.hexdigest(),
+                              "bytes": writer.size, **meta})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     fsync_dir(root)
     prune(root, keep_last)
     return final
+
+
+def _publish(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
+    """Write meta.json last (synced), then rename the complete temp directory to its final name."""
+    write_synced(tmp / META_FILE, json.dumps(meta, indent=1).encode())
+    fsync_dir(tmp)
+    os.rename(tmp, final)
 
 
 def save_sharded_checkpoint(root: Path, step: int, state: TrainState, meta: dict[str, Any], keep_last: int,
@@ -239,13 +241,8 @@ def save_sharded_checkpoint(root: Path, step: int, state: TrainState, meta: dict
         fsync_dir(tmp / SHARDS_DIR)
         files = {str(p.relative_to(tmp)): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
                  for p in sorted(tmp.rglob("*")) if p.is_file()}
-        meta = {"format": FORMAT_VERSION, "step": step, "files": files, "processes": world.world_size, **meta}
-        with open(tmp / META_FILE, "w") as f:
-            json.dump(meta, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(tmp)
-        os.rename(tmp, final)
+        _publish(tmp, final, {"format": FORMAT_VERSION, "step": step, "files": files, "processes": world.world_size,
+                              **meta})
     except BaseException:
         if world.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
