@@ -24,7 +24,7 @@ from torch.autograd import Function
 from ..errors import ConfigError
 from ..kernels import OpSet, op_set
 from .config import LlamaConfig
-from .weights import LlamaWeights
+from .weights import LayerWeights, LlamaWeights, gathered
 
 
 class BlockShape(NamedTuple):
@@ -168,21 +168,29 @@ class CodaLlama(LlamaWeights):
 
     def _blocks(self, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """The entry and every block: the last triple (x, h, r), the final norm's weight and the
-        LM-head weight, as compute copies."""
-        cfg, dt = self.cfg, self.compute_dtype
+        LM-head weight, as compute copies. Each block runs inside its weights module's call, which
+        under FSDP2 gathers that unit around the block's forward and backward (docs/design.md)."""
+        cfg, dt, layers = self.cfg, self.compute_dtype, self.layers
         T = tokens.shape[1]
         rope = self.rope_rows(tokens.numel(), T, tokens.device)
         shape = BlockShape(cfg.n_heads, cfg.n_kv_heads, T, cfg.norm_eps)
-        for layer in self.layers:  # under FSDP2 gathers every block's weights: block l also reads l+1's attn_norm
-            layer()
-        # Norm weights in order: block l's attention norm is produced by block l-1 (or the entry).
-        gammas = [layer.attn_norm.to(dt) for layer in self.layers] + [self.norm.to(dt)]
         emb = self.tok_emb.to(dt)
         w_lm = emb if self.lm_head is None else self.lm_head.to(dt)
 
-        x, h, r = EmbeddingEntry.apply(tokens, emb, gammas[0], cfg.norm_eps, self.ops)
-        for layer, attn_norm, next_norm in zip(self.layers, gammas, gammas[1:]):
-            x, h, r = CodaBlock.apply(x, h, r, attn_norm, layer.w_qkv.to(dt), layer.w_o.to(dt),
-                                      layer.mlp_norm.to(dt), layer.w_gate_up.to(dt), layer.w_down.to(dt),
-                                      next_norm, rope, shape, self.ops, self.recompute)
-        return x, h, r, gammas[-1], w_lm
+        # The entry and F6 of block i write h for the RMSNorm after them, so that norm's weight is gathered
+        # before they run. It is a forward constant for them (detached): its consumer returns its gradient,
+        # which then reaches the unit's reduce-scatter with the rest of the consumer's (docs/design.md).
+        x, h, r = EmbeddingEntry.apply(tokens, emb, gathered(layers[0]).attn_norm.to(dt).detach(), cfg.norm_eps,
+                                       self.ops)
+        for i, layer in enumerate(layers):
+            next_norm = gathered(layers[i + 1]).attn_norm if i + 1 < len(layers) else self.norm
+            x, h, r = layer(self._block, x, h, r, next_norm.to(dt).detach(), rope, shape)
+        return x, h, r, self.norm.to(dt), w_lm
+
+    def _block(self, layer: LayerWeights, x: Tensor, h: Tensor, r: Tensor, next_norm: Tensor, rope: Tensor,
+               shape: BlockShape) -> tuple[Tensor, Tensor, Tensor]:
+        """One block (F1..F6) from its weights module's call (LayerWeights.forward)."""
+        dt = self.compute_dtype
+        return CodaBlock.apply(x, h, r, layer.attn_norm.to(dt), layer.w_qkv.to(dt), layer.w_o.to(dt),
+                               layer.mlp_norm.to(dt), layer.w_gate_up.to(dt), layer.w_down.to(dt),
+                               next_norm, rope, shape, self.ops, self.recompute)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 
 from .config import LlamaConfig
 
@@ -24,9 +26,19 @@ class LayerWeights(nn.Module):
         self.w_gate_up = nn.Parameter(torch.empty(2 * cfg.ffn_dim, d))
         self.w_down = nn.Parameter(torch.empty(d, cfg.ffn_dim))
 
-    def forward(self) -> None:
-        """Computes nothing: the models call a block's weights before reading them, so that under
-        FSDP2 (trainer/distributed.py shard_model) its hooks gather them first."""
+    def forward(self, block: Callable[..., Any], *inputs: Any) -> Any:
+        """block(self, *inputs): a model runs each block through its weights module, so that under
+        FSDP2 (trainer/distributed.py shard_model) the unit's hooks gather the weights around the
+        block's forward and fire around its backward (on the tensors passed in and returned)."""
+        return block(self, *inputs)
+
+
+def gathered(module: nn.Module) -> nn.Module:
+    """module with its own parameters readable outside its forward: an FSDP2 unit waits for its
+    all-gather (issued ahead by its forward prefetch); any other module is returned as it is."""
+    if isinstance(module, FSDPModule):
+        module.unshard()
+    return module
 
 
 class LlamaWeights(nn.Module):
