@@ -14,6 +14,7 @@ runs and reports no device kernels.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -91,7 +92,7 @@ def device_kernels(trace_file: Path) -> list[tuple[str, float, float]]:
     return [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel" and "dur" in e]
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--preset", default="llama3_1b")
@@ -101,18 +102,18 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--reshard-after-forward", action="store_true", help="trainer.fsdp_reshard_after_forward=true")
-    args = ap.parse_args()
+    return ap.parse_args()
 
+
+def sharded_training_step(args: argparse.Namespace, device: torch.device):
+    """A function running one AdamW step of the CODA model under FSDP2 on random tokens, and the model's config."""
     from coda_train.kernels import resolve_backend
     from coda_train.model import build_model, kernel_shape_errors, preset
-    from coda_train.trainer.device import pick_compute_dtype, pick_device
-    from coda_train.trainer.distributed import close_world, init_world, process_device, shard_model
+    from coda_train.trainer.device import pick_compute_dtype
+    from coda_train.trainer.distributed import shard_model
     from coda_train.trainer.optim import OptimConfig, build_optimizer
 
-    device = pick_device("auto")
-    world = init_world(device.type)
-    device, dtype = process_device(device, world), pick_compute_dtype("auto", device)
-    backend = resolve_backend("auto")
+    dtype, backend = pick_compute_dtype("auto", device), resolve_backend("auto")
     layers = {} if args.n_layers is None else {"n_layers": args.n_layers}
     cfg = preset(args.preset, max_seq_len=args.seq, **layers)
     if errors := kernel_shape_errors(cfg, backend):
@@ -130,16 +131,23 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
+    return step, cfg
 
+
+def main() -> None:
+    from coda_train.trainer.device import pick_device
+    from coda_train.trainer.distributed import close_world, init_world, process_device
+
+    args = parse_args()
+    device = pick_device("auto")
+    world = init_world(device.type)
+    device = process_device(device, world)
+    step, cfg = sharded_training_step(args, device)
     for _ in range(args.warmup):
         step()
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
     started = time.perf_counter()
-    if world.is_main:
-        with torch.profiler.profile(activities=activities) as prof:
-            for _ in range(args.steps):
-                step()
-    else:
+    with torch.profiler.profile(activities=activities) if world.is_main else contextlib.nullcontext() as prof:
         for _ in range(args.steps):
             step()
     wall_ms = (time.perf_counter() - started) * 1e3 / args.steps
