@@ -38,8 +38,9 @@ class EmbeddingEntry(Function):
     """(E) x = emb[tokens], h = x*gamma, r = rstd(x): the first block's input triple."""
 
     @staticmethod
-    def forward(ctx, tokens: Tensor, emb: Tensor, gamma: Tensor, eps: float, ops: OpSet):
-        x, h, sumsq = ops.embedding_rmsnorm_partial(tokens, emb, gamma)
+    def forward(ctx, tokens: Tensor, emb: Tensor, emb_c: Tensor, gamma_c: Tensor, eps: float, ops: OpSet):
+        # emb: the parameter (receives the gradient); *_c: compute copies (CodaLlama._blocks)
+        x, h, sumsq = ops.embedding_rmsnorm_partial(tokens, emb_c, gamma_c)
         r = ops.rstd_from_partials(sumsq, emb.shape[1], eps)
         ctx.save_for_backward(tokens)
         ctx.vocab_size, ctx.ops = emb.shape[0], ops
@@ -50,21 +51,34 @@ class EmbeddingEntry(Function):
     @staticmethod
     def backward(ctx, g_x: Tensor, _g_h: None, _g_r: None):
         if g_x is None:
-            return None, None, None, None, None
+            return (None,) * 6
         (tokens,) = ctx.saved_tensors
         # gamma's gradient comes from block 0, which owns this RMSNorm.
-        return None, ctx.ops.embedding_backward(tokens, g_x, ctx.vocab_size), None, None, None
+        return None, ctx.ops.embedding_backward(tokens, g_x, ctx.vocab_size), None, None, None, None
+
+
+class BlockWeights(NamedTuple):
+    """One block's weights as the kernels read them (compute copies), next_norm included."""
+    attn_norm: Tensor
+    w_qkv: Tensor
+    w_o: Tensor
+    mlp_norm: Tensor
+    w_gate_up: Tensor
+    w_down: Tensor
+    next_norm: Tensor
 
 
 class CodaBlock(Function):
     """One Llama block from (x, h, r) to (x2, h2, r2); h2, r2 use next_norm, the weight of the
     RMSNorm that follows (next block's attention norm, or the final norm), whose gradient the
-    consumer returns."""
+    consumer returns. The six parameters are inputs only to receive their gradients (fp32 for fp32
+    masters: no cast); the kernels read their compute copies in `weights`."""
 
     @staticmethod
     def forward(ctx, x: Tensor, h: Tensor, r: Tensor, attn_norm: Tensor, w_qkv: Tensor, w_o: Tensor,
-                mlp_norm: Tensor, w_gate_up: Tensor, w_down: Tensor, next_norm: Tensor,
+                mlp_norm: Tensor, w_gate_up: Tensor, w_down: Tensor, weights: BlockWeights,
                 rope: Tensor, shape: BlockShape, ops: OpSet, recompute: bool = False):
+        attn_norm, w_qkv, w_o, mlp_norm, w_gate_up, w_down, next_norm = weights
         d = x.shape[1]
         qkv, o, lse, x1, h_m, r_m, gu, a = CodaBlock._to_swiglu(x, h, r, w_qkv, w_o, mlp_norm, w_gate_up, rope, shape, ops)
         x2, h2, sumsq2 = ops.gemm_residual_rmsnorm_partial(a, w_down, x1, next_norm)  # F6
@@ -126,7 +140,10 @@ class LMHeadLoss(Function):
     """(H) mean cross-entropy of logits = r * (h @ w_lm^T); owns the final RMSNorm."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, h: Tensor, r: Tensor, norm: Tensor, w_lm: Tensor, targets: Tensor, ops: OpSet):
+    def forward(ctx, x: Tensor, h: Tensor, r: Tensor, norm: Tensor, w_lm: Tensor, norm_c: Tensor, w_lm_c: Tensor,
+                targets: Tensor, ops: OpSet):
+        # norm, w_lm: the parameters (receive the gradients); *_c: their compute copies
+        norm, w_lm = norm_c, w_lm_c
         lse, target_logit = ops.gemm_rowscale_cross_entropy(h, r, w_lm, targets)
         ctx.save_for_backward(x, h, r, norm, w_lm, targets, lse)
         ctx.ops = ops
@@ -139,7 +156,7 @@ class LMHeadLoss(Function):
         g_logits, stat = ops.gemm_cross_entropy_backward(h, r, w_lm, targets, lse, g_loss / x.shape[0])  # H'
         c = ops.rmsnorm_backward_coeff(stat, r, x.shape[1])
         g_x, g_norm = ops.gemm_rmsnorm_backward(g_logits, w_lm, None, x, norm, c)                        # H''
-        return g_x, None, None, g_norm, ops.matmul_tn(g_logits, h), None, None
+        return g_x, None, None, g_norm, ops.matmul_tn(g_logits, h), None, None, None, None
 
 
 RECOMPUTE = ("none", "block")  # block: each block's backward recomputes its forward from (x, h, r)
@@ -157,40 +174,42 @@ class CodaLlama(LlamaWeights):
     def forward(self, tokens: Tensor, targets: Tensor) -> Tensor:
         """Mean next-token cross-entropy of targets given tokens, both (B, T)."""
         self._check_batch(tokens, targets)
-        x, h, r, norm, w_lm = self._blocks(tokens)
-        return LMHeadLoss.apply(x, h, r, norm, w_lm, targets.reshape(-1), self.ops)
+        x, h, r = self._blocks(tokens)
+        cp = self.compute_copy
+        return LMHeadLoss.apply(x, h, r, self.norm, self.lm_weight, cp(self.norm), cp(self.lm_weight),
+                                targets.reshape(-1), self.ops)
 
     @torch.no_grad()
     def logits(self, tokens: Tensor) -> Tensor:
         """Next-token logits (B, T, vocab_size) in the compute dtype: r_f * (h_f W_lm^T) (L)."""
-        x, h, r, norm, w_lm = self._blocks(tokens)
-        return self.ops.gemm_rowscale(h, r, w_lm).view(*tokens.shape, -1)
+        x, h, r = self._blocks(tokens)
+        return self.ops.gemm_rowscale(h, r, self.compute_copy(self.lm_weight)).view(*tokens.shape, -1)
 
-    def _blocks(self, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """The entry and every block: the last triple (x, h, r), the final norm's weight and the
-        LM-head weight, as compute copies. Each block runs inside its weights module's call, which
-        under FSDP2 gathers that unit around the block's forward and backward (docs/design.md)."""
-        cfg, dt, layers = self.cfg, self.compute_dtype, self.layers
+    def _blocks(self, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The entry and every block: the last triple (x, h, r). The Functions receive each
+        parameter (for its gradient) and its compute copy (for the kernels). Each block runs inside
+        its weights module's call, which under FSDP2 gathers that unit around the block's forward
+        and backward (docs/design.md)."""
+        cfg, layers = self.cfg, self.layers
         T = tokens.shape[1]
         rope = self.rope_rows(tokens.numel(), T, tokens.device)
         shape = BlockShape(cfg.n_heads, cfg.n_kv_heads, T, cfg.norm_eps)
-        emb = self.tok_emb.to(dt)
-        w_lm = emb if self.lm_head is None else self.lm_head.to(dt)
-
-        # The entry and F6 of block i write h for the RMSNorm after them, so that norm's weight is gathered
-        # before they run. It is a forward constant for them (detached): its consumer returns its gradient,
-        # which then reaches the unit's reduce-scatter with the rest of the consumer's (docs/design.md).
-        x, h, r = EmbeddingEntry.apply(tokens, emb, gathered(layers[0]).attn_norm.to(dt).detach(), cfg.norm_eps,
-                                       self.ops)
+        self.refresh_compute_copies()
+        cp = self.compute_copy
+        # The entry and F6 of block i write h for the RMSNorm after them, so that norm's weight (block
+        # i+1's attn_norm, or the final norm) is gathered before they run; they read its compute copy only.
+        x, h, r = EmbeddingEntry.apply(tokens, self.tok_emb, cp(self.tok_emb), cp(gathered(layers[0]).attn_norm),
+                                       cfg.norm_eps, self.ops)
         for i, layer in enumerate(layers):
             next_norm = gathered(layers[i + 1]).attn_norm if i + 1 < len(layers) else self.norm
-            x, h, r = layer(self._block, x, h, r, next_norm.to(dt).detach(), rope, shape)
-        return x, h, r, self.norm.to(dt), w_lm
+            x, h, r = layer(self._block, x, h, r, cp(next_norm), rope, shape)
+        return x, h, r
 
     def _block(self, layer: LayerWeights, x: Tensor, h: Tensor, r: Tensor, next_norm: Tensor, rope: Tensor,
                shape: BlockShape) -> tuple[Tensor, Tensor, Tensor]:
         """One block (F1..F6) from its weights module's call (LayerWeights.forward)."""
-        dt = self.compute_dtype
-        return CodaBlock.apply(x, h, r, layer.attn_norm.to(dt), layer.w_qkv.to(dt), layer.w_o.to(dt),
-                               layer.mlp_norm.to(dt), layer.w_gate_up.to(dt), layer.w_down.to(dt),
-                               next_norm, rope, shape, self.ops, self.recompute)
+        cp = self.compute_copy
+        weights = BlockWeights(cp(layer.attn_norm), cp(layer.w_qkv), cp(layer.w_o), cp(layer.mlp_norm),
+                               cp(layer.w_gate_up), cp(layer.w_down), next_norm)
+        return CodaBlock.apply(x, h, r, layer.attn_norm, layer.w_qkv, layer.w_o, layer.mlp_norm, layer.w_gate_up,
+                               layer.w_down, weights, rope, shape, self.ops, self.recompute)
