@@ -222,6 +222,8 @@ def _overlap_worker(rank: int, store: str, out: str) -> None:
                 log.clear()
                 sharded(tokens[2 * rank:2 * rank + 2], targets[2 * rank:2 * rank + 2]).backward()
                 passes.append(list(log))
+                missing = [name for name, p in sharded.named_parameters() if p.grad is None]
+                assert not missing, f"{impl}: no gradient reduced onto {missing} in this backward"
                 grads = {name: p.grad.full_tensor() for name, p in sharded.named_parameters()}
                 for name, p in whole.named_parameters():  # the mean over both ranks' halves: the whole batch's
                     torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
