@@ -65,6 +65,9 @@ class TrainerConfig:
     device: str = "auto"  # one of trainer/device.py DEVICES
     compute_dtype: str = "auto"  # one of trainer/device.py COMPUTE_DTYPES; parameters stay fp32
     parallel: str = "auto"  # one of trainer/distributed.py PARALLEL (multi-process runs under torchrun)
+    # fsdp: free each block's gathered weights after its forward and gather them again for its backward
+    # (one more all-gather of the model per step, saving its compute-dtype copy: 16 GB for 8B in bf16)
+    fsdp_reshard_after_forward: bool = False
     recompute: str = "none"  # one of model/coda.py RECOMPUTE (model.impl=coda only): block = keep each block's input only
     cuda_graphs: str = "auto"  # one of trainer/graphs.py CUDA_GRAPHS; auto: on for model.impl=coda on one CUDA GPU
     log_every: int = 10  # steps between metrics lines (the last step is always logged)

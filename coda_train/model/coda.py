@@ -24,7 +24,7 @@ from torch.autograd import Function
 from ..errors import ConfigError
 from ..kernels import OpSet, op_set
 from .config import LlamaConfig
-from .weights import LlamaWeights
+from .weights import LayerWeights, LlamaWeights, gathered
 
 
 class BlockShape(NamedTuple):
@@ -231,22 +231,29 @@ class CodaLlama(LlamaWeights):
 
     def _blocks(self, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The entry and every block: the last triple (x, h, r). The Functions receive each
-        parameter (for its gradient) and its compute copy (for the kernels)."""
-        cfg = self.cfg
+        parameter (for its gradient) and its compute copy (for the kernels). Each block runs inside
+        its weights module's call, which under FSDP2 gathers that unit around the block's forward
+        and backward (docs/design.md)."""
+        cfg, layers = self.cfg, self.layers
         T = tokens.shape[1]
         rope = self.rope_rows(tokens.numel(), T, tokens.device)
         shape = BlockShape(cfg.n_heads, cfg.n_kv_heads, T, cfg.norm_eps)
-        for layer in self.layers:  # under FSDP2 gathers every block's weights: block l also reads l+1's attn_norm
-            layer()
         self.refresh_compute_copies()
         cp = self.compute_copy
-        # Norm weights in order: block l's attention norm is produced by block l-1 (or the entry).
-        gammas = [cp(layer.attn_norm) for layer in self.layers] + [cp(self.norm)]
-
-        x, h, r = EmbeddingEntry.apply(tokens, self.tok_emb, cp(self.tok_emb), gammas[0], cfg.norm_eps, self.ops)
-        for layer, next_norm in zip(self.layers, gammas[1:]):
-            weights = BlockWeights(cp(layer.attn_norm), cp(layer.w_qkv), cp(layer.w_o), cp(layer.mlp_norm),
-                                   cp(layer.w_gate_up), cp(layer.w_down), next_norm)
-            x, h, r = CodaBlock.apply(x, h, r, layer.attn_norm, layer.w_qkv, layer.w_o, layer.mlp_norm,
-                                      layer.w_gate_up, layer.w_down, weights, rope, shape, self.ops, self.recompute)
+        # The entry and F6 of block i write h for the RMSNorm after them, so that norm's weight (block
+        # i+1's attn_norm, or the final norm) is gathered before they run; they read its compute copy only.
+        x, h, r = EmbeddingEntry.apply(tokens, self.tok_emb, cp(self.tok_emb), cp(gathered(layers[0]).attn_norm),
+                                       cfg.norm_eps, self.ops)
+        for i, layer in enumerate(layers):
+            next_norm = gathered(layers[i + 1]).attn_norm if i + 1 < len(layers) else self.norm
+            x, h, r = layer(self._block, x, h, r, cp(next_norm), rope, shape)
         return x, h, r
+
+    def _block(self, layer: LayerWeights, x: Tensor, h: Tensor, r: Tensor, next_norm: Tensor, rope: Tensor,
+               shape: BlockShape) -> tuple[Tensor, Tensor, Tensor]:
+        """One block (F1..F6) from its weights module's call (LayerWeights.forward)."""
+        cp = self.compute_copy
+        weights = BlockWeights(cp(layer.attn_norm), cp(layer.w_qkv), cp(layer.w_o), cp(layer.mlp_norm),
+                               cp(layer.w_gate_up), cp(layer.w_down), next_norm)
+        return CodaBlock.apply(x, h, r, layer.attn_norm, layer.w_qkv, layer.w_o, layer.mlp_norm, layer.w_gate_up,
+                               layer.w_down, weights, rope, shape, self.ops, self.recompute)
