@@ -7,14 +7,14 @@
 set -uo pipefail
 OUT=${OUT:-runs/speed}
 mkdir -p "$OUT" /tmp/speed
-SHAPES=("${@:-1b-4x4096 125m}")
+
 [ $# -eq 0 ] && SHAPES=(1b-4x4096 125m)
-timeout 230 python3 -m pytest -q -m gpu tests -p no:cacheprovider -x 2>&1 | tail -n 40 > "$OUT/gpu_tests.log"
+timeout 260 python3 -m pytest -q -m gpu tests -p no:cacheprovider -x 2>&1 | tail -n 40 > "$OUT/gpu_tests.log"
 tail -n 3 "$OUT/gpu_tests.log"
-timeout 110 python3 scripts/check_kernels.py --out /tmp/speed/check 2>&1 | tail -n 30 > "$OUT/check_kernels.log"
+timeout 150 python3 scripts/check_kernels.py --out /tmp/speed/check 2>&1 | tail -n 30 > "$OUT/check_kernels.log"
 tail -n 6 "$OUT/check_kernels.log"
 for shape in "${SHAPES[@]}"; do
-  timeout 110 python3 scripts/bench.py --shape "$shape" --out "$OUT" --variants ${VARIANTS:-compile-graphs,coda,coda-graphs,floor} \
+  timeout ${BENCH_TIMEOUT:-150} python3 scripts/bench.py --shape "$shape" --out "$OUT" --variants ${VARIANTS:-compile-graphs,coda,coda-graphs,floor} \
     --profile-steps 1 2>&1 | grep -v Warning | tail -n 45 > "$OUT/bench_$shape.txt"
   tail -n 12 "$OUT/bench_$shape.txt"
 done
