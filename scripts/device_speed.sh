@@ -8,7 +8,7 @@ set -uo pipefail
 OUT=${OUT:-runs/speed}
 mkdir -p "$OUT" /tmp/speed
 
-[ $# -eq 0 ] && SHAPES=(1b-4x4096 125m)
+SHAPES=("$@"); [ $# -eq 0 ] && SHAPES=(1b-4x4096 125m)
 timeout 260 python3 -m pytest -q -m gpu tests -p no:cacheprovider -x 2>&1 | tail -n 40 > "$OUT/gpu_tests.log"
 tail -n 3 "$OUT/gpu_tests.log"
 timeout 150 python3 scripts/check_kernels.py --out /tmp/speed/check 2>&1 | tail -n 30 > "$OUT/check_kernels.log"
