@@ -5,7 +5,9 @@
 #    losses must agree (bf16: to about 1e-2) and the tokens/s are compared;
 # 2. llama3_8b under FSDP2 on 2 GPUs for 50 steps (batch 2 x 2048 per GPU);
 # 3. the 1b FSDP2 run's checkpoint (saved on 2 GPUs, sharded) resumed on 1 GPU for 10 more steps;
-# 4. llama3_1b on 1 GPU with trainer.recompute=block for 20 steps (losses as run 1's, less memory).
+# 4. llama3_1b on 1 GPU with trainer.recompute=block for 10 steps (losses as run 1's, less memory);
+# 5. the FSDP2 overlap profile (scripts/fsdp_overlap_profile.py): 3 profiled steps of a 4-layer
+#    llama3_1b slice on 2 GPUs, NCCL kernel time under compute -> $OUT/fsdp_overlap.json.
 # Summaries land in $OUT/fsdp_summary.txt; full logs in $OUT/*.log.
 set -uo pipefail
 OUT=${OUT:-runs/fsdp}
@@ -22,16 +24,27 @@ summary "$OUT/1b_1gpu.log" 1b_1gpu
 timeout 110 $TWO model=llama3_1b $COMMON trainer.batch_size=4 trainer.max_steps=20 trainer.ckpt_every=10 \
   trainer.parallel=fsdp trainer.run_dir=$R/1b_fsdp > "$OUT/1b_fsdp.log" 2>&1; echo "1b_fsdp rc=$?" >> "$OUT/fsdp_summary.txt"
 summary "$OUT/1b_fsdp.log" 1b_fsdp
-timeout 220 $TWO model=llama3_8b $COMMON trainer.batch_size=2 trainer.max_steps=50 trainer.ckpt_every=0 \
+timeout 200 $TWO model=llama3_8b $COMMON trainer.batch_size=2 trainer.max_steps=50 trainer.ckpt_every=0 \
   trainer.parallel=fsdp trainer.run_dir=$R/8b_fsdp > "$OUT/8b_fsdp.log" 2>&1; echo "8b_fsdp rc=$?" >> "$OUT/fsdp_summary.txt"
 summary "$OUT/8b_fsdp.log" 8b_fsdp
 # saved on 2 GPUs at step 20, resumed on 1 GPU (same global batch 8) to step 30
 timeout 70 python3 train.py model=llama3_1b $COMMON trainer.batch_size=8 trainer.max_steps=30 trainer.ckpt_every=0 \
   trainer.run_dir=$R/1b_fsdp > "$OUT/1b_resume_1gpu.log" 2>&1; echo "1b_resume_1gpu rc=$?" >> "$OUT/fsdp_summary.txt"
 summary "$OUT/1b_resume_1gpu.log" 1b_resume_1gpu
-timeout 90 python3 train.py model=llama3_1b $COMMON trainer.batch_size=8 trainer.max_steps=20 trainer.ckpt_every=0 \
+timeout 70 python3 train.py model=llama3_1b $COMMON trainer.batch_size=8 trainer.max_steps=10 trainer.ckpt_every=0 \
   trainer.recompute=block trainer.run_dir=$R/1b_recompute > "$OUT/1b_recompute.log" 2>&1; echo "1b_recompute rc=$?" >> "$OUT/fsdp_summary.txt"
 summary "$OUT/1b_recompute.log" 1b_recompute
+timeout 40 python3 -m torch.distributed.run --standalone --nproc_per_node=2 scripts/fsdp_overlap_profile.py \
+  --preset llama3_1b --n-layers 4 --batch 4 --seq 2048 --warmup 3 --steps 3 --out "$OUT" > "$OUT/overlap.log" 2>&1
+echo "overlap rc=$?" >> "$OUT/fsdp_summary.txt"
+python3 - "$OUT/fsdp_overlap.json" >> "$OUT/fsdp_summary.txt" <<'PY' || true
+import json, sys
+s = json.load(open(sys.argv[1]))
+for kind in ("all_gather", "reduce_scatter", "nccl"):
+    print(f"overlap {kind}: busy {s[kind]['busy_ms']:.2f} ms/step, under compute {s[kind]['overlapped_ms']:.2f} ms "
+          f"({s[kind]['overlapped_fraction']})")
+print(f"overlap: compute busy {s['compute_busy_ms']:.2f} ms/step, GPU span {s['gpu_span_ms']:.2f} ms/step")
+PY
 python3 - "$R" >> "$OUT/fsdp_summary.txt" <<'PY'
 import json, sys
 def losses(d): return {m["step"]: m["loss"] for m in map(json.loads, open(f"{sys.argv[1]}/{d}/metrics.jsonl"))}
@@ -39,6 +52,6 @@ one = losses("1b_1gpu")
 for other in ("1b_fsdp", "1b_recompute"):
     two = losses(other)
     common = sorted(set(one) & set(two) & set(range(1, 21)))
-    print(f"1b 1 GPU vs {other}, max |loss diff| over steps 1-20:", max(abs(one[s] - two[s]) for s in common))
+    print(f"1b 1 GPU vs {other}, max |loss diff| over steps {common[0]}-{common[-1]}:", max(abs(one[s] - two[s]) for s in common))
 PY
 cat "$OUT/fsdp_summary.txt"

@@ -12,7 +12,7 @@ import coda_train.kernels as K
 from coda_train.kernels import reference as R
 from coda_train.model import ConfigError, LlamaConfig, build_model, preset
 from coda_train.model import coda as coda_module
-from coda_train.model.coda import BlockShape, CodaBlock, CodaLlama, LMHeadLoss
+from coda_train.model.coda import BlockShape, BlockWeights, CodaBlock, CodaLlama, LMHeadLoss
 
 SMALL = dict(dim=64, n_heads=4, ffn_dim=96, vocab_size=101, max_seq_len=32)
 
@@ -166,8 +166,9 @@ def test_block_backward_gradcheck():
     def block(x, attn_norm, w_qkv, w_o, mlp_norm, w_gate_up, w_down):
         h = x * attn_norm  # the producer's caches, as functions of x (detached inside the Function)
         r = torch.rsqrt(x.pow(2).mean(-1) + cfg.norm_eps)
+        weights = BlockWeights(attn_norm, w_qkv, w_o, mlp_norm, w_gate_up, w_down, p["next_norm"])
         x2, _, _ = CodaBlock.apply(x, h.detach(), r.detach(), attn_norm, w_qkv, w_o, mlp_norm, w_gate_up,
-                                   w_down, p["next_norm"], rope, shape, model.ops)
+                                   w_down, weights, rope, shape, model.ops)
         return x2
 
     args = (x, p["attn_norm"], p["w_qkv"], p["w_o"], p["mlp_norm"], p["w_gate_up"], p["w_down"])
@@ -187,7 +188,7 @@ def test_lm_head_backward_gradcheck(chunk_rows, monkeypatch):
 
     def head(x, norm, w):
         r = torch.rsqrt(x.pow(2).mean(-1) + 1e-5)
-        return LMHeadLoss.apply(x, (x * norm).detach(), r.detach(), norm, w, targets, K.op_set("reference"))
+        return LMHeadLoss.apply(x, (x * norm).detach(), r.detach(), norm, w, norm, w, targets, K.op_set("reference"))
 
     assert torch.autograd.gradcheck(head, (x, norm, w), eps=1e-6, atol=1e-8)
 
@@ -360,8 +361,8 @@ def test_coda_logits_match_eager_loss_float64(name):
         with torch.no_grad():
             assert abs(ce - eager(tokens, targets)).item() < 1e-12 * ce.item()
     # per row: the fused CE op's lse and target logit are the logits' logsumexp and target entry
-    x, h, r, norm, w_lm = coda._blocks(tokens)
-    lse, target_logit = coda.ops.gemm_rowscale_cross_entropy(h, r, w_lm, targets.flatten())
+    x, h, r = coda._blocks(tokens)
+    lse, target_logit = coda.ops.gemm_rowscale_cross_entropy(h, r, coda.lm_weight, targets.flatten())
     assert rel(logits.flatten(0, 1).logsumexp(-1), lse) < 1e-14
     assert rel(logits.flatten(0, 1).gather(1, targets.reshape(-1, 1)).squeeze(1), target_logit) < 1e-14
 
@@ -381,3 +382,34 @@ def test_seq_len_limit():
     tokens = torch.zeros(1, cfg.max_seq_len + 1, dtype=torch.long)
     with pytest.raises(ValueError, match="max_seq_len"):
         model(tokens, tokens)
+
+
+def test_bf16_compute_copies_are_cast_once_per_update_and_gradients_stay_fp32(monkeypatch):
+    """The CODA model reads bf16 copies of its fp32 weights, rewritten by one fused copy only after
+    the weights changed; its weight gradients arrive in fp32 straight from the ops (never rounded
+    to bf16 on the way)."""
+    cfg = preset("tiny", **SMALL, n_layers=2)
+    _, coda = make_pair(cfg, torch.float32, compute_dtype=torch.bfloat16)
+    copies = []
+    real_copy = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda dst, src: (copies.append(len(dst)), real_copy(dst, src)))
+    g = torch.Generator().manual_seed(9)
+    tokens, targets = (torch.randint(0, cfg.vocab_size, (2, 16), generator=g) for _ in range(2))
+
+    loss = coda(tokens, targets)
+    loss.backward()
+    n_params = len(list(coda.parameters()))
+    assert copies == [n_params]  # every weight copied once, in one call
+    for name, p in coda.named_parameters():
+        assert p.grad is not None and p.grad.dtype == torch.float32, name
+    matrices = [p.grad for p in coda.parameters() if p.dim() == 2]
+    assert all((m.bfloat16().float() != m).any() for m in matrices)  # not rounded through bf16
+
+    with torch.no_grad():
+        before = coda(tokens, targets)
+        assert coda(tokens, targets) == before  # unchanged weights: no copy, the same loss
+    assert copies == [n_params]
+    with torch.no_grad():
+        coda.layers[1].w_down.mul_(2.0)  # an optimizer-like in-place update of one weight
+        changed = coda(tokens, targets)
+    assert copies == [n_params, 1] and changed != before

@@ -1,14 +1,19 @@
 """Multi-process training on CPU (gloo, 2 processes under torchrun): DDP and FSDP2 runs match one
-process with the same global batch, and FSDP2 checkpoints resume on another number of processes."""
+process with the same global batch, FSDP2 checkpoints resume on another number of processes, and
+FSDP2 gathers units ahead of their blocks and reduces each block's gradients right after its backward."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.multiprocessing as mp
 
 from coda_train.trainer.checkpoint import CheckpointError, list_checkpoints, load_state, verify_checkpoint
 
@@ -62,6 +67,16 @@ def test_two_ranks_match_one_process_with_the_whole_batch(tiny, one_process, tmp
         assert set(verify_checkpoint(saved)["files"]) == {"run_state.pt", "shards/.metadata", "shards/__0_0.distcp",
                                                           "shards/__1_0.distcp"}
 
+def test_fsdp_resharding_after_forward_matches_one_process(tiny, one_process, tmp_path):
+    """trainer.fsdp_reshard_after_forward=true (each block gathered again for its backward), through
+    training, validation (no-grad forwards) and a sharded checkpoint, on the CODA model."""
+    result = run_two_ranks(*tiny, *STEPS, "trainer.batch_size=2", "model.impl=coda", "trainer.parallel=fsdp",
+                           "trainer.fsdp_reshard_after_forward=true", f"trainer.run_dir={tmp_path}")
+    assert result.returncode == 0, result.stderr + result.stdout
+    assert_same_trajectory(metrics(tmp_path), metrics(one_process["coda"]))
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000006"]
+
+
 def test_fsdp_run_killed_resumes_on_two_and_on_one_process(tiny, tmp_path):
     """A 2-process FSDP2 run SIGKILLed after step 6 (checkpoint at 4, sharded) continues from step 4 on
     2 processes (batch 2 each) and on 1 (batch 4, the shards read into whole tensors): the same global
@@ -113,3 +128,170 @@ def test_fsdp_crash_mid_checkpoint_keeps_the_previous_one_and_damage_is_detected
     shard.write_bytes(bytes(damaged))
     with pytest.raises(CheckpointError, match="shards/__1_0.distcp does not match its checksum"):
         verify_checkpoint(ckpts / "step_00000004")
+
+
+# --- FSDP2 overlap: the order in which units are gathered, blocks run and gradients are reduced ---
+
+OVERLAP_LAYERS = 4
+
+
+class _Mark(torch.autograd.Function):
+    """Identity whose backward appends `event` to `log`: marks where a block's backward starts and ends."""
+
+    @staticmethod
+    def forward(ctx, x, event, log):
+        ctx.event, ctx.log = event, log
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.log.append(ctx.event)
+        return g, None, None
+
+
+def _unit(fqn: str):
+    """A unit's index from a module or parameter name ('layers.2', 'layers.2.w_o'), or 'root'."""
+    return int(fqn.split(".")[1]) if fqn.startswith("layers.") else "root"
+
+
+def _instrument_fsdp(log: list) -> None:
+    """Log ("all_gather", unit) when FSDP2 issues a unit's all-gather, ("reduce_scatter", unit) when it
+    issues the reduce-scatter of a unit's gradients, and around each block's call through its weights
+    module: ("forward_start"/"forward_end", l), and ("backward_start"/"backward_end", l) when autograd
+    enters / leaves the block's backward."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+    from coda_train.model.weights import LayerWeights
+
+    unshard, reduce, block_call = (_fsdp_param_group.FSDPParamGroup.unshard, _fsdp_param_group.foreach_reduce,
+                                   LayerWeights.forward)
+
+    def logged_unshard(group, *args, **kwargs):
+        issued = group._all_gather_result is None and not group.is_unsharded
+        unshard(group, *args, **kwargs)
+        if issued and group._all_gather_result is not None:
+            log.append(("all_gather", _unit(group._module_fqn)))
+
+    def logged_reduce(fsdp_params, *args, **kwargs):
+        log.append(("reduce_scatter", _unit(fsdp_params[0]._param_fqn)))
+        return reduce(fsdp_params, *args, **kwargs)
+
+    def logged_block_call(layer, block, x, *rest):
+        l = layer.index
+        log.append(("forward_start", l))
+        out = block_call(layer, block, _Mark.apply(x, ("backward_end", l), log), *rest)
+        log.append(("forward_end", l))
+        if isinstance(out, tuple):
+            return (_Mark.apply(out[0], ("backward_start", l), log), *out[1:])
+        return _Mark.apply(out, ("backward_start", l), log)
+
+    _fsdp_param_group.FSDPParamGroup.unshard = logged_unshard
+    _fsdp_param_group.foreach_reduce = logged_reduce
+    LayerWeights.forward = logged_block_call
+
+
+def _overlap_worker(rank: int, store: str, out: str) -> None:
+    """On each of 2 gloo ranks, for both impls and both fsdp_reshard_after_forward: two forward/backward
+    passes of a 4-layer model under shard_model with the events logged, and the gradients of each
+    checked against one process's on the whole batch. Rank 0 writes {config: [log per pass]}."""
+    import torch.distributed as dist
+
+    from coda_train.model import LlamaConfig, build_model
+    from coda_train.trainer.distributed import shard_model
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    log: list = []
+    _instrument_fsdp(log)
+    cfg = LlamaConfig(dim=64, n_layers=OVERLAP_LAYERS, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=96, max_seq_len=16)
+    gen = torch.Generator().manual_seed(0)
+    tokens, targets = torch.randint(0, 96, (2, 4, 16), generator=gen)
+    results = {}
+    for impl in ("eager", "coda"):
+        for reshard in (False, True):
+            torch.manual_seed(0)  # the same weights on both ranks
+            whole = build_model(cfg, impl)
+            for i, layer in enumerate(whole.layers):
+                layer.index = i
+            sharded = build_model(cfg, impl)
+            sharded.load_state_dict(whole.state_dict())
+            for i, layer in enumerate(sharded.layers):
+                layer.index = i
+            whole(tokens, targets).backward()
+            shard_model(sharded, torch.float32, reshard)
+            passes = []
+            for _ in range(2):
+                log.clear()
+                sharded(tokens[2 * rank:2 * rank + 2], targets[2 * rank:2 * rank + 2]).backward()
+                passes.append(list(log))
+                missing = [name for name, p in sharded.named_parameters() if p.grad is None]
+                assert not missing, f"{impl}: no gradient reduced onto {missing} in this backward"
+                grads = {name: p.grad.full_tensor() for name, p in sharded.named_parameters()}
+                for name, p in whole.named_parameters():  # the mean over both ranks' halves: the whole batch's
+                    torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+                sharded.zero_grad(set_to_none=True)
+            results[f"{impl}-{'reshard' if reshard else 'keep'}"] = passes
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def fsdp_event_logs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("overlap")
+    mp.spawn(_overlap_worker, args=(str(root / "store"), str(root / "events.json")), nprocs=2)
+    return {config: [[tuple(e) for e in events] for events in passes]
+            for config, passes in json.loads((root / "events.json").read_text()).items()}
+
+
+@pytest.mark.parametrize("reshard", ["keep", "reshard"])
+@pytest.mark.parametrize("impl", ["eager", "coda"])
+def test_fsdp_gathers_ahead_and_reduces_each_block_after_its_backward(fsdp_event_logs, impl, reshard):
+    """The order of FSDP2's communication around the blocks (gradients equal to one process's are
+    checked in the worker): in the forward, unit l+1 is gathered before block l starts (a CODA block
+    reads l+1's attn_norm) and unit l+2's all-gather is issued after block l-1 and before block l
+    computes, so it runs during block l; in the backward, unit l's reduce-scatter is issued when its
+    block's backward ends and before block l-1's starts. With reshard_after_forward the backward
+    gathers unit l again before its block's backward and prefetches l-1 before that backward ends."""
+    L = OVERLAP_LAYERS
+    for events in fsdp_event_logs[f"{impl}-{reshard}"]:
+        def at(kind, unit, nth=0):
+            hits = [i for i, e in enumerate(events) if e == (kind, unit)]
+            assert len(hits) > nth, f"no {kind} of unit {unit} (#{nth}) in {events}"
+            return hits[nth]
+
+        for l in range(L):
+            if l + 1 < L:
+                assert at("all_gather", l + 1) < at("forward_start", l)
+            if l + 2 < L:
+                assert at("all_gather", l + 2) < at("forward_start", l)
+                if l > 0:  # not all up front: two units ahead at most
+                    assert at("forward_end", l - 1) < at("all_gather", l + 2)
+        for l in range(1, L):
+            assert at("backward_end", l) < at("reduce_scatter", l) < at("backward_start", l - 1)
+        assert at("reduce_scatter", 0) < at("reduce_scatter", "root")
+        gathers = [e for e in events if e[0] == "all_gather"]
+        if reshard == "keep":  # gathered once per pass, kept until its backward ends
+            assert sorted(gathers, key=str) == sorted({("all_gather", u) for u in [*range(L), "root"]}, key=str)
+        else:
+            for l in range(L):
+                assert at("forward_end", l) < at("all_gather", l, 1) < at("backward_start", l)
+                if l > 0:
+                    assert at("all_gather", l - 1, 1) < at("backward_end", l)
+
+
+def test_overlap_summary_counts_nccl_time_under_compute():
+    """scripts/fsdp_overlap_profile.py's arithmetic on a hand-made timeline (µs): kernels on several
+    streams count once (unions), and NCCL time is split into overlapped and exposed."""
+    spec = importlib.util.spec_from_file_location("fsdp_overlap_profile", REPO / "scripts" / "fsdp_overlap_profile.py")
+    profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile)
+    kernels = [("sm90_gemm", 0, 100), ("flash_fwd", 150, 200), ("sm90_gemm", 90, 95),
+               ("ncclDevKernel_AllGather_RING_LL", 50, 170), ("ncclDevKernel_AllGather_RING_LL", 60, 80),
+               ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", 180, 260)]
+    summary = profile.overlap_summary(kernels, steps=2)
+    ms = 1e-3 / 2  # per step
+    assert summary["compute_busy_ms"] == pytest.approx(150 * ms) and summary["gpu_span_ms"] == pytest.approx(260 * ms)
+    assert summary["all_gather"] == pytest.approx({"busy_ms": 120 * ms, "overlapped_ms": 70 * ms, "overlapped_fraction": 70 / 120})
+    assert summary["reduce_scatter"] == pytest.approx({"busy_ms": 80 * ms, "overlapped_ms": 20 * ms, "overlapped_fraction": 0.25})
+    assert summary["other_nccl"]["busy_ms"] == 0 and summary["other_nccl"]["overlapped_fraction"] is None
+    assert summary["nccl"] == pytest.approx({"busy_ms": 200 * ms, "overlapped_ms": 90 * ms, "exposed_ms": 110 * ms,
+                                             "overlapped_fraction": 0.45})

@@ -311,12 +311,13 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     return a @ b
 
 
-@declare(fake=lambda a, b: _new(a, a.shape[1], b.shape[1]),
+@declare(fake=lambda a, b: _new(a, a.shape[1], b.shape[1], stat=True),
          examples=lambda x: {"": dict(a=x.act(x.dims.rows, x.dims.dim), b=x.act(x.dims.rows, 2 * x.dims.ffn_dim))},
          gemm=lambda a, b: (a.shape[1], b.shape[1], a.shape[0]))
 def matmul_tn(a: Tensor, b: Tensor) -> Tensor:
-    """Weight gradient a^T @ b (the contraction runs over tokens)."""
-    return a.t() @ b
+    """Weight gradient a^T @ b (the contraction runs over tokens), written in fp32 (fp64 stays
+    fp64): the dtype of the master weights it updates, so no cast follows."""
+    return _f(a).t() @ _f(b)
 
 
 @declare(fake=lambda acc, a, b: acc.new_empty(acc.shape, dtype=stat_dtype(acc.dtype)),
@@ -329,12 +330,13 @@ def matmul_tn_add(acc: Tensor, a: Tensor, b: Tensor) -> Tensor:
     return _f(acc) + _f(a).t() @ _f(b)
 
 
-@declare(fake=lambda tokens, g_x, vocab_size: _new(g_x, vocab_size, g_x.shape[1]),
+@declare(fake=lambda tokens, g_x, vocab_size: _new(g_x, vocab_size, g_x.shape[1], stat=True),
          examples=lambda x: {"": dict(tokens=x.tokens(), g_x=x.act(x.dims.rows, x.dims.dim), vocab_size=x.dims.vocab_size)})
 def embedding_backward(tokens: Tensor, g_x: Tensor, vocab_size: int) -> Tensor:
-    """(E') scatter-add of the row gradients into a (vocab_size, d) table (fp32 accumulation)."""
+    """(E') scatter-add of the row gradients into a (vocab_size, d) table, accumulated and
+    returned in fp32 (the master weights' dtype; fp64 stays fp64)."""
     g = torch.zeros(vocab_size, g_x.shape[1], dtype=_f(g_x).dtype, device=g_x.device)
-    return g.index_add_(0, tokens.reshape(-1), _f(g_x)).to(g_x.dtype)
+    return g.index_add_(0, tokens.reshape(-1), _f(g_x))
 
 
 # ---- helpers ------------------------------------------------------------------------------

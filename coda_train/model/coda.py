@@ -24,7 +24,7 @@ from torch.autograd import Function
 from ..errors import ConfigError
 from ..kernels import OpSet, op_set
 from .config import LlamaConfig
-from .weights import LlamaWeights
+from .weights import LayerWeights, LlamaWeights, gathered
 
 
 class BlockShape(NamedTuple):
@@ -38,8 +38,9 @@ class EmbeddingEntry(Function):
     """(E) x = emb[tokens], h = x*gamma, r = rstd(x): the first block's input triple."""
 
     @staticmethod
-    def forward(ctx, tokens: Tensor, emb: Tensor, gamma: Tensor, eps: float, ops: OpSet):
-        x, h, sumsq = ops.embedding_rmsnorm_partial(tokens, emb, gamma)
+    def forward(ctx, tokens: Tensor, emb: Tensor, emb_c: Tensor, gamma_c: Tensor, eps: float, ops: OpSet):
+        # emb: the parameter (receives the gradient); *_c: compute copies (CodaLlama._blocks)
+        x, h, sumsq = ops.embedding_rmsnorm_partial(tokens, emb_c, gamma_c)
         r = ops.rstd_from_partials(sumsq, emb.shape[1], eps)
         ctx.save_for_backward(tokens)
         ctx.vocab_size, ctx.ops = emb.shape[0], ops
@@ -50,21 +51,34 @@ class EmbeddingEntry(Function):
     @staticmethod
     def backward(ctx, g_x: Tensor, _g_h: None, _g_r: None):
         if g_x is None:
-            return None, None, None, None, None
+            return (None,) * 6
         (tokens,) = ctx.saved_tensors
         # gamma's gradient comes from block 0, which owns this RMSNorm.
-        return None, ctx.ops.embedding_backward(tokens, g_x, ctx.vocab_size), None, None, None
+        return None, ctx.ops.embedding_backward(tokens, g_x, ctx.vocab_size), None, None, None, None
+
+
+class BlockWeights(NamedTuple):
+    """One block's weights as the kernels read them (compute copies), next_norm included."""
+    attn_norm: Tensor
+    w_qkv: Tensor
+    w_o: Tensor
+    mlp_norm: Tensor
+    w_gate_up: Tensor
+    w_down: Tensor
+    next_norm: Tensor
 
 
 class CodaBlock(Function):
     """One Llama block from (x, h, r) to (x2, h2, r2); h2, r2 use next_norm, the weight of the
     RMSNorm that follows (next block's attention norm, or the final norm), whose gradient the
-    consumer returns."""
+    consumer returns. The six parameters are inputs only to receive their gradients (fp32 for fp32
+    masters: no cast); the kernels read their compute copies in `weights`."""
 
     @staticmethod
     def forward(ctx, x: Tensor, h: Tensor, r: Tensor, attn_norm: Tensor, w_qkv: Tensor, w_o: Tensor,
-                mlp_norm: Tensor, w_gate_up: Tensor, w_down: Tensor, next_norm: Tensor,
+                mlp_norm: Tensor, w_gate_up: Tensor, w_down: Tensor, weights: BlockWeights,
                 rope: Tensor, shape: BlockShape, ops: OpSet, recompute: bool = False):
+        attn_norm, w_qkv, w_o, mlp_norm, w_gate_up, w_down, next_norm = weights
         d = x.shape[1]
         qkv, o, lse, x1, h_m, r_m, gu, a = CodaBlock._to_swiglu(x, h, r, w_qkv, w_o, mlp_norm, w_gate_up, rope, shape, ops)
         x2, h2, sumsq2 = ops.gemm_residual_rmsnorm_partial(a, w_down, x1, next_norm)  # F6
@@ -134,13 +148,14 @@ def logits_chunk_rows(vocab_size: int, itemsize: int) -> int:
     return rows - rows % 128 if rows >= 128 else rows
 
 
-def lm_head_loss(x: Tensor, h: Tensor, r: Tensor, norm: Tensor, w_lm: Tensor, targets: Tensor, ops: OpSet) -> Tensor:
-    """(H) mean cross-entropy of logits = r * (h @ w_lm^T). With gradients wanted, LMHeadLoss (the
-    gradient computed chunk by chunk during the forward); otherwise (evaluation) only each row's
-    logsumexp and target logit, no logits stored."""
+def lm_head_loss(x: Tensor, h: Tensor, r: Tensor, norm: Tensor, w_lm: Tensor, norm_c: Tensor, w_lm_c: Tensor,
+                 targets: Tensor, ops: OpSet) -> Tensor:
+    """(H) mean cross-entropy of logits = r * (h @ w_lm^T) (norm, w_lm: the parameters; *_c: their
+    compute copies). With gradients wanted, LMHeadLoss (the gradient computed chunk by chunk during
+    the forward); otherwise (evaluation) only each row's logsumexp and target logit, no logits stored."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, norm, w_lm)):
-        return LMHeadLoss.apply(x, h, r, norm, w_lm, targets, ops)
-    lse, target_logit = ops.gemm_rowscale_cross_entropy(h, r, w_lm, targets)
+        return LMHeadLoss.apply(x, h, r, norm, w_lm, norm_c, w_lm_c, targets, ops)
+    lse, target_logit = ops.gemm_rowscale_cross_entropy(h, r, w_lm_c, targets)
     return (lse - target_logit).mean()
 
 
@@ -151,7 +166,10 @@ class LMHeadLoss(Function):
     one chunk of logits alive at a time) and the backward only scales it by that scalar."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, h: Tensor, r: Tensor, norm: Tensor, w_lm: Tensor, targets: Tensor, ops: OpSet):
+    def forward(ctx, x: Tensor, h: Tensor, r: Tensor, norm: Tensor, w_lm: Tensor, norm_c: Tensor, w_lm_c: Tensor,
+                targets: Tensor, ops: OpSet):
+        # norm, w_lm: the parameters (receive the gradients); *_c: their compute copies, which the ops read
+        norm, w_lm = norm_c, w_lm_c
         M = x.shape[0]
         step = logits_chunk_rows(w_lm.shape[0], h.element_size())
         grad_scale = r.new_full((), 1.0 / M)  # d mean / d loss_m, for an incoming gradient of 1
@@ -182,7 +200,7 @@ class LMHeadLoss(Function):
     def backward(ctx, g_loss: Tensor):
         g_x, g_norm, g_w = ctx.saved_tensors
         # The forward's gradients are for an incoming gradient of 1: scale by the real one (0-dim, on device).
-        return g_x * g_loss, None, None, g_norm * g_loss, g_w * g_loss, None, None
+        return g_x * g_loss, None, None, g_norm * g_loss, g_w * g_loss, None, None, None, None
 
 
 RECOMPUTE = ("none", "block")  # block: each block's backward recomputes its forward from (x, h, r)
@@ -200,32 +218,42 @@ class CodaLlama(LlamaWeights):
     def forward(self, tokens: Tensor, targets: Tensor) -> Tensor:
         """Mean next-token cross-entropy of targets given tokens, both (B, T)."""
         self._check_batch(tokens, targets)
-        x, h, r, norm, w_lm = self._blocks(tokens)
-        return lm_head_loss(x, h, r, norm, w_lm, targets.reshape(-1), self.ops)
+        x, h, r = self._blocks(tokens)
+        cp = self.compute_copy
+        return lm_head_loss(x, h, r, self.norm, self.lm_weight, cp(self.norm), cp(self.lm_weight),
+                            targets.reshape(-1), self.ops)
 
     @torch.no_grad()
     def logits(self, tokens: Tensor) -> Tensor:
         """Next-token logits (B, T, vocab_size) in the compute dtype: r_f * (h_f W_lm^T) (L)."""
-        x, h, r, norm, w_lm = self._blocks(tokens)
-        return self.ops.gemm_rowscale(h, r, w_lm).view(*tokens.shape, -1)
+        x, h, r = self._blocks(tokens)
+        return self.ops.gemm_rowscale(h, r, self.compute_copy(self.lm_weight)).view(*tokens.shape, -1)
 
-    def _blocks(self, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """The entry and every block: the last triple (x, h, r), the final norm's weight and the
-        LM-head weight, as compute copies."""
-        cfg, dt = self.cfg, self.compute_dtype
+    def _blocks(self, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The entry and every block: the last triple (x, h, r). The Functions receive each
+        parameter (for its gradient) and its compute copy (for the kernels). Each block runs inside
+        its weights module's call, which under FSDP2 gathers that unit around the block's forward
+        and backward (docs/design.md)."""
+        cfg, layers = self.cfg, self.layers
         T = tokens.shape[1]
         rope = self.rope_rows(tokens.numel(), T, tokens.device)
         shape = BlockShape(cfg.n_heads, cfg.n_kv_heads, T, cfg.norm_eps)
-        for layer in self.layers:  # under FSDP2 gathers every block's weights: block l also reads l+1's attn_norm
-            layer()
-        # Norm weights in order: block l's attention norm is produced by block l-1 (or the entry).
-        gammas = [layer.attn_norm.to(dt) for layer in self.layers] + [self.norm.to(dt)]
-        emb = self.tok_emb.to(dt)
-        w_lm = emb if self.lm_head is None else self.lm_head.to(dt)
+        self.refresh_compute_copies()
+        cp = self.compute_copy
+        # The entry and F6 of block i write h for the RMSNorm after them, so that norm's weight (block
+        # i+1's attn_norm, or the final norm) is gathered before they run; they read its compute copy only.
+        x, h, r = EmbeddingEntry.apply(tokens, self.tok_emb, cp(self.tok_emb), cp(gathered(layers[0]).attn_norm),
+                                       cfg.norm_eps, self.ops)
+        for i, layer in enumerate(layers):
+            next_norm = gathered(layers[i + 1]).attn_norm if i + 1 < len(layers) else self.norm
+            x, h, r = layer(self._block, x, h, r, cp(next_norm), rope, shape)
+        return x, h, r
 
-        x, h, r = EmbeddingEntry.apply(tokens, emb, gammas[0], cfg.norm_eps, self.ops)
-        for layer, attn_norm, next_norm in zip(self.layers, gammas, gammas[1:]):
-            x, h, r = CodaBlock.apply(x, h, r, attn_norm, layer.w_qkv.to(dt), layer.w_o.to(dt),
-                                      layer.mlp_norm.to(dt), layer.w_gate_up.to(dt), layer.w_down.to(dt),
-                                      next_norm, rope, shape, self.ops, self.recompute)
-        return x, h, r, gammas[-1], w_lm
+    def _block(self, layer: LayerWeights, x: Tensor, h: Tensor, r: Tensor, next_norm: Tensor, rope: Tensor,
+               shape: BlockShape) -> tuple[Tensor, Tensor, Tensor]:
+        """One block (F1..F6) from its weights module's call (LayerWeights.forward)."""
+        cp = self.compute_copy
+        weights = BlockWeights(cp(layer.attn_norm), cp(layer.w_qkv), cp(layer.w_o), cp(layer.mlp_norm),
+                               cp(layer.w_gate_up), cp(layer.w_down), next_norm)
+        return CodaBlock.apply(x, h, r, layer.attn_norm, layer.w_qkv, layer.w_o, layer.mlp_norm, layer.w_gate_up,
+                               layer.w_down, weights, rope, shape, self.ops, self.recompute)

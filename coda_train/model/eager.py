@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .config import LlamaConfig
-from .weights import LlamaWeights
+from .weights import LayerWeights, LlamaWeights
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -54,8 +54,7 @@ class EagerLlama(LlamaWeights):
         """Logits (B, T, vocab) in the compute dtype. With a cache, tokens continue the cached
         positions, whose keys/values are reused, and their own are appended to it."""
         cfg, dt = self.cfg, self.compute_dtype
-        B, T = tokens.shape
-        H, Hkv, hd, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim
+        T = tokens.shape[1]
         start = 0 if cache is None else cache.length
         if start == 0:
             cos, sin = self.rope_tables(T, tokens.device)
@@ -67,23 +66,31 @@ class EagerLlama(LlamaWeights):
         mask = None if start == 0 or T == 1 else torch.ones(T, start + T, dtype=torch.bool, device=tokens.device).tril(start)
 
         x = F.embedding(tokens, self.tok_emb.to(dt))
-        for i, layer in enumerate(self.layers):
-            layer()  # gathers its weights under FSDP2
-            h = F.rms_norm(x, (d,), layer.attn_norm.to(dt), cfg.norm_eps)
-            q, k, v = F.linear(h, layer.w_qkv.to(dt)).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
-            q = apply_rope(q.view(B, T, H, hd), cos, sin).transpose(1, 2)
-            k = apply_rope(k.view(B, T, Hkv, hd), cos, sin).transpose(1, 2)
-            v = v.view(B, T, Hkv, hd).transpose(1, 2)
-            if cache is not None:
-                k, v = cache.append(i, k, v)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=start == 0, enable_gqa=H != Hkv)
-            x = x + F.linear(o.transpose(1, 2).reshape(B, T, H * hd), layer.w_o.to(dt))
-
-            h = F.rms_norm(x, (d,), layer.mlp_norm.to(dt), cfg.norm_eps)
-            gate, up = F.linear(h, layer.w_gate_up.to(dt)).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.w_down.to(dt))
+        for i, layer in enumerate(self.layers):  # under FSDP2 the call gathers the block's weights around it
+            x = layer(self._block, x, i, cos, sin, mask, cache)
         if cache is not None:
             cache.length += T
 
-        h = F.rms_norm(x, (d,), self.norm.to(dt), cfg.norm_eps)
+        h = F.rms_norm(x, (cfg.dim,), self.norm.to(dt), cfg.norm_eps)
         return F.linear(h, self.lm_weight.to(dt))
+
+    def _block(self, layer: LayerWeights, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Optional[Tensor],
+               cache: Optional[KVCache]) -> Tensor:
+        """Block i from its weights module's call (LayerWeights.forward): attention, then the MLP."""
+        cfg, dt = self.cfg, self.compute_dtype
+        B, T, d = x.shape
+        H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        start = 0 if cache is None else cache.length
+        h = F.rms_norm(x, (d,), layer.attn_norm.to(dt), cfg.norm_eps)
+        q, k, v = F.linear(h, layer.w_qkv.to(dt)).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
+        q = apply_rope(q.view(B, T, H, hd), cos, sin).transpose(1, 2)
+        k = apply_rope(k.view(B, T, Hkv, hd), cos, sin).transpose(1, 2)
+        v = v.view(B, T, Hkv, hd).transpose(1, 2)
+        if cache is not None:
+            k, v = cache.append(i, k, v)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=start == 0, enable_gqa=H != Hkv)
+        x = x + F.linear(o.transpose(1, 2).reshape(B, T, H * hd), layer.w_o.to(dt))
+
+        h = F.rms_norm(x, (d,), layer.mlp_norm.to(dt), cfg.norm_eps)
+        gate, up = F.linear(h, layer.w_gate_up.to(dt)).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, layer.w_down.to(dt))

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from .config import LlamaConfig
 
@@ -24,9 +27,19 @@ class LayerWeights(nn.Module):
         self.w_gate_up = nn.Parameter(torch.empty(2 * cfg.ffn_dim, d))
         self.w_down = nn.Parameter(torch.empty(d, cfg.ffn_dim))
 
-    def forward(self) -> None:
-        """Computes nothing: the models call a block's weights before reading them, so that under
-        FSDP2 (trainer/distributed.py shard_model) its hooks gather them first."""
+    def forward(self, block: Callable[..., Any], *inputs: Any) -> Any:
+        """block(self, *inputs): a model runs each block through its weights module, so that under
+        FSDP2 (trainer/distributed.py shard_model) the unit's hooks gather the weights around the
+        block's forward and fire around its backward (on the tensors passed in and returned)."""
+        return block(self, *inputs)
+
+
+def gathered(module: nn.Module) -> nn.Module:
+    """module with its own parameters readable outside its forward: an FSDP2 unit waits for its
+    all-gather (issued ahead by its forward prefetch); any other module is returned as it is."""
+    if isinstance(module, FSDPModule):
+        module.unshard()
+    return module
 
 
 class LlamaWeights(nn.Module):
@@ -42,6 +55,8 @@ class LlamaWeights(nn.Module):
         self.lm_head = None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim))
         self._compute_dtype = compute_dtype
         self._rope_cache: dict[tuple, Tensor] = {}  # (rows, seq_len, device, dtype) -> table
+        # id(parameter) -> (the parameter, (version, data_ptr) it was copied at, its compute-dtype copy)
+        self._copies: dict[int, tuple[Tensor, tuple[int, int], Tensor]] = {}
         self.reset_parameters()
 
     @property
@@ -69,6 +84,34 @@ class LlamaWeights(nn.Module):
             layer.attn_norm.fill_(1.0)
             layer.mlp_norm.fill_(1.0)
         self.norm.fill_(1.0)
+
+    @torch.no_grad()
+    def refresh_compute_copies(self) -> None:
+        """Bring the compute-dtype copies of the parameters up to date: one fused multi-tensor copy
+        of those changed since the last call (an optimizer step, a load), so the weights are cast
+        once per optimizer step, not in every forward and backward. Parameters already in the
+        compute dtype need no copy; FSDP2's sharded ones are gathered in it."""
+        stale, sources = [], []
+        for p in self.parameters():
+            if p.dtype == self.compute_dtype or isinstance(p, DTensor):
+                continue
+            key = (p._version, p.data_ptr())
+            held = self._copies.get(id(p))
+            if held is None or held[0] is not p or held[2].shape != p.shape or held[2].device != p.device:
+                held = (p, None, torch.empty_like(p, dtype=self.compute_dtype))
+            if held[1] != key:
+                stale.append(held[2])
+                sources.append(p.detach())
+                self._copies[id(p)] = (p, key, held[2])
+        if stale:
+            torch._foreach_copy_(stale, sources)
+
+    def compute_copy(self, p: Tensor) -> Tensor:
+        """Parameter p in the compute dtype (after refresh_compute_copies): p's data, or its copy. Never
+        differentiable: a Function returns no gradient for it, and were it p itself, p's gradient
+        would wait for that Function's backward, after the reduce-scatter of p's FSDP2 unit (the
+        entry and block l-1 read block l's attn_norm)."""
+        return p.detach() if p.dtype == self.compute_dtype else self._copies[id(p)][2]
 
     def rope_tables(self, seq_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
         """cos, sin of shape (seq_len, head_dim/2) in the epilogue precision (fp32; fp64 for fp64

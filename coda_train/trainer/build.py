@@ -86,7 +86,7 @@ def build_train_state(cfg: Config, llama: LlamaConfig, data: PreparedData, backe
         load_hf_weights(model, cfg.model.init_from)
     model = model.to(device)
     if parallel == "fsdp":
-        shard_model(model, compute_dtype)
+        shard_model(model, compute_dtype, cfg.trainer.fsdp_reshard_after_forward)
     optimizer = build_optimizer(model, cfg.optim, device)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.max_steps)
     return TrainState(model, optimizer, scheduler, build_loader(data, "train", cfg.trainer, world))

@@ -69,19 +69,27 @@ def resolve_parallel(name: str, world: World) -> str:
     return name
 
 
-def shard_model(model: nn.Module, compute_dtype: torch.dtype) -> None:
+def shard_model(model: nn.Module, compute_dtype: torch.dtype, reshard_after_forward: bool = False) -> None:
     """FSDP2 in place, before the optimizer is built (it then holds the sharded DTensor parameters):
     one unit per block (LayerWeights), the root unit holding the embedding, final norm and LM head.
-    Units keep their weights gathered from their forward to the end of backward
-    (reshard_after_forward=False): the models gather every block first, because a CODA block Function
-    also reads the next block's attn_norm (docs/design.md, FSDP2 and the CODA Functions). In bf16 the
-    gathered weights are bf16 (the compute copies), the fp32 masters stay sharded and gradients are
-    reduced in fp32; otherwise the policy changes nothing."""
+    Each block runs inside its unit's call, so the unit's hooks gather it for the block's forward
+    and, on the block's input gradient, reduce-scatter its gradients while the previous block's
+    backward runs. The forward prefetches two units ahead: a CODA block also reads the next block's
+    attn_norm, so unit l+1 is gathered before block l runs and unit l+2's all-gather overlaps block l
+    (docs/design.md, FSDP2 and the CODA Functions). reshard_after_forward frees each block's gathered
+    weights after its forward and gathers them again (prefetched one unit ahead) for its backward;
+    otherwise they stay until its backward ends. In bf16 the gathered weights are bf16 (the compute
+    copies), the fp32 masters stay sharded and gradients are reduced in fp32; otherwise the policy
+    changes nothing. Inputs are never cast: the row scales and RoPE tables stay fp32."""
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype if compute_dtype != torch.float32 else None,
-                                  reduce_dtype=torch.float32)
-    for layer in model.layers:
-        fully_shard(layer, mp_policy=policy, reshard_after_forward=False)
-    fully_shard(model, mp_policy=policy, reshard_after_forward=False)
+                                  reduce_dtype=torch.float32, cast_forward_inputs=False)
+    layers = list(model.layers)
+    for layer in layers:
+        fully_shard(layer, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=False)  # the LM head's backward comes first
+    model.set_modules_to_forward_prefetch(layers[:2])
+    for i, layer in enumerate(layers):
+        layer.set_modules_to_forward_prefetch(layers[i + 1:i + 3])
 
 
 def data_parallel(model: nn.Module, parallel: str, device: torch.device) -> nn.Module:

@@ -34,14 +34,22 @@ from ._launch import CFG_DEFAULT, CFG_ROPE, colvec, compiling_only, empty, gemm,
 assert CFG_DEFAULT.tile_N == STAT_TILE_N, "the declared partial-sum widths must follow CFG_DEFAULT"
 
 # Plain torch is the right implementation of these on the GPU too (a gather + one elementwise
-# pass, two tiny reductions, cuBLAS GEMMs, an fp32 index_add_; see docs/kernels.md), so the cute
+# pass, two tiny reductions, a cuBLAS GEMM, an fp32 index_add_; see docs/kernels.md), so the cute
 # backend runs reference.py's functions.
 embedding_rmsnorm_partial = cute_impl("embedding_rmsnorm_partial")(reference.embedding_rmsnorm_partial)
 rstd_from_partials = cute_impl("rstd_from_partials")(reference.rstd_from_partials)
 rmsnorm_backward_coeff = cute_impl("rmsnorm_backward_coeff")(reference.rmsnorm_backward_coeff)
 matmul = cute_impl("matmul")(reference.matmul)
-matmul_tn = cute_impl("matmul_tn")(reference.matmul_tn)
 embedding_backward = cute_impl("embedding_backward")(reference.embedding_backward)
+
+
+@cute_impl("matmul_tn")
+def matmul_tn(a: Tensor, b: Tensor) -> Tensor:
+    """Weight gradient a^T b: cuBLAS with bf16 inputs accumulating and writing fp32, the master
+    weights' dtype (no cast afterwards)."""
+    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
+        return reference.matmul_tn(a, b)
+    return torch.mm(a.t(), b, out_dtype=torch.float32)
 
 
 def need_rope_table(op: str, rope: Tensor, M: int) -> None:
