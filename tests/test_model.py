@@ -83,13 +83,17 @@ def test_lm_head_in_chunks_matches_eager_float64(chunk_rows, monkeypatch):
     coda.ops.gemm_rowscale_logits_cross_entropy = lambda h, *a: logits_rows.append(h.shape[0]) or head_op(h, *a)
     g = torch.Generator().manual_seed(1)
     tokens, targets = (torch.randint(0, cfg.vocab_size, (3, 7), generator=g) for _ in range(2))
-    grads = {}
+    grads, saved = {}, []
     for name, model in (("coda", coda), ("eager", eager)):
         model.zero_grad(set_to_none=True)
-        loss = model(tokens, targets)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((name, tuple(t.shape))) or t, lambda t: t):
+            loss = model(tokens, targets)
         (2.5 * loss).backward()
         grads[name] = loss.detach(), {n: p.grad for n, p in model.named_parameters()}
     assert logits_rows == ([4, 4, 4, 4, 4, 1] if chunk_rows == 4 else [21])
+    # CODA holds no logits-shaped tensor until backward (eager does); the LM head holds its gradients
+    assert (("coda", (21, cfg.vocab_size)) not in saved) and ("eager", (21, cfg.vocab_size)) in saved
+    assert ("coda", (cfg.vocab_size, cfg.dim)) in saved and ("coda", (21, cfg.dim)) in saved
     (loss_c, grads_c), (loss_e, grads_e) = grads["coda"], grads["eager"]
     assert abs(loss_c - loss_e).item() / loss_e.item() < 1e-12
     for n in grads_e:
