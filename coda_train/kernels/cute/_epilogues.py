@@ -163,3 +163,9 @@ def rmsnorm_backward(acc, c, x, gamma, coef):
 )
 def rmsnorm_backward_noresidual(acc, x, gamma, coef):
     return {"D": acc * gamma + x * coef, "g_gamma": (acc, x)}
+
+
+# matmul / matmul_tn on quack: D = acc (stored in D's dtype: bf16, or fp32 for weight gradients).
+@gemm_epilogue()
+def plain(acc):
+    return {"D": acc}
