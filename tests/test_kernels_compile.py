@@ -5,8 +5,8 @@ GPU; coda_train.kernels.cute._compile drives every example case of every GPU-bli
 implementation through its real code path (validation, operand views, plans) with the launch
 skipped. A kernel that fails to trace or compile fails
 here. Runs in a subprocess (the arch must be pinned before cutlass/quack are imported) with a
-fresh kernel cache, so it really compiles (~30 s on 2 cores). Skipped where cutlass/quack are
-not importable.
+fresh kernel cache, so it really compiles (~30 s on 2 cores); then every config of the shipped
+tile config table. Skipped where cutlass/quack are not importable.
 """
 
 import os
@@ -54,7 +54,13 @@ print(sorted(n for n in OPS if CUTE_IMPLS[n].gpu_blind_compile))
     assert "gemm_rowscale_rope" in run.stdout and "gemm_rowscale" in run.stdout
 
 
-def test_every_gemm_kernel_compiles_gpu_blind(stack, tmp_path):
+@pytest.fixture(scope="module")
+def kernel_cache(tmp_path_factory):
+    """One fresh quack cache for the compile tests of this module (the table test reuses the defaults)."""
+    return tmp_path_factory.mktemp("quack_cache")
+
+
+def test_every_gemm_kernel_compiles_gpu_blind(stack, kernel_cache):
     """Every example case of every GPU-blind compilable cute implementation, at the tiny and 8B
     presets' widths, compiles (one `compiled` line per case)."""
     code = r'''
@@ -64,12 +70,41 @@ dims = [PRESETS[p].kernel_dims(300, 100) for p in ("tiny", "llama3_8b")]
 timings = compile_all(dims)
 assert len(timings) == sum(len(compile_cases(d)) for d in dims) >= 18, timings
 '''
-    env = dict(ENV, QUACK_CACHE_DIR=str(tmp_path / "quack_cache"))
+    env = dict(ENV, QUACK_CACHE_DIR=str(kernel_cache))
     run = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     compiled = [ln for ln in run.stdout.splitlines() if ln.startswith("compiled")]
     assert any("gemm_rowscale " in ln for ln in compiled), run.stdout
-    assert any(f.suffix == ".o" for f in (tmp_path / "quack_cache").rglob("*")), "no kernel object in the cache"
+    assert any(f.suffix == ".o" for f in kernel_cache.rglob("*")), "no kernel object in the cache"
+
+
+def test_tile_table_configs_compile_gpu_blind(stack, kernel_cache):
+    """Every distinct (op, config) of the shipped tile config table (coda_train/kernels/
+    tile_configs.json), forced on each example case of the op at the tiny widths, compiles; the
+    defaults are already in the cache from the test above, so only tuned configs cost time."""
+    code = r'''
+import time, torch
+from coda_train.kernels import OPS, Example
+from coda_train.kernels.cute._launch import compile_only
+from coda_train.kernels.library import CUTE_IMPLS
+from coda_train.kernels.tile_configs import SHIPPED_TABLE, forced, load_table
+from coda_train.model import PRESETS
+configs = sorted({(op, cfg) for entries in load_table(SHIPPED_TABLE).values() for (op, *_), cfg in entries.items()
+                  if cfg is not None}, key=str)
+assert configs, "the shipped table lists no quack config"
+example = Example(PRESETS["tiny"].kernel_dims(300, 100), torch.bfloat16, "cpu", None)
+with compile_only():
+    for op, cfg in configs:
+        for case, kwargs in OPS[op].cases(example):
+            t = time.time()
+            with forced({op: cfg}):
+                CUTE_IMPLS[op].kernel(**kwargs)
+            print(f"compiled {case} {cfg} {time.time() - t:.1f}s", flush=True)
+'''
+    env = dict(ENV, QUACK_CACHE_DIR=str(kernel_cache))
+    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert any(ln.startswith("compiled") for ln in run.stdout.splitlines()), run.stdout
 
 
 def test_unsupported_inputs_raise_value_errors(stack):

@@ -19,6 +19,7 @@ every GEMM kernel can be compiled on a machine without a GPU (QUACK_ARCH=90).
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -26,30 +27,20 @@ from torch import Tensor
 
 from .. import reference
 from ..cute_limits import need, need_inner, need_rope_head_dim, need_swiglu_width
-from ..declare import STAT_TILE_N
 from ..library import cute_impl
+from ..tile_configs import tables
 from . import _epilogues as E
-from ._launch import CFG_DEFAULT, CFG_ROPE, colvec, compiling_only, empty, gemm, need_bf16, rowvec, sink_cols, sink_rows
+from ._launch import cfg_for, colvec, compiling_only, empty, gemm, need_bf16, rowvec, sink_cols, sink_rows, stat_cols
 
-assert CFG_DEFAULT.tile_N == STAT_TILE_N, "the declared partial-sum widths must follow CFG_DEFAULT"
+tables()  # a bad $CODA_TILE_CONFIGS table fails when the backend loads, before any GPU work
 
 # Plain torch is the right implementation of these on the GPU too (a gather + one elementwise
-# pass, two tiny reductions, a cuBLAS GEMM, an fp32 index_add_; see docs/kernels.md), so the cute
-# backend runs reference.py's functions.
+# pass, two tiny reductions, an fp32 index_add_; see docs/kernels.md), so the cute backend runs
+# reference.py's functions.
 embedding_rmsnorm_partial = cute_impl("embedding_rmsnorm_partial")(reference.embedding_rmsnorm_partial)
 rstd_from_partials = cute_impl("rstd_from_partials")(reference.rstd_from_partials)
 rmsnorm_backward_coeff = cute_impl("rmsnorm_backward_coeff")(reference.rmsnorm_backward_coeff)
-matmul = cute_impl("matmul")(reference.matmul)
 embedding_backward = cute_impl("embedding_backward")(reference.embedding_backward)
-
-
-@cute_impl("matmul_tn")
-def matmul_tn(a: Tensor, b: Tensor) -> Tensor:
-    """Weight gradient a^T b: cuBLAS with bf16 inputs accumulating and writing fp32, the master
-    weights' dtype (no cast afterwards)."""
-    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
-        return reference.matmul_tn(a, b)
-    return torch.mm(a.t(), b, out_dtype=torch.float32)
 
 
 def need_rope_table(op: str, rope: Tensor, M: int) -> None:
@@ -77,10 +68,11 @@ def gemm_rowscale_rope(h: Tensor, r: Tensor, w: Tensor, rope: Tensor, n_rope_col
     out = empty(M, N, dtype=h.dtype, device=h.device)
     rv = colvec(r)
     if n_rope_cols:
-        gemm(E.rowscale_rope, h, w[:n_rope_cols], out[:, :n_rope_cols], cfg=CFG_ROPE,
+        gemm(E.rowscale_rope, h, w[:n_rope_cols], out[:, :n_rope_cols], cfg=cfg_for("gemm_rowscale_rope", M, n_rope_cols, K),
              epi={"cs": rope.contiguous(), "r": rv})
-    if n_rope_cols < N:
-        gemm(E.rowscale, h, w[n_rope_cols:], out[:, n_rope_cols:], epi={"r": rv})
+    if n_rope_cols < N:  # the program of gemm_rowscale, tuned under its name
+        gemm(E.rowscale, h, w[n_rope_cols:], out[:, n_rope_cols:], cfg=cfg_for("gemm_rowscale", M, N - n_rope_cols, K),
+             epi={"r": rv})
     return out
 
 
@@ -91,11 +83,12 @@ def gemm_residual_rmsnorm_partial(a: Tensor, w: Tensor, residual: Tensor, gamma:
     N = w.shape[0]
     need_bf16("gemm_residual_rmsnorm_partial", a=a, w=w, residual=residual)
     need_inner("gemm_residual_rmsnorm_partial", K=K, N=N)
+    cfg = cfg_for("gemm_residual_rmsnorm_partial", M, N, K)
     x = empty(M, N, dtype=a.dtype, device=a.device)
     h = empty(M, N, dtype=a.dtype, device=a.device)
-    sumsq = sink_cols(M, N, CFG_DEFAULT, a.device)
-    gemm(E.residual_rmsnorm_partial, a, w, x, C=residual.contiguous(),
-         epi={"h": h, "gamma": rowvec(gamma), "sumsq": sumsq})
+    sumsq, sumsq_tiles = stat_cols(M, N, cfg, a.device)
+    gemm(E.residual_rmsnorm_partial, a, w, x, C=residual.contiguous(), cfg=cfg,
+         epi={"h": h, "gamma": rowvec(gamma), "sumsq": sumsq_tiles})
     return x, h, sumsq
 
 
@@ -112,7 +105,7 @@ def gemm_rowscale_swiglu(h: Tensor, r: Tensor, w_gate_up: Tensor) -> tuple[Tenso
     gu = empty(M, N2, dtype=h.dtype, device=h.device)
     a = empty(M, N2 // 2, dtype=h.dtype, device=h.device)
     F = N2 // 2
-    gemm(E.rowscale_swiglu, h, w_gate_up, None, concat=("B",),
+    gemm(E.rowscale_swiglu, h, w_gate_up, None, concat=("B",), cfg=cfg_for("gemm_rowscale_swiglu", M, N2, K),
          epi={"gate": gu[:, :F], "up": gu[:, F:], "a": a, "r": colvec(r)})
     return gu, a
 
@@ -125,9 +118,10 @@ def gemm_rowscale_cross_entropy(h: Tensor, r: Tensor, w_lm: Tensor, targets: Ten
     V = w_lm.shape[0]
     need_bf16("gemm_rowscale_cross_entropy", h=h, w_lm=w_lm)
     need_inner("gemm_rowscale_cross_entropy", K=K, V=V)
-    lse_part = sink_cols(M, V, CFG_DEFAULT, h.device)
+    cfg = cfg_for("gemm_rowscale_cross_entropy", M, V, K)
+    lse_part = sink_cols(M, V, cfg, h.device)  # folded below: any tile_N
     target_logit = empty(M, dtype=torch.float32, device=h.device)
-    gemm(E.rowscale_lse_target, h, w_lm, None,
+    gemm(E.rowscale_lse_target, h, w_lm, None, cfg=cfg,
          epi={"r": colvec(r), "lse": lse_part, "target_logit": target_logit,
               "target": targets.reshape(1, -1).contiguous()})
     if compiling_only():
@@ -145,9 +139,10 @@ def gemm_rowscale_logits_cross_entropy(h: Tensor, r: Tensor, w_lm: Tensor,
     need_bf16("gemm_rowscale_logits_cross_entropy", h=h, w_lm=w_lm)
     need_inner("gemm_rowscale_logits_cross_entropy", K=K, V=V)
     logits = empty(M, V, dtype=h.dtype, device=h.device)
-    lse_part = sink_cols(M, V, CFG_DEFAULT, h.device)
+    cfg = cfg_for("gemm_rowscale_logits_cross_entropy", M, V, K)
+    lse_part = sink_cols(M, V, cfg, h.device)  # folded below: any tile_N
     target_logit = empty(M, dtype=torch.float32, device=h.device)
-    gemm(E.rowscale_logits_lse_target, h, w_lm, logits,
+    gemm(E.rowscale_logits_lse_target, h, w_lm, logits, cfg=cfg,
          epi={"r": colvec(r), "lse": lse_part, "target_logit": target_logit,
               "target": targets.reshape(1, -1).contiguous()})
     if compiling_only():
@@ -193,12 +188,13 @@ def gemm_dswiglu_rowscale_stat(g_out: Tensor, w_down: Tensor, gu: Tensor, r: Ten
     need_inner("gemm_dswiglu_rowscale_stat", K=d, ffn_dim=F)
     need(tuple(gu.shape) == (M, 2 * F), f"gemm_dswiglu_rowscale_stat: gu must be (M, 2*ffn_dim)=({M}, {2 * F})")
     gu = gu.contiguous()
+    cfg = cfg_for("gemm_dswiglu_rowscale_stat", M, F, d)
     g_gu = empty(M, 2 * F, dtype=g_out.dtype, device=g_out.device)
     a = empty(M, F, dtype=g_out.dtype, device=g_out.device)
-    stat = sink_cols(M, F, CFG_DEFAULT, g_out.device)
-    gemm(E.dswiglu_rowscale_stat, g_out, w_down.mT, a,
+    stat, stat_tiles = stat_cols(M, F, cfg, g_out.device)
+    gemm(E.dswiglu_rowscale_stat, g_out, w_down.mT, a, cfg=cfg,
          epi={"gate": gu[:, :F], "up": gu[:, F:], "r": colvec(r), "g_gate": g_gu[:, :F],
-              "g_up": g_gu[:, F:], "stat": stat})
+              "g_up": g_gu[:, F:], "stat": stat_tiles})
     return g_gu, a, stat
 
 
@@ -221,14 +217,15 @@ def gemm_rmsnorm_backward(g_y_scaled: Tensor, w: Tensor, residual_grad: Optional
     d = w.shape[1]
     need_bf16("gemm_rmsnorm_backward", g_y_scaled=g_y_scaled, w=w, x=x)
     need_inner("gemm_rmsnorm_backward", K=Nout, d=d)
+    cfg = cfg_for("gemm_rmsnorm_backward", M, d, Nout)
     g_x = empty(M, d, dtype=x.dtype, device=x.device)
-    g_gamma = sink_rows(M, d, CFG_DEFAULT, x.device)
+    g_gamma = sink_rows(M, d, cfg, x.device)  # folded below: any tile_M
     epi = {"x": x.contiguous(), "gamma": rowvec(gamma), "coef": colvec(c), "g_gamma": g_gamma}
     if residual_grad is None:
-        gemm(E.rmsnorm_backward_noresidual, g_y_scaled, w.mT, g_x, epi=epi)
+        gemm(E.rmsnorm_backward_noresidual, g_y_scaled, w.mT, g_x, cfg=cfg, epi=epi)
     else:
         need_bf16("gemm_rmsnorm_backward", residual_grad=residual_grad)
-        gemm(E.rmsnorm_backward, g_y_scaled, w.mT, g_x, C=residual_grad.contiguous(), epi=epi)
+        gemm(E.rmsnorm_backward, g_y_scaled, w.mT, g_x, C=residual_grad.contiguous(), cfg=cfg, epi=epi)
     if compiling_only():
         return g_x, g_gamma
     return g_x, g_gamma.sum(0)
@@ -245,8 +242,56 @@ def matmul_tn_add(acc: Tensor, a: Tensor, b: Tensor) -> Tensor:
     need(tuple(acc.shape) == (N, P), f"matmul_tn_add: acc must be (a.shape[1], b.shape[1]) = ({N}, {P}), "
                                       f"got {tuple(acc.shape)}")
     out = empty(N, P, dtype=torch.float32, device=a.device)
-    gemm(E.accumulate, a.mT, b.mT, out, C=acc.float().contiguous(), epi={})
+    gemm(E.accumulate, a.mT, b.mT, out, C=acc.float().contiguous(), cfg=cfg_for("matmul_tn_add", N, P, K), epi={})
     return out
+
+
+# ---- plain GEMMs ----------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _result_dtype(reference_fn, dtype: torch.dtype) -> torch.dtype:
+    """The output dtype the reference gives for inputs of `dtype` (traced on meta tensors)."""
+    x = torch.empty(1, 1, dtype=dtype, device="meta")
+    return reference_fn(x, x).dtype
+
+
+def _cublas(op: str, a: Tensor, b: Tensor) -> Tensor:
+    """The op on cuBLAS: bf16 weight gradients accumulate and land in fp32 directly (mm's out_dtype);
+    anything else runs the reference (which is torch's GEMM)."""
+    if op == "matmul_tn" and a.dtype == b.dtype == torch.bfloat16:
+        return torch.mm(a.t(), b, out_dtype=torch.float32)
+    return getattr(reference, op)(a, b)
+
+
+def _plain_gemm(op: str, a: Tensor, b: Tensor, A: Tensor, B: Tensor, m: int, n: int, k: int) -> Tensor:
+    """The GEMM D (m, n) = A B^T of reference op `op` on a, b: cuBLAS unless the tile table names a
+    quack config for this shape and the inputs are 2-D bf16 rows (TMA); D gets the reference's
+    dtype (fp32 where it promotes)."""
+    cfg = cfg_for(op, m, n, k)
+    quack_ok = all(t.dtype == torch.bfloat16 and t.dim() == 2 and t.stride(-1) == 1 and t.shape[1] % 8 == 0
+                   for t in (a, b))
+    ref = getattr(reference, op)
+    if compiling_only() and (cfg is None or not quack_ok):
+        return torch.empty(m, n, dtype=_result_dtype(ref, a.dtype))  # nothing to compile: cuBLAS
+    if cfg is None or not quack_ok:
+        return _cublas(op, a, b)
+    need_bf16(op, a=a, b=b)
+    out = empty(m, n, dtype=_result_dtype(ref, a.dtype), device=a.device)
+    gemm(E.plain, A, B, out, cfg=cfg, epi={})
+    return out
+
+
+@cute_impl("matmul", gpu_blind_compile=True)
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """(B4) a @ b: quack's GEMM (identity epilogue) where the tile table says it beats cuBLAS."""
+    return _plain_gemm("matmul", a, b, a, b.mT, a.shape[0], b.shape[1], a.shape[1])
+
+
+@cute_impl("matmul_tn", gpu_blind_compile=True)
+def matmul_tn(a: Tensor, b: Tensor) -> Tensor:
+    """Weight gradient a^T @ b over the token rows, in fp32: as matmul, A and B read through
+    transposed views."""
+    return _plain_gemm("matmul_tn", a, b, a.mT, b.mT, a.shape[1], b.shape[1], a.shape[0])
 
 
 # ---- inference ----------------------------------------------------------------------------
@@ -259,6 +304,6 @@ def gemm_rowscale(h: Tensor, r: Tensor, w: Tensor) -> Tensor:
     need_bf16("gemm_rowscale", h=h, w=w)
     need_inner("gemm_rowscale", K=K, N=N)
     out = empty(M, N, dtype=h.dtype, device=h.device)
-    gemm(E.rowscale, h, w, out, epi={"r": colvec(r)})
+    gemm(E.rowscale, h, w, out, cfg=cfg_for("gemm_rowscale", M, N, K), epi={"r": colvec(r)})
     return out
 

@@ -2,14 +2,15 @@
 
 Run as a module with the arch pinned before cutlass/quack import, one dims spec per model shape:
 
-  QUACK_ARCH=90 CUTE_DSL_ARCH=sm_90a python -m coda_train.kernels.cute._compile \
+  QUACK_ARCH=90 CUTE_DSL_ARCH=sm_90a python -m coda_train.kernels.cute._compile [--gpu H200] \
       dim=256,n_heads=4,n_kv_heads=2,ffn_dim=768,vocab_size=8192 [...]
 
 Every example case of every op whose cute implementation is registered with
 gpu_blind_compile=True is called on uninitialized CPU tensors inside `compile_only()`: the same
 validation, operand layout and plan code as on the GPU runs, quack traces and compiles the sm_90a
 kernel against its symbolic-shape fakes (one compile per program and config, shared by every
-M/N/K), and the launch is skipped. FlashAttention 4 and the Triton RoPE-backward kernel compile on
+M/N/K), and the launch is skipped. --gpu compiles the tile configs the table lists for that GPU
+(../tile_configs.py) at these shapes; without it, the defaults. FlashAttention 4 and the Triton RoPE-backward kernel compile on
 first use on the GPU instead.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Optional
 
 
 def parse_dims(spec: str, rows: int = 300, seq_len: int = 100):
@@ -42,14 +44,15 @@ def compile_cases(dims):
             for case, kwargs in op.cases(example)]
 
 
-def compile_all(dims_list, verbose: bool = True) -> dict:
-    """Compile every GPU-blind compilable kernel at each Dims; returns {"<dims>:<case>": seconds}."""
+def compile_all(dims_list, verbose: bool = True, gpu: Optional[str] = None) -> dict:
+    """Compile every GPU-blind compilable kernel at each Dims with `gpu`'s tile configs (None: the
+    defaults); returns {"<dims>:<case>": seconds}."""
     os.environ.setdefault("QUACK_ARCH", "90")
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     from ._launch import compile_only
 
     timings = {}
-    with compile_only():
+    with compile_only(gpu):
         for dims in dims_list:
             label = f"d{dims.dim}h{dims.n_heads}"
             for case, kwargs, kernel in compile_cases(dims):
@@ -62,4 +65,8 @@ def compile_all(dims_list, verbose: bool = True) -> dict:
 
 
 if __name__ == "__main__":
-    compile_all([parse_dims(spec) for spec in sys.argv[1:]])
+    args = sys.argv[1:]
+    gpu = None
+    if args[:1] == ["--gpu"]:
+        gpu, args = args[1], args[2:]
+    compile_all([parse_dims(spec) for spec in args], gpu=gpu)

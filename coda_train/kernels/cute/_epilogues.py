@@ -163,3 +163,9 @@ def rmsnorm_backward_noresidual(acc, x, gamma, coef):
 @gemm_epilogue()
 def accumulate(acc, c):
     return {"D": acc + c}
+
+
+# matmul / matmul_tn on quack: D = acc (stored in D's dtype: bf16, or fp32 for weight gradients).
+@gemm_epilogue()
+def plain(acc):
+    return {"D": acc}

@@ -1,33 +1,22 @@
-"""Launch plumbing shared by the cute ops: tile configs, operand views, partial-sum buffers,
-bf16 input checks (the shape rules are in ../cute_limits.py), and the compile-only mode (GPU-blind compilation of every kernel)."""
+"""Launch plumbing shared by the cute ops: the tile config of each launch (the table in
+../tile_configs.py), operand views, partial-sum buffers, bf16 input checks (the shape rules are in
+../cute_limits.py), and the compile-only mode (GPU-blind compilation of every kernel)."""
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import functools
 from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
 
 from ..cute_limits import need
-
-
-@dataclass(frozen=True)
-class Cfg:
-    tile_M: int
-    tile_N: int
-    cluster_M: int = 2
-    cluster_N: int = 1
-    pingpong: bool = True
-
-
-# quack's SM90 default (128x192, 2x1 cluster, pingpong) for every program except RoPE, whose
-# cos/sin table op needs tile_N to be a multiple or a divisor of head_dim (64 or 128 here).
-CFG_DEFAULT = Cfg(128, 192)
-CFG_ROPE = Cfg(128, 128)
+from ..declare import n_stat_cols
+from ..tile_configs import CFG_DEFAULT, CFG_ROPE, Cfg, gpu_key, lookup  # noqa: F401  (Cfg, CFG_*: re-exported)
 
 _compile_only = False
+_compile_gpu: Optional[str] = None  # the GPU whose table entries compile_only() compiles (None: defaults)
 POISON = False  # set by the checks: every output and partial buffer starts as NaN
 
 
@@ -43,11 +32,12 @@ def compiling_only() -> bool:
 
 
 @contextlib.contextmanager
-def compile_only() -> Iterator[None]:
-    """Run the ops on CPU tensors (any contents) and compile their kernels without launching.
+def compile_only(gpu: Optional[str] = None) -> Iterator[None]:
+    """Run the ops on CPU tensors (any contents) and compile their kernels without launching, with
+    the tile configs of GPU `gpu` (a tile_configs table name, e.g. "H200"; None: the defaults).
     Needs QUACK_ARCH=90 (and CUTE_DSL_ARCH=sm_90a) set before cutlass/quack are imported. The
     only GPU query left below the compile (the persistent scheduler's SM occupancy) is stubbed."""
-    global _compile_only
+    global _compile_only, _compile_gpu
     import quack.gemm_runtime.host as host
 
     from quack.epilogue.ops import Scalar
@@ -55,12 +45,24 @@ def compile_only() -> Iterator[None]:
     saved = host.get_max_active_clusters, Scalar._validate_pointer_value
     host.get_max_active_clusters = lambda cluster_size, *a, **k: 132 // cluster_size
     Scalar._validate_pointer_value = lambda self, value: None  # device-pointer scalars on CPU
-    _compile_only = True
+    _compile_only, _compile_gpu = True, gpu
     try:
         yield
     finally:
-        _compile_only = False
+        _compile_only, _compile_gpu = False, None
         host.get_max_active_clusters, Scalar._validate_pointer_value = saved
+
+
+@functools.lru_cache(maxsize=None)
+def _device_gpu(index: int) -> str:
+    return gpu_key(torch.cuda.get_device_name(index))
+
+
+def cfg_for(op: str, M: int, N: int, K: int) -> Optional[Cfg]:
+    """The tile config of `op`'s GEMM D (M, N) = A (M, K) B (K, N) on this GPU (compile-only: on
+    the GPU compile_only() names); None = cuBLAS (plain GEMMs only). ../tile_configs.py."""
+    gpu = _compile_gpu if _compile_only else _device_gpu(torch.cuda.current_device())
+    return lookup(op, M, N, K, gpu)
 
 
 def need_bf16(op: str, **tensors: Tensor) -> None:
@@ -88,13 +90,25 @@ def sink_cols(M: int, N: int, cfg: Cfg, device) -> Tensor:
     return empty(M, -(-N // cfg.tile_N), dtype=torch.float32, device=device)
 
 
+def stat_cols(M: int, N: int, cfg: Cfg, device, extra: int = 0) -> tuple[Tensor, Tensor]:
+    """A declared partial-sum output, (M, n_stat_cols(N) + extra) fp32, and its first
+    ceil(N / tile_N) columns as the kernel's per-N-tile sink; the columns past the sink are zero
+    (consumers only sum them), so any tile_N >= STAT_TILE_N gives the declared width."""
+    out = empty(M, n_stat_cols(N) + extra, dtype=torch.float32, device=device)
+    n_tiles = -(-N // cfg.tile_N)
+    assert n_tiles <= n_stat_cols(N), f"tile_N={cfg.tile_N} gives more partial columns than declared"
+    if n_tiles < out.shape[1] - extra:
+        out[:, n_tiles:out.shape[1] - extra].zero_()
+    return out, out[:, :n_tiles]
+
+
 def sink_rows(M: int, N: int, cfg: Cfg, device) -> Tensor:
     """Per-column partials, one per M tile: (ceil(M / tile_M), N) fp32."""
     return empty(-(-M // cfg.tile_M), N, dtype=torch.float32, device=device)
 
 
 def gemm(mod, A: Tensor, B: Tensor, D: Optional[Tensor], C: Optional[Tensor] = None, *, epi: dict,
-         cfg: Cfg = CFG_DEFAULT, concat: tuple = ()):
+         cfg: Cfg, concat: tuple = ()):
     """D = epilogue(A @ B^T) with A (M, K), B (N, K) in any majors (views are fine)."""
     return mod.gemm(
         A, B, D, C, epi_args=epi,

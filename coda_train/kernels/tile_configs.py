@@ -1,0 +1,197 @@
+"""Which tile config each cute GEMM launches with: a table per GPU and shape, shipped with the
+package (tile_configs.json, written by scripts/tune_gemm.py on that GPU), with safe defaults for
+any GPU or shape the table does not list. Imports neither cutlass nor quack (CPU-testable).
+
+A table entry is keyed by GPU, op and shape class: the GPU as `gpu_key(torch.cuda.get_device_name())`
+("H200"), the op's name (the launch of `gemm_rowscale_rope` over the v columns is keyed as
+`gemm_rowscale`, the same program), and the GEMM D[M, N] = A[M, K] B[K, N] with the token count
+(M; K for the weight gradient `matmul_tn`) rounded to the nearest power of two and the other two
+dims, model widths, exact (`shape_class`). Its value is a `Cfg` ("128x192 c2x1 pingpong") or, for the
+plain GEMMs `matmul` / `matmul_tn`, "cublas". The file named by $CODA_TILE_CONFIGS (a tune run's
+output) overrides the shipped table entry by entry. docs/kernels.md describes the format.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+from ..errors import ConfigError
+from .declare import OPS, STAT_TILE_N
+
+SHIPPED_TABLE = Path(__file__).with_name("tile_configs.json")
+TABLE_ENV = "CODA_TILE_CONFIGS"
+CUBLAS = "cublas"  # a plain GEMM's table value when torch.matmul (cuBLAS) is the faster one
+
+
+@dataclass(frozen=True)
+class Cfg:
+    """One quack SM90 GEMM config: CTA tile, thread-block cluster, pingpong (two consumer warpgroups
+    on alternate tiles) or cooperative (both on one tile)."""
+
+    tile_M: int
+    tile_N: int
+    cluster_M: int = 2
+    cluster_N: int = 1
+    pingpong: bool = True
+
+    def __str__(self) -> str:
+        return (f"{self.tile_M}x{self.tile_N} c{self.cluster_M}x{self.cluster_N} "
+                f"{'pingpong' if self.pingpong else 'cooperative'}")
+
+    @staticmethod
+    def parse(text: str) -> "Cfg":
+        """The inverse of str(): '128x192 c2x1 pingpong' / '256x128 c1x2 cooperative'."""
+        m = re.fullmatch(r"\s*(\d+)x(\d+)\s+c(\d+)x(\d+)\s+(pingpong|cooperative)\s*", text)
+        if not m:
+            raise ValueError(f"{text!r} is not a tile config like '128x192 c2x1 pingpong' or '256x128 c1x2 cooperative'")
+        return Cfg(int(m[1]), int(m[2]), int(m[3]), int(m[4]), m[5] == "pingpong")
+
+
+# quack's SM90 default (128x192, 2x1 cluster, pingpong) for every program except RoPE, whose
+# cos/sin table op needs tile_N to be a multiple or a divisor of head_dim (64 or 128 here).
+CFG_DEFAULT = Cfg(128, 192)
+CFG_ROPE = Cfg(128, 128)
+PLAIN_GEMMS = ("matmul", "matmul_tn")  # cuBLAS unless the table names a quack config
+
+# The (tile_M, tile_N, pingpong) quack 0.6.5 runs on SM90 (its autotuner's list,
+# quack.gemm_config.get_all_configs; tests/test_tile_configs.py keeps the two in step) and the
+# clusters our kernels launch with.
+SM90_TILES = frozenset([(128, n, True) for n in (128, 160, 192, 208)] + [(192, 128, True)]
+                       + [(256, n, False) for n in (128, 160, 192, 208)] + [(128, 224, False), (128, 256, False)])
+SM90_CLUSTERS = frozenset([(1, 1), (2, 1), (1, 2)])
+# tile_N multiples some programs need: the RoPE table tiling (any head_dim the limits allow), and
+# quack's paired accumulators with extra tile stores (the SwiGLU epilogue).
+TILE_N_MULTIPLE = {"gemm_rowscale_rope": 128, "gemm_rowscale_swiglu": 32}
+
+
+def default_cfg(op: str) -> Optional[Cfg]:
+    """The config of `op` on a GPU or shape the table does not list (None: cuBLAS)."""
+    return None if op in PLAIN_GEMMS else CFG_ROPE if op == "gemm_rowscale_rope" else CFG_DEFAULT
+
+
+def config_errors(op: str, cfg: Optional[Cfg]) -> list[str]:
+    """Why `op` cannot run with `cfg` ([] = it can). Ops with declared partial-sum outputs write
+    them at the declared width (one column per STAT_TILE_N columns, zero-padded), so their N tile
+    may not be narrower."""
+    if op not in OPS or OPS[op].gemm is None:
+        return [f"{op!r} is not a declared GEMM op (one of {sorted(n for n, o in OPS.items() if o.gemm)})"]
+    if cfg is None:
+        return [] if op in PLAIN_GEMMS else [f"{op}: '{CUBLAS}' is only a config of {list(PLAIN_GEMMS)}"]
+    errors = []
+    if (cfg.tile_M, cfg.tile_N, cfg.pingpong) not in SM90_TILES:
+        legal = ", ".join(f"{m}x{n} {'pingpong' if p else 'cooperative'}" for m, n, p in sorted(SM90_TILES))
+        errors.append(f"{op}: tile {cfg} is not an SM90 tile quack runs ({legal})")
+    if (cfg.cluster_M, cfg.cluster_N) not in SM90_CLUSTERS:
+        errors.append(f"{op}: cluster {cfg.cluster_M}x{cfg.cluster_N} must be one of 1x1, 2x1, 1x2")
+    if OPS[op].partials and cfg.tile_N < STAT_TILE_N:
+        errors.append(f"{op}: tile_N={cfg.tile_N} must be >= {STAT_TILE_N} (its partial sums have one "
+                      f"column per {STAT_TILE_N} output columns)")
+    if cfg.tile_N % TILE_N_MULTIPLE.get(op, 1):
+        errors.append(f"{op}: tile_N={cfg.tile_N} must be a multiple of {TILE_N_MULTIPLE[op]}")
+    return errors
+
+
+def gpu_key(device_name: str) -> str:
+    """The table's name of a GPU: torch.cuda.get_device_name() without the vendor ('NVIDIA H200' -> 'H200')."""
+    return re.sub(r"^NVIDIA\s+", "", device_name.strip())
+
+
+def m_bucket(m: int) -> int:
+    """A token count rounded to the nearest power of two."""
+    return 1 << max(0, round(math.log2(max(m, 1))))
+
+
+Key = tuple[str, int, int, int]  # (op, M, N, K), the token dim bucketed
+
+
+def shape_class(op: str, m: int, n: int, k: int) -> Key:
+    """The table key of `op`'s GEMM (m, n, k): the token dim (it varies with the batch) rounded by
+    m_bucket, the model widths exact. Tokens are K in the weight gradient matmul_tn, M elsewhere."""
+    return (op, m, n, m_bucket(k)) if op == "matmul_tn" else (op, m_bucket(m), n, k)
+
+
+def _entry_error(e) -> Optional[str]:
+    """What is wrong with one table entry, or None."""
+    if not isinstance(e, dict) or not {"op", "m", "n", "k", "config"} <= set(e):
+        return f"an entry needs op, m, n, k and config, got {e!r}"
+    if not all(isinstance(e[d], int) and e[d] > 0 for d in "mnk"):
+        return f"m, n and k must be positive integers, got {e!r}"
+    try:
+        cfg = None if e["config"] == CUBLAS else Cfg.parse(e["config"])
+    except (ValueError, TypeError) as ex:
+        return str(ex)
+    return "; ".join(config_errors(e["op"], cfg)) or None
+
+
+def parse_entries(entries: list, where: str) -> dict[Key, Optional[Cfg]]:
+    """{shape_class: config} of one GPU's entry list; ConfigError naming `where` and the fix."""
+    table = {}
+    for i, e in enumerate(entries):
+        error = _entry_error(e)
+        if error:
+            raise ConfigError(f"tile config table {where}[{i}]: {error}; fix or delete the entry "
+                              "(scripts/tune_gemm.py writes valid tables)")
+        table[shape_class(e["op"], e["m"], e["n"], e["k"])] = None if e["config"] == CUBLAS else Cfg.parse(e["config"])
+    return table
+
+
+def load_table(path) -> dict[str, dict[Key, Optional[Cfg]]]:
+    """{GPU: {shape_class: config}} from a table file ({"gpus": {GPU: [entry, ...]}})."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read the tile config table {path}: {e}; point ${TABLE_ENV} at a file "
+                          "written by scripts/tune_gemm.py, or unset it") from None
+    if not isinstance(data, dict) or not isinstance(data.get("gpus"), dict):
+        raise ConfigError(f"tile config table {path}: expected {{\"gpus\": {{GPU name: [entries]}}}}")
+    return {gpu: parse_entries(entries, f"{path}: gpus.{gpu}") for gpu, entries in data["gpus"].items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _tables(user_path: Optional[str]) -> dict[str, dict[Key, Optional[Cfg]]]:
+    tables = load_table(SHIPPED_TABLE)
+    for gpu, entries in (load_table(user_path) if user_path else {}).items():
+        tables[gpu] = {**tables.get(gpu, {}), **entries}
+    return tables
+
+
+def tables() -> dict[str, dict[Key, Optional[Cfg]]]:
+    """The shipped table with $CODA_TILE_CONFIGS's entries over it (read once per path)."""
+    return _tables(os.environ.get(TABLE_ENV) or None)
+
+
+_forced: dict[str, Optional[Cfg]] = {}
+
+
+@contextlib.contextmanager
+def forced(configs: dict[str, Optional[Cfg]]) -> Iterator[None]:
+    """Every launch of the ops named in `configs` uses the given config, whatever the shape (the
+    tuner's candidates, compile checks); configs are checked with config_errors first."""
+    errors = [msg for op, cfg in configs.items() for msg in config_errors(op, cfg)]
+    if errors:
+        raise ConfigError("; ".join(errors))
+    saved = dict(_forced)
+    _forced.update(configs)
+    try:
+        yield
+    finally:
+        _forced.clear()
+        _forced.update(saved)
+
+
+def lookup(op: str, m: int, n: int, k: int, gpu: Optional[str]) -> Optional[Cfg]:
+    """The config of `op`'s GEMM of shape (m, n, k) on `gpu` (None: the defaults): a forced one,
+    else the table's, else default_cfg(op). None means cuBLAS (plain GEMMs only)."""
+    if op in _forced:
+        return _forced[op]
+    table = tables().get(gpu, {}) if gpu is not None else {}
+    return table.get(shape_class(op, m, n, k), default_cfg(op))

@@ -1,0 +1,338 @@
+"""Tune the tile config of every GEMM a CODA training step runs, on one Hopper GPU, and write the
+table coda_train/kernels/tile_configs.py reads (format: docs/kernels.md).
+
+  python scripts/tune_gemm.py [--shapes 125m,1b-4x4096,1b-2x8192,8b-slice] [--ops OP,...] [--budget-s 290] [--out DIR]
+  QUACK_ARCH=90 CUTE_DSL_ARCH=sm_90a python scripts/tune_gemm.py --compile-only [--workers 2]   # CPU: compile them all
+
+For each bench.py shape (batch x seq of a preset) the launches are the model's (model/coda.py):
+every fused GEMM op, the v-column launch of the RoPE op (keyed `gemm_rowscale`, its program), the
+o-projection dgrad `matmul` and the five weight gradients `matmul_tn`; identical shape classes
+(tile_configs.shape_class) across shapes are tuned once. Candidates per op: the default first, then a pruned set of
+quack SM90 configs (CANDIDATE_TILES x CANDIDATE_CLUSTERS) the op can run (tile_configs.config_errors),
+and cuBLAS for the plain GEMMs.
+
+1. Compile: every (op, candidate) kernel, GPU-blind, in --workers subprocesses (QUACK_ARCH=90)
+   filling quack's disk cache, so the GPU phase only loads them (--compile-only stops here).
+2. Time, on random inputs (bf16, fp32 row statistics): each candidate's first call runs with
+   NaN-poisoned outputs and is compared with the default's outputs (partial sums summed; relative
+   error <= 1e-2 and finite, else the candidate is discarded), then the median of
+   triton.testing.do_bench. The RoPE op is timed whole (its v-column launch included).
+3. Write <out>/tile_configs.json (the shipped table with this GPU's measured entries replaced:
+   copy it over coda_train/kernels/tile_configs.json to ship it), tune_gemm.json (every timing)
+   and tune_gemm.md (op, shape, default ms, best ms, best config, speedup).
+A candidate wins only if it is >= 1% faster than the default. --budget-s bounds the whole run:
+when it is spent, the compile workers are stopped / the timing stops after the current
+candidate, and what was measured is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import SHAPES  # noqa: E402  (the benchmark's shapes: the ones the table is for)
+
+from coda_train.kernels import Dims, Example  # noqa: E402
+from coda_train.kernels.tile_configs import (  # noqa: E402
+    CUBLAS, PLAIN_GEMMS, SHIPPED_TABLE, Cfg, config_errors, default_cfg, gpu_key, shape_class)
+from coda_train.model.config import PRESETS  # noqa: E402
+
+TUNED_SHAPES = ("125m", "1b-4x4096", "1b-2x8192", "8b-slice")
+# (tile_M, tile_N, pingpong): quack's default, its 128-wide pingpong, and the cooperative tiles
+# that often win on large GEMMs; each in two cluster shapes (TMA multicast along M or along N).
+CANDIDATE_TILES = ((128, 192, True), (128, 128, True), (256, 128, False), (256, 192, False), (128, 256, False))
+CANDIDATE_CLUSTERS = ((2, 1), (1, 2))
+TOLERANCE = 1e-2  # relative error vs the default config's output; wrong tiles show up as NaN or O(1)
+MIN_GAIN = 0.01  # a candidate replaces the default only when this much faster (timing noise)
+COMPILE_ROWS = 256  # token rows of the compile-phase inputs (kernels compile per program, not per M)
+
+
+def candidates(op: str) -> list[Optional[Cfg]]:
+    """The configs tried for `op`: its default first, then every candidate it can run; None = cuBLAS."""
+    cands = [default_cfg(op)] + [Cfg(m, n, cm, cn, pp) for m, n, pp in CANDIDATE_TILES for cm, cn in CANDIDATE_CLUSTERS]
+    if op in PLAIN_GEMMS:
+        cands.append(None)
+    return [c for c in dict.fromkeys(cands) if not config_errors(op, c)]
+
+
+def model_gemms(d: Dims) -> list[tuple[str, tuple[int, int, int], Callable[[Example], dict]]]:
+    """(op, (m, n, k), inputs) of every GEMM launch of one CODA training step at sizes d, in model
+    order; inputs(x) builds the op's kwargs from an Example of the same dims."""
+    M, D, F, V, hd, qkv = d.rows, d.dim, d.ffn_dim, d.vocab_size, d.head_dim, d.qkv_dim
+    attn, kv, rope = d.n_heads * hd, d.n_kv_heads * hd, d.n_rope_cols
+
+    def rms_bwd(n_in: int, residual: bool):
+        return lambda x: dict(g_y_scaled=x.act(M, n_in), w=x.weight(n_in, D), residual_grad=x.act(M, D) if residual else None,
+                              x=x.act(M, D), gamma=x.gamma(D), c=x.stat(M, scale=0.01))
+
+    def ce_bwd(x: Example) -> dict:  # lse from the forward op (coda::, so the cute kernel on a GPU)
+        from coda_train.kernels.library import CUSTOM_OPS
+
+        kw = dict(h=x.act(M, D), r=x.rowscale(), w_lm=x.weight(V, D, scale=4.0), targets=x.tokens())
+        (lse,) = x.computed(lambda: CUSTOM_OPS["gemm_rowscale_cross_entropy"](**kw)[:1], ((M,), x.stat_dtype))
+        return dict(kw, lse=lse, grad_scale=torch.tensor(1.0 / M, dtype=x.stat_dtype, device=x.device))
+
+    gemms = [
+        ("gemm_rowscale_rope", (M, rope, D), lambda x: dict(h=x.act(M, D), r=x.rowscale(), w=x.weight(qkv, D), rope=x.rope(),
+                                                             n_rope_cols=rope)),
+        ("gemm_rowscale", (M, kv, D), lambda x: dict(h=x.act(M, D), r=x.rowscale(), w=x.weight(kv, D))),
+        ("gemm_residual_rmsnorm_partial", (M, D, attn), lambda x: dict(a=x.act(M, attn), w=x.weight(D, attn),
+                                                                        residual=x.act(M, D), gamma=x.gamma(D))),
+        ("gemm_rowscale_swiglu", (M, 2 * F, D), lambda x: dict(h=x.act(M, D), r=x.rowscale(), w_gate_up=x.weight(2 * F, D))),
+        ("gemm_residual_rmsnorm_partial", (M, D, F), lambda x: dict(a=x.act(M, F), w=x.weight(D, F), residual=x.act(M, D),
+                                                                     gamma=x.gamma(D))),
+        ("gemm_rowscale_cross_entropy", (M, V, D), lambda x: dict(h=x.act(M, D), r=x.rowscale(), w_lm=x.weight(V, D, scale=4.0),
+                                                                   targets=x.tokens())),
+        ("gemm_cross_entropy_backward", (M, V, D), ce_bwd),
+        ("gemm_rmsnorm_backward", (M, D, V), rms_bwd(V, residual=False)),
+        ("gemm_dswiglu_rowscale_stat", (M, F, D), lambda x: dict(g_out=x.act(M, D), w_down=x.weight(D, F), gu=x.act(M, 2 * F),
+                                                                  r=x.rowscale())),
+        ("gemm_rmsnorm_backward", (M, D, 2 * F), rms_bwd(2 * F, residual=True)),
+        ("matmul", (M, attn, D), lambda x: dict(a=x.act(M, D), b=x.weight(D, attn))),
+        ("gemm_rmsnorm_backward", (M, D, qkv), rms_bwd(qkv, residual=True)),
+    ]
+    for p, q in ((D, F), (2 * F, D), (D, attn), (qkv, D), (V, D)):  # wgrad of down, gate_up, o, qkv, lm_head
+        gemms.append(("matmul_tn", (p, q, M), lambda x, p=p, q=q: dict(a=x.act(M, p), b=x.act(M, q))))
+    return gemms
+
+
+def launches(shapes: list[str], ops: Optional[list[str]]) -> list[dict]:
+    """The distinct launches to tune: {op, m, n, k, shapes, index, preset, rows, seq}; index is
+    the position in model_gemms (the same at every row count)."""
+    found = {}
+    for name in shapes:
+        s = SHAPES[name]
+        dims = PRESETS[s.preset].kernel_dims(s.batch * s.seq, s.seq)
+        for i, (op, (m, n, k), _) in enumerate(model_gemms(dims)):
+            if ops and op not in ops:
+                continue
+            key = shape_class(op, m, n, k)
+            if key in found:
+                found[key]["shapes"].append(name)
+            else:
+                found[key] = dict(op=op, m=m, n=n, k=k, shapes=[name], index=i, preset=s.preset, rows=s.batch * s.seq, seq=s.seq)
+    return list(found.values())
+
+
+# ---- 1. compile, GPU-blind, in worker processes ----------------------------------------------
+
+def compile_jobs(todo: list[dict]) -> list[tuple[int, Cfg]]:
+    """(launch index in todo, config) of every quack kernel to compile, grouped by (op, config)."""
+    jobs = [(i, c) for i, launch in enumerate(todo) for c in candidates(launch["op"]) if c is not None]
+    return sorted(jobs, key=lambda j: (todo[j[0]]["op"], str(j[1]), j[0]))
+
+
+def compile_worker(todo: list[dict], shard: int, n_shards: int) -> int:
+    """Compile this shard's (op, config) groups on CPU tensors; one line per compile; returns the failure count."""
+    from coda_train.kernels.cute._launch import compile_only
+    from coda_train.kernels.library import CUTE_IMPLS
+    from coda_train.kernels.tile_configs import forced
+
+    jobs = compile_jobs(todo)
+    groups = sorted({(todo[i]["op"], str(c)) for i, c in jobs})
+    mine = set(groups[shard::n_shards])
+    failures = 0
+    with compile_only():
+        for i, cfg in jobs:
+            launch = todo[i]
+            if (launch["op"], str(cfg)) not in mine:
+                continue
+            dims = PRESETS[launch["preset"]].kernel_dims(COMPILE_ROWS, COMPILE_ROWS)
+            op, _, inputs = model_gemms(dims)[launch["index"]]
+            t0 = time.time()
+            try:
+                with forced({op: cfg}):
+                    CUTE_IMPLS[op].kernel(**inputs(Example(dims, torch.bfloat16, "cpu", None)))
+                print(f"compiled {op:32s} {str(cfg):26s} {launch['preset']:12s} {time.time() - t0:6.1f}s", flush=True)
+            except Exception as e:  # reported, and the GPU phase discards the candidate
+                failures += 1
+                print(f"FAILED   {op:32s} {str(cfg):26s} {launch['preset']:12s} {type(e).__name__}: {str(e)[:300]}", flush=True)
+    return failures
+
+
+def compile_all(args, deadline: float) -> tuple[int, int, float]:
+    """Run --workers compile workers until done or the deadline; (compiled, failed, seconds)."""
+    env = dict(os.environ, QUACK_ARCH="90", CUTE_DSL_ARCH="sm_90a", CUDA_VISIBLE_DEVICES="")
+    base = [sys.executable, os.path.abspath(__file__), "--shapes", args.shapes, "--ops", args.ops]
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as logs:
+        procs = []
+        for i in range(args.workers):
+            log = open(os.path.join(logs, f"{i}.log"), "w+")
+            procs.append((subprocess.Popen(base + ["--compile-worker", f"{i}/{args.workers}"], env=env, stdout=log,
+                                           stderr=subprocess.STDOUT, text=True), log))
+        compiled = failed = 0
+        for proc, log in procs:
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                proc.kill()  # over budget: the GPU phase compiles what is missing, within its own deadline
+                proc.wait()
+                print(f"compile worker {proc.pid} stopped at the time budget", flush=True)
+            log.seek(0)
+            lines = log.read().splitlines()
+            log.close()
+            compiled += sum(ln.startswith("compiled") for ln in lines)
+            failed += sum(ln.startswith("FAILED") for ln in lines)
+            print("\n".join(ln for ln in lines if ln.startswith(("compiled", "FAILED"))), flush=True)
+            if proc.returncode not in (0, 1, -9):  # a crash, not a reported failure: show its tail
+                print("\n".join(lines[-20:]), flush=True)
+    return compiled, failed, time.time() - t0
+
+
+# ---- 2. time on the GPU ----------------------------------------------------------------------
+
+def relative_error(x: torch.Tensor, y: torch.Tensor) -> float:
+    """||x - y|| / ||y|| in fp32 over chunks (the vocabulary-wide outputs are GBs); NaN if x has any."""
+    num = den = 0.0
+    for xs, ys in zip(x.reshape(-1).split(1 << 26), y.reshape(-1).split(1 << 26)):
+        xs, ys = xs.float(), ys.float()
+        num += float((xs - ys).square().sum())
+        den += float(ys.square().sum())
+    return math.sqrt(num / max(den, 1e-300))
+
+
+def time_launch(launch: dict, deadline: float, bench: Callable) -> dict:
+    """Every candidate of one launch: {op, m, n, k, shapes, results: [{config, ms | error}], ...}."""
+    from coda_train.kernels import OPS
+    from coda_train.kernels.library import CUTE_IMPLS
+    from coda_train.kernels.testing import comparable, poisoned_cute_outputs
+    from coda_train.kernels.tile_configs import forced
+
+    op = launch["op"]
+    dims = PRESETS[launch["preset"]].kernel_dims(launch["rows"], launch["seq"])
+    kwargs = model_gemms(dims)[launch["index"]][2](Example(dims, torch.bfloat16, "cuda", torch.Generator("cuda").manual_seed(0)))
+    impl, want, results = CUTE_IMPLS[op].kernel, None, []
+    for cfg in candidates(op):
+        if time.time() > deadline or (results and want is None):  # out of time, or the default failed
+            break
+        row = {"config": CUBLAS if cfg is None else str(cfg)}
+        t0 = time.time()
+        try:
+            with forced({op: cfg}):
+                with poisoned_cute_outputs():
+                    got = comparable(OPS[op], impl(**kwargs))
+                torch.cuda.synchronize()
+                row["first_call_s"] = round(time.time() - t0, 2)
+                row["err"] = max(relative_error(g, w) for g, w in zip(got, got if want is None else want))
+                if not row["err"] <= TOLERANCE:
+                    row["error"] = f"output differs from the default config's (relative error {row['err']:.2e})"
+                else:
+                    want = got if want is None else want  # the default's: what the others must reproduce
+                    row["ms"] = bench(lambda: impl(**kwargs))
+            del got
+        except Exception as e:  # a config this shape cannot run: discarded, reason kept
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        results.append(row)
+        print(f"  {row['config']:26s} " + (f"{row['ms']:8.3f} ms" if "ms" in row else f"-- {row['error'][:100]}"), flush=True)
+    del kwargs, want
+    torch.cuda.empty_cache()
+    return dict(launch, results=results)
+
+
+def best_of(tuned: dict) -> Optional[dict]:
+    """The table entry of a timed launch: the fastest candidate if >= MIN_GAIN faster than the
+    default (the first result), else the default; None if the default did not run."""
+    res = tuned["results"]
+    if not res or "ms" not in res[0]:
+        return None
+    best = min((r for r in res if "ms" in r), key=lambda r: r["ms"])
+    if best["ms"] > res[0]["ms"] * (1 - MIN_GAIN):
+        best = res[0]
+    return dict(op=tuned["op"], m=tuned["m"], n=tuned["n"], k=tuned["k"], config=best["config"],
+                default_ms=round(res[0]["ms"], 4), best_ms=round(best["ms"], 4), shapes=tuned["shapes"])
+
+
+def merged_table(table: dict, gpu: str, entries: list[dict]) -> dict:
+    """`table` ({"gpus": {GPU: [entries]}}) with `gpu`'s entries of the same shape class replaced."""
+    key = lambda e: shape_class(e["op"], e["m"], e["n"], e["k"])  # noqa: E731
+    new = {key(e) for e in entries}
+    kept = [e for e in table.get("gpus", {}).get(gpu, []) if key(e) not in new]
+    return dict(table, gpus={**table.get("gpus", {}), gpu: kept + entries})
+
+
+def write_outputs(out: Path, gpu: str, tuned: list[dict], meta: dict) -> list[dict]:
+    entries = [e for e in map(best_of, tuned) if e is not None]
+    table = merged_table(json.loads(SHIPPED_TABLE.read_text()), gpu, entries)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tile_configs.json").write_text(json.dumps(table, indent=1) + "\n")
+    (out / "tune_gemm.json").write_text(json.dumps(dict(meta=meta, launches=tuned), indent=1) + "\n")
+    lines = ["| op | shapes | m x n x k | default (ms) | best (ms) | best config | speedup |", "|---|---|---|---:|---:|---|---:|"]
+    for e in entries:
+        lines.append(f"| {e['op']} | {','.join(e['shapes'])} | {e['m']}x{e['n']}x{e['k']} | {e['default_ms']:.3f} | "
+                     f"{e['best_ms']:.3f} | {e['config']} | {e['default_ms'] / e['best_ms']:.2f}x |")
+    (out / "tune_gemm.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+    return entries
+
+
+def main() -> int:
+    t_start = time.time()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default=",".join(TUNED_SHAPES), help=f"bench.py shapes, of {sorted(SHAPES)}")
+    ap.add_argument("--ops", default="", help="op names to tune (default: every GEMM op)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="wall-clock budget of the whole run (default 290 s; --compile-only: none)")
+    ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="compile processes")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--compile-only", action="store_true", help="compile every candidate GPU-blind and stop")
+    ap.add_argument("--compile-worker", default="", help=argparse.SUPPRESS)  # "i/n": one shard of the compiles
+    args = ap.parse_args()
+    shapes = [s for s in args.shapes.split(",") if s]
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        ap.error(f"unknown shapes {unknown}; choose from {sorted(SHAPES)}")
+    ops = [o for o in args.ops.split(",") if o]
+    known = {op for op, _, _ in model_gemms(PRESETS["tiny"].kernel_dims(8, 8))}
+    if set(ops) - known:
+        ap.error(f"unknown ops {sorted(set(ops) - known)}; the model's GEMM ops are {sorted(known)}")
+    todo = launches(shapes, ops or None)
+    if args.compile_worker:
+        shard, n = map(int, args.compile_worker.split("/"))
+        return 1 if compile_worker(todo, shard, n) else 0
+    budget = args.budget_s if args.budget_s is not None else math.inf if args.compile_only else 290.0
+    n_jobs = len(compile_jobs(todo))
+    print(f"{len(todo)} launches, {n_jobs} (launch, quack config) kernels, {args.workers} compile workers", flush=True)
+    # compiles get at most 60% of a tuning run's budget; the GPU compiles whatever is left over
+    compiled, failed, secs = compile_all(args, t_start + budget * (1.0 if args.compile_only else 0.6))
+    print(f"compile phase: {compiled} compiled, {failed} failed, {secs:.0f} s", flush=True)
+    if args.compile_only:
+        return 1 if failed or compiled < n_jobs else 0
+    return tune(todo, args, t_start, t_start + budget)
+
+
+def tune(todo: list[dict], args, t_start: float, deadline: float) -> int:
+    from triton.testing import do_bench
+
+    from coda_train.kernels import op_set
+
+    assert torch.cuda.is_available(), "tune_gemm.py times GEMMs on a Hopper GPU (--compile-only runs on CPU)"
+    op_set("cute")  # loads the cute implementations (and checks the GPU)
+    gpu = gpu_key(torch.cuda.get_device_name())
+    bench = lambda fn: do_bench(fn, warmup=10, rep=40, return_mode="median")  # noqa: E731
+    tuned = []
+    for launch in todo:
+        if time.time() > deadline - 15:  # keep time to write what was measured
+            print(f"time budget spent: {len(todo) - len(tuned)} launches not tuned", flush=True)
+            break
+        print(f"{launch['op']} {launch['m']}x{launch['n']}x{launch['k']} ({','.join(launch['shapes'])})", flush=True)
+        tuned.append(time_launch(launch, deadline - 15, bench))
+    meta = dict(gpu=gpu, device=torch.cuda.get_device_name(), torch=torch.__version__, seconds=round(time.time() - t_start),
+                command="python scripts/tune_gemm.py " + " ".join(sys.argv[1:]), untuned=len(todo) - len(tuned))
+    write_outputs(Path(args.out), gpu, tuned, meta)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

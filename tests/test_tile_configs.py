@@ -1,0 +1,314 @@
+"""The GEMM tile config table (coda_train/kernels/tile_configs.py + tile_configs.json) and the tuner
+that writes it (scripts/tune_gemm.py).
+
+CPU: config strings and legality rules, table parsing errors, lookup (table, $CODA_TILE_CONFIGS
+over the shipped table, forced configs, fallback to the defaults, token-count buckets), the
+tuner's candidate pruning, its list of the model's GEMMs and its table output; in subprocesses
+with cutlass/quack importable (GPU-blind): every GEMM op launches with the config the lookup
+gives, compile_only(gpu) reads that GPU's entries, the padded partial-sum outputs, and the
+legal-tile list against quack's. GPU (marked gpu): every config of this GPU's table passes the
+accuracy check of scripts/check_kernels.py on ragged shapes.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from coda_train.errors import ConfigError
+from coda_train.kernels import OPS, Example
+from coda_train.kernels import tile_configs as T
+from coda_train.kernels.tile_configs import CFG_DEFAULT, CFG_ROPE, Cfg
+from coda_train.model.config import PRESETS
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, QUACK_ARCH="90", CUTE_DSL_ARCH="sm_90a", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
+
+
+def load_tuner():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location("tune_gemm", ROOT / "scripts" / "tune_gemm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+tune = load_tuner()
+
+
+@pytest.fixture
+def user_table(tmp_path, monkeypatch):
+    """write(entries, gpu) -> a $CODA_TILE_CONFIGS table file in effect for the test."""
+
+    def write(entries, gpu="H200"):
+        path = tmp_path / "table.json"
+        path.write_text(json.dumps({"gpus": {gpu: entries}}))
+        monkeypatch.setenv(T.TABLE_ENV, str(path))
+        return path
+
+    T._tables.cache_clear()
+    yield write
+    T._tables.cache_clear()
+
+
+def test_config_strings_round_trip_and_bad_ones_say_the_form():
+    for cfg in (CFG_DEFAULT, CFG_ROPE, Cfg(256, 128, 1, 2, False)):
+        assert Cfg.parse(str(cfg)) == cfg
+    assert str(Cfg(256, 192, 1, 2, False)) == "256x192 c1x2 cooperative"
+    with pytest.raises(ValueError, match="like '128x192 c2x1 pingpong'"):
+        Cfg.parse("128x192 2x1 pingpong")
+
+
+def test_config_rules():
+    assert T.config_errors("gemm_rowscale", CFG_DEFAULT) == []
+    assert T.config_errors("matmul", None) == [] and T.config_errors("gemm_rowscale", None)
+    assert "not an SM90 tile" in T.config_errors("gemm_rowscale", Cfg(256, 256, 2, 1, False))[0]
+    assert "pingpong" in T.config_errors("gemm_rowscale", Cfg(256, 128, 2, 1, True))[0]  # 256-row pingpong: no
+    assert "cluster 2x2" in T.config_errors("gemm_rowscale", Cfg(128, 192, 2, 2, True))[0]
+    # declared partial sums: one column per 192 output columns, so no narrower N tile
+    for op in ("gemm_residual_rmsnorm_partial", "gemm_dswiglu_rowscale_stat", "gemm_cross_entropy_backward"):
+        assert ">= 192" in T.config_errors(op, Cfg(128, 128))[0]
+        assert T.config_errors(op, Cfg(128, 256, 1, 2, False)) == []
+    assert T.config_errors("gemm_rmsnorm_backward", Cfg(256, 128, 2, 1, False)) == []  # its sums fold in the op
+    assert "multiple of 128" in T.config_errors("gemm_rowscale_rope", CFG_DEFAULT)[0]
+    assert "multiple of 32" in T.config_errors("gemm_rowscale_swiglu", Cfg(128, 208))[0]
+    assert "not a declared GEMM op" in T.config_errors("attention", CFG_DEFAULT)[0]
+    assert all(T.config_errors(op, T.default_cfg(op)) == [] for op, o in OPS.items() if o.gemm)
+
+
+def test_shape_classes_round_the_token_count_only():
+    assert T.m_bucket(16384) == T.m_bucket(12000) == 16384 and T.m_bucket(11000) == 8192 and T.m_bucket(1) == 1
+    assert T.shape_class("gemm_rowscale", 16000, 3072, 2048) == ("gemm_rowscale", 16384, 3072, 2048)
+    # the weight gradient contracts over the tokens: K is the batch-dependent dim, M a model width
+    assert T.shape_class("matmul_tn", 1280, 768, 16000) == ("matmul_tn", 1280, 768, 16384)
+    assert T.shape_class("matmul_tn", 768, 768, 16384) != T.shape_class("matmul_tn", 1280, 768, 16384)
+
+
+def test_lookup_table_then_defaults(user_table):
+    user_table([{"op": "gemm_dswiglu_rowscale_stat", "m": 16384, "n": 8192, "k": 2048, "config": "128x256 c1x2 cooperative"},
+                {"op": "matmul_tn", "m": 2048, "n": 8192, "k": 16384, "config": "256x128 c2x1 cooperative"},
+                {"op": "matmul", "m": 16384, "n": 2048, "k": 2048, "config": "cublas"}])
+    tuned = Cfg(128, 256, 1, 2, False)
+    assert T.lookup("gemm_dswiglu_rowscale_stat", 16384, 8192, 2048, "H200") == tuned
+    assert T.lookup("gemm_dswiglu_rowscale_stat", 15000, 8192, 2048, "H200") == tuned  # same token bucket
+    assert T.lookup("gemm_dswiglu_rowscale_stat", 8192, 8192, 2048, "H200") == CFG_DEFAULT  # other bucket
+    assert T.lookup("gemm_dswiglu_rowscale_stat", 16384, 8192, 4096, "H200") == CFG_DEFAULT  # other width
+    assert T.lookup("gemm_dswiglu_rowscale_stat", 16384, 8192, 2048, "H100 80GB HBM3") == CFG_DEFAULT  # other GPU
+    assert T.lookup("gemm_dswiglu_rowscale_stat", 16384, 8192, 2048, None) == CFG_DEFAULT  # no GPU: defaults
+    assert T.lookup("matmul_tn", 2048, 8192, 12000, "H200") == Cfg(256, 128, 2, 1, False)
+    assert T.lookup("matmul", 16384, 2048, 2048, "H200") is None and T.lookup("matmul", 1, 8, 8, "H200") is None
+    assert T.lookup("gemm_rowscale_rope", 16384, 3072, 2048, "H200") == CFG_ROPE
+    with T.forced({"gemm_dswiglu_rowscale_stat": Cfg(256, 192, 2, 1, False)}):
+        assert T.lookup("gemm_dswiglu_rowscale_stat", 16384, 8192, 2048, "H200") == Cfg(256, 192, 2, 1, False)
+        assert T.lookup("gemm_rowscale", 16384, 8192, 2048, "H200") == CFG_DEFAULT
+    assert T.lookup("gemm_dswiglu_rowscale_stat", 16384, 8192, 2048, "H200") == tuned
+    with pytest.raises(ConfigError, match=">= 192"):
+        with T.forced({"gemm_dswiglu_rowscale_stat": Cfg(128, 128)}):
+            pass
+
+
+def test_user_table_overrides_the_shipped_one_entry_by_entry(user_table):
+    shipped = T.load_table(T.SHIPPED_TABLE)["H200"]
+    (first, cfg), (second, cfg2) = list(shipped.items())[:2]
+    op, m, n, k = first
+    other = next(c for c in tune.candidates(op) if c != cfg)
+    user_table([{"op": op, "m": m, "n": n, "k": k, "config": "cublas" if other is None else str(other)}])
+    assert T.lookup(op, m, n, k, "H200") == other
+    assert T.lookup(*second, "H200") == cfg2
+
+
+@pytest.mark.parametrize("entries,words", [
+    ([{"op": "gemm_rowscale", "m": 1, "n": 8}], "needs op, m, n, k and config"),
+    ([{"op": "gemm_rowscale", "m": 1, "n": 8, "k": -8, "config": "128x192 c2x1 pingpong"}], "positive integers"),
+    ([{"op": "gemm_rowscale", "m": 1, "n": 8, "k": 8, "config": "big"}], "is not a tile config like"),
+    ([{"op": "gemm_rowscale", "m": 1, "n": 8, "k": 8, "config": "cublas"}], "only a config of"),
+    ([{"op": "gemm_dswiglu_rowscale_stat", "m": 1, "n": 8, "k": 8, "config": "128x128 c2x1 pingpong"}], ">= 192"),
+    ([{"op": "softmax", "m": 1, "n": 8, "k": 8, "config": "128x128 c2x1 pingpong"}], "not a declared GEMM op"),
+])
+def test_bad_tables_name_the_entry_and_the_fix(user_table, entries, words):
+    path = user_table(entries)
+    with pytest.raises(ConfigError, match=words) as e:
+        T.tables()
+    assert str(path) in str(e.value) and "gpus.H200[0]" in str(e.value) and "tune_gemm.py" in str(e.value)
+
+
+def test_unreadable_table_says_how_to_fix(tmp_path, monkeypatch):
+    T._tables.cache_clear()
+    bad = tmp_path / "t.json"
+    bad.write_text("{not json")
+    monkeypatch.setenv(T.TABLE_ENV, str(bad))
+    try:
+        with pytest.raises(ConfigError, match="unset it"):
+            T.tables()
+        bad.write_text('{"H200": []}')
+        T._tables.cache_clear()
+        with pytest.raises(ConfigError, match='expected {"gpus"'):
+            T.tables()
+    finally:
+        T._tables.cache_clear()
+
+
+def test_shipped_table_lists_every_tuned_launch_with_a_valid_config():
+    shipped = T.load_table(T.SHIPPED_TABLE)
+    launches = tune.launches(list(tune.TUNED_SHAPES), None)
+    assert set(shipped["H200"]) == {T.shape_class(l["op"], l["m"], l["n"], l["k"]) for l in launches}
+
+
+def test_tuner_candidates_are_pruned_to_what_each_op_runs():
+    gemm_ops = [n for n, o in OPS.items() if o.gemm]
+    for op in gemm_ops:
+        cands = tune.candidates(op)
+        assert cands[0] == T.default_cfg(op) and len(set(cands)) == len(cands), op
+        assert all(T.config_errors(op, c) == [] for c in cands), op
+        assert (None in cands) == (op in T.PLAIN_GEMMS), op
+    assert len(tune.candidates("gemm_rowscale")) == 10 and len(tune.candidates("matmul_tn")) == 11
+    assert {c.tile_N for c in tune.candidates("gemm_dswiglu_rowscale_stat")} == {192, 256}
+    assert {c.tile_N for c in tune.candidates("gemm_rowscale_rope")} == {128, 256}
+    # the compile phase: one kernel per (launch, quack config), grouped by (op, config)
+    launches = tune.launches(list(tune.TUNED_SHAPES), None)
+    jobs = tune.compile_jobs(launches)
+    assert len(jobs) == sum(len([c for c in tune.candidates(l["op"]) if c]) for l in launches)
+    assert [(launches[i]["op"], str(c)) for i, c in jobs] == sorted((launches[i]["op"], str(c)) for i, c in jobs)
+
+
+def test_tuner_lists_the_model_gemms_with_inputs_of_their_shape():
+    """model_gemms: 12 GEMMs per block + LM head and 5 weight gradients; each input builder makes
+    kwargs the reference op runs on with the GEMM shape (m, n, k) listed."""
+    dims = PRESETS["tiny"].kernel_dims(24, 8)
+    gemms = tune.model_gemms(dims)
+    assert len(gemms) == 17 and {op for op, _, _ in gemms} == {n for n, o in OPS.items() if o.gemm}
+    for op, (m, n, k), inputs in gemms:
+        kw = inputs(Example(dims, torch.float32, "cpu", torch.Generator().manual_seed(0)))
+        OPS[op].reference(**kw)
+        if op == "gemm_rowscale_rope":  # its rope launch: the q and k columns
+            assert (m, n, k) == (24, kw["n_rope_cols"], dims.dim)
+        else:
+            assert OPS[op].gemm(**kw) == (m, n, k), op
+    launches = tune.launches(["1b-4x4096", "1b-2x8192"], ["matmul_tn", "gemm_rowscale"])
+    assert len(launches) == 6 and all(l["shapes"] == ["1b-4x4096", "1b-2x8192"] for l in launches)
+
+
+def test_tuner_output_table():
+    res = lambda *ms: [{"config": str(c), "ms": ms_} for c, ms_ in zip(tune.candidates("gemm_rowscale"), ms)]  # noqa: E731
+    base = dict(op="gemm_rowscale", m=16384, n=8192, k=2048, shapes=["1b-4x4096"])
+    pick = tune.best_of(dict(base, results=res(1.0, 0.9, 0.95)))
+    assert pick["config"] == str(tune.candidates("gemm_rowscale")[1]) and pick["default_ms"] == 1.0 and pick["best_ms"] == 0.9
+    assert tune.best_of(dict(base, results=res(1.0, 0.995)))["config"] == str(CFG_DEFAULT)  # within noise
+    failed = [{"config": str(CFG_DEFAULT), "error": "x"}] + res(1.0)[1:]
+    assert tune.best_of(dict(base, results=failed)) is None
+    table = {"about": "x", "gpus": {"H200": [dict(base, m=12000, config=str(CFG_DEFAULT)),
+                                             dict(base, n=4096, config=str(CFG_DEFAULT))], "A100": []}}
+    merged = tune.merged_table(table, "H200", [pick])
+    assert merged["about"] == "x" and merged["gpus"]["A100"] == []
+    assert [e["n"] for e in merged["gpus"]["H200"]] == [4096, 8192] and merged["gpus"]["H200"][1] is pick
+
+
+def _run(code: str, env=ENV, timeout=600):
+    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run.stdout
+
+
+@pytest.fixture(scope="module")
+def stack():
+    probe = subprocess.run([sys.executable, "-c", "import cutlass, quack.epilogue.frontend"], env=ENV,
+                           capture_output=True, timeout=300, cwd=ROOT)
+    if probe.returncode != 0:
+        pytest.skip("cutlass / quack are not importable here")
+
+
+def test_legal_tiles_are_quacks(stack):
+    _run(r'''
+from quack.gemm_config import get_all_configs
+from coda_train.kernels.tile_configs import SM90_CLUSTERS, SM90_TILES
+sm90 = [c for c in get_all_configs() if c.device_capacity == 9]
+assert {(c.tile_m, c.tile_n, c.pingpong) for c in sm90} == SM90_TILES
+assert {(c.cluster_m, c.cluster_n) for c in sm90} <= SM90_CLUSTERS
+''')
+
+
+def test_every_gemm_op_launches_with_the_looked_up_config(stack, tmp_path):
+    """Each launch of model_gemms, run GPU-blind with quack's launch stubbed, uses the forced
+    config (cuBLAS: no quack launch); compile_only(gpu) reads that GPU's table entries; the
+    declared partial sums keep their width with a wider N tile, zero past the kernel's columns."""
+    table = tmp_path / "t.json"
+    table.write_text(json.dumps({"gpus": {"H200": [
+        {"op": "gemm_rowscale", "m": 64, "n": 128, "k": 256, "config": "256x128 c1x2 cooperative"}]}}))
+    _run(r'''
+import sys, torch
+sys.path.insert(0, "scripts")
+import tune_gemm as tune
+import coda_train.kernels.cute as C
+from coda_train.kernels import Example
+from coda_train.kernels.cute import _launch
+from coda_train.kernels.declare import n_stat_cols
+from coda_train.kernels.library import CUTE_IMPLS
+from coda_train.kernels.tile_configs import Cfg, forced
+from coda_train.model.config import PRESETS
+
+seen = []
+def stub(mod, A, B, D, C=None, *, epi, cfg, concat=()):
+    seen.append(cfg)
+    for v in epi.values():  # the sinks: what the kernel would write
+        if isinstance(v, torch.Tensor) and v.dtype == torch.float32 and v.dim() == 2 and v._base is not None:
+            v.fill_(1.0)
+C.gemm = stub
+dims = PRESETS["llama3_1b"].kernel_dims(64, 64)
+with _launch.compile_only():
+    for op, _, inputs in tune.model_gemms(dims):
+        for cfg in tune.candidates(op)[1:3] + ([None] if op in ("matmul", "matmul_tn") else []):
+            seen.clear()
+            with forced({op: cfg}):
+                out = CUTE_IMPLS[op].kernel(**inputs(Example(dims, torch.bfloat16, "cpu", None)))
+            assert seen[:1] == ([cfg] if cfg else []), (op, cfg, seen)  # rope: its rope launch first
+    _, _, inputs = tune.model_gemms(dims)[8]  # dswiglu at ffn_dim 8192: 43 declared columns, 32 tiles of 256
+    with forced({"gemm_dswiglu_rowscale_stat": Cfg(128, 256, 1, 2, False)}):
+        g_gu, a, stat = C.gemm_dswiglu_rowscale_stat.kernel(**inputs(Example(dims, torch.bfloat16, "cpu", None)))
+    assert stat.shape == (64, n_stat_cols(8192)) == (64, 43), stat.shape
+    assert (stat[:, :32] == 1).all() and (stat[:, 32:] == 0).all()
+    h, r, w = torch.empty(64, 256, dtype=torch.bfloat16), torch.empty(64), torch.empty(128, 256, dtype=torch.bfloat16)
+for gpu, want in (("H200", Cfg(256, 128, 1, 2, False)), (None, _launch.CFG_DEFAULT), ("A100", _launch.CFG_DEFAULT)):
+    seen.clear()
+    with _launch.compile_only(gpu):
+        C.gemm_rowscale.kernel(h, r, w)
+    assert seen == [want], (gpu, seen)
+print("ok")
+''', env=dict(ENV, CODA_TILE_CONFIGS=str(table)))
+
+
+def test_tuner_compiles_candidates_gpu_blind(stack, tmp_path):
+    """The tuner's compile phase in worker processes: every candidate of one op with declared
+    partial sums (tile_N 192 and 256) at the 125m widths compiles."""
+    run = subprocess.run([sys.executable, "scripts/tune_gemm.py", "--compile-only", "--ops", "gemm_dswiglu_rowscale_stat",
+                          "--shapes", "125m", "--workers", "2"], env=dict(ENV, QUACK_CACHE_DIR=str(tmp_path / "qc")),
+                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    compiled = [ln for ln in run.stdout.splitlines() if ln.startswith("compiled")]
+    assert len(compiled) == len(tune.candidates("gemm_dswiglu_rowscale_stat")) == 6, run.stdout
+
+
+@pytest.mark.gpu
+def test_table_configs_pass_the_accuracy_check():
+    """Every config this GPU's table lists, forced on its op's example cases at the 1B widths with
+    a ragged row count (4095): the check of scripts/check_kernels.py passes."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs a Hopper (sm_90) GPU")
+    from coda_train.kernels import op_set
+    from coda_train.kernels.testing import check_case, example_cases, poisoned_cute_outputs
+    from coda_train.model.testing import op_check_dims
+
+    cute = op_set("cute")
+    gpu = T.gpu_key(torch.cuda.get_device_name())
+    configs = sorted({(op, cfg) for (op, *_), cfg in T.tables().get(gpu, {}).items()}, key=str)
+    bad = []
+    for op, cfg in configs:
+        for op_, case, kwargs in example_cases(op_check_dims("llama3_1b"), "cuda", ops=[op]):
+            with T.forced({op: cfg}), poisoned_cute_outputs():
+                rows = check_case(op_, case, kwargs, getattr(cute, op))
+            bad += [(case, str(cfg), r["out"], r["err_cute"], r["err_base"]) for r in rows if not r["ok"]]
+    assert not bad, bad
