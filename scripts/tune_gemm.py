@@ -46,6 +46,7 @@ from bench import SHAPES  # noqa: E402  (the benchmark's shapes: the ones the ta
 from coda_train.kernels import Dims, Example  # noqa: E402
 from coda_train.kernels.tile_configs import (  # noqa: E402
     CUBLAS, PLAIN_GEMMS, SHIPPED_TABLE, Cfg, config_errors, default_cfg, gpu_key, shape_class)
+from coda_train.model.coda import logits_chunk_rows  # noqa: E402
 from coda_train.model.config import PRESETS  # noqa: E402
 
 TUNED_SHAPES = ("125m", "1b-4x4096", "1b-2x8192", "8b-slice")
@@ -70,18 +71,12 @@ def model_gemms(d: Dims) -> list[tuple[str, tuple[int, int, int], Callable[[Exam
     """(op, (m, n, k), inputs) of every GEMM launch of one CODA training step at sizes d, in model
     order; inputs(x) builds the op's kwargs from an Example of the same dims."""
     M, D, F, V, hd, qkv = d.rows, d.dim, d.ffn_dim, d.vocab_size, d.head_dim, d.qkv_dim
+    C = min(M, logits_chunk_rows(V, 2))  # bf16 logits
     attn, kv, rope = d.n_heads * hd, d.n_kv_heads * hd, d.n_rope_cols
 
     def rms_bwd(n_in: int, residual: bool):
         return lambda x: dict(g_y_scaled=x.act(M, n_in), w=x.weight(n_in, D), residual_grad=x.act(M, D) if residual else None,
                               x=x.act(M, D), gamma=x.gamma(D), c=x.stat(M, scale=0.01))
-
-    def ce_bwd(x: Example) -> dict:  # lse from the forward op (coda::, so the cute kernel on a GPU)
-        from coda_train.kernels.library import CUSTOM_OPS
-
-        kw = dict(h=x.act(M, D), r=x.rowscale(), w_lm=x.weight(V, D, scale=4.0), targets=x.tokens())
-        (lse,) = x.computed(lambda: CUSTOM_OPS["gemm_rowscale_cross_entropy"](**kw)[:1], ((M,), x.stat_dtype))
-        return dict(kw, lse=lse, grad_scale=torch.tensor(1.0 / M, dtype=x.stat_dtype, device=x.device))
 
     gemms = [
         ("gemm_rowscale_rope", (M, rope, D), lambda x: dict(h=x.act(M, D), r=x.rowscale(), w=x.weight(qkv, D), rope=x.rope(),
@@ -92,18 +87,20 @@ def model_gemms(d: Dims) -> list[tuple[str, tuple[int, int, int], Callable[[Exam
         ("gemm_rowscale_swiglu", (M, 2 * F, D), lambda x: dict(h=x.act(M, D), r=x.rowscale(), w_gate_up=x.weight(2 * F, D))),
         ("gemm_residual_rmsnorm_partial", (M, D, F), lambda x: dict(a=x.act(M, F), w=x.weight(D, F), residual=x.act(M, D),
                                                                      gamma=x.gamma(D))),
-        ("gemm_rowscale_cross_entropy", (M, V, D), lambda x: dict(h=x.act(M, D), r=x.rowscale(), w_lm=x.weight(V, D, scale=4.0),
-                                                                   targets=x.tokens())),
-        ("gemm_cross_entropy_backward", (M, V, D), ce_bwd),
-        ("gemm_rmsnorm_backward", (M, D, V), rms_bwd(V, residual=False)),
+        # the LM head runs chunk by chunk of C rows (model/coda.py logits_chunk_rows): logits, dgrad, wgrad
+        ("gemm_rowscale_logits_cross_entropy", (C, V, D), lambda x: dict(h=x.act(C, D), r=x.rowscale()[:C],
+                                                                          w_lm=x.weight(V, D, scale=4.0), targets=x.tokens()[:C])),
+        ("gemm_rmsnorm_backward", (C, D, V), lambda x: dict(g_y_scaled=x.act(C, V), w=x.weight(V, D), residual_grad=None,
+                                                              x=x.act(C, D), gamma=x.gamma(D), c=x.stat(C, scale=0.01))),
+        ("matmul_tn_add", (V, D, C), lambda x: dict(acc=x.stat(V, D), a=x.act(C, V), b=x.act(C, D))),
         ("gemm_dswiglu_rowscale_stat", (M, F, D), lambda x: dict(g_out=x.act(M, D), w_down=x.weight(D, F), gu=x.act(M, 2 * F),
                                                                   r=x.rowscale())),
         ("gemm_rmsnorm_backward", (M, D, 2 * F), rms_bwd(2 * F, residual=True)),
         ("matmul", (M, attn, D), lambda x: dict(a=x.act(M, D), b=x.weight(D, attn))),
         ("gemm_rmsnorm_backward", (M, D, qkv), rms_bwd(qkv, residual=True)),
     ]
-    for p, q in ((D, F), (2 * F, D), (D, attn), (qkv, D), (V, D)):  # wgrad of down, gate_up, o, qkv, lm_head
-        gemms.append(("matmul_tn", (p, q, M), lambda x, p=p, q=q: dict(a=x.act(M, p), b=x.act(M, q))))
+    for p, q, k in ((D, F, M), (2 * F, D, M), (D, attn, M), (qkv, D, M), (V, D, C)):  # wgrad: down, gate_up, o, qkv, lm_head
+        gemms.append(("matmul_tn", (p, q, k), lambda x, p=p, q=q, k=k: dict(a=x.act(k, p), b=x.act(k, q))))
     return gemms
 
 
