@@ -178,8 +178,7 @@ def fwd_bwd_fn(model, mode: str | None, tokens, targets) -> Callable[[], None]:
         graphed = GraphedMicroBatch(model, tokens, targets, 1.0)
 
         def replay() -> None:
-            graphed.zero_()
-            graphed(tokens, targets)
+            graphed(tokens, targets, first=True)
         return replay
     runner = model if mode is None else torch.compile(model, mode=mode)
     compile_graphs = mode in ("reduce-overhead", "max-autotune")

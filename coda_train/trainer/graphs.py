@@ -47,15 +47,21 @@ def micro_batch(model: nn.Module, tokens: Tensor, targets: Tensor, loss_scale: T
 class GraphedMicroBatch:
     """micro_batch captured once for one batch shape and replayed for every micro-batch.
 
-    Capture needs every kernel compiled and every lazy cache (RoPE table, weight compute copies)
-    built, so `warmup` eager iterations run first on a side stream. The captured graph keeps the
-    addresses it saw: the gradients are preallocated and only ever zeroed in place (zero_), never
-    set to None, and the parameters are only updated in place. The model's compute copies of the
-    weights are not refreshed by the graph: the caller refreshes them after each optimizer step.
+    Two graphs share one memory pool: `first` starts a step (its backward writes the gradients, as
+    an eager backward into .grad=None would, and it restarts loss_sum), `rest` (captured only when
+    a step has several micro-batches) accumulates into them. Writing rather than accumulating
+    spares a zeroing pass and a read-add pass over every gradient per step. Capture needs every
+    kernel compiled and every lazy cache (RoPE table, weight compute copies) built, so `warmup`
+    eager iterations run first on a side stream. The graphs keep the addresses they saw: the
+    gradients are the ones `first` allocated (never set them to None or replace them) and the
+    parameters are only updated in place. The model's compute copies of the weights are not
+    refreshed by a graph: the caller refreshes them after each optimizer step.
     """
 
-    def __init__(self, model: nn.Module, tokens: Tensor, targets: Tensor, loss_scale: float, warmup: int = 3):
-        """Captures for tokens' shape, warming up on (tokens, targets); leaves gradients and loss_sum zero."""
+    def __init__(self, model: nn.Module, tokens: Tensor, targets: Tensor, loss_scale: float,
+                 accumulate: bool = False, warmup: int = 3):
+        """Captures for tokens' shape, warming up on (tokens, targets); `accumulate`: also the graph
+        of a step's later micro-batches."""
         device = next(model.parameters()).device
         if device.type != "cuda":
             raise ConfigError(f"CUDA graphs need a CUDA device; the model is on {device.type} "
@@ -65,42 +71,51 @@ class GraphedMicroBatch:
         self.targets = targets.to(device, copy=True)
         self.loss_scale = torch.full((), loss_scale, dtype=torch.float32, device=device)
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-        for p in model.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        self.grads = [p.grad for p in model.parameters()]  # the buffers the graph accumulates into
+        params = list(model.parameters())
 
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(warmup):
-                self._run()
+                for p in params:
+                    p.grad = None
+                self._run(first=True)
         torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self._run()
-        self.zero_()
+        for p in params:
+            p.grad = None  # so the captured backward allocates (and then always rewrites) them
+        self.first = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.first):
+            self._run(first=True)
+        self.grads = [p.grad for p in params]  # the buffers the graphs write
+        self.rest = None
+        if accumulate:
+            self.rest = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.rest, pool=self.first.pool()):
+                self._run(first=False)
+        self.started = False
 
-    def _run(self) -> None:
+    def _run(self, first: bool) -> None:
+        if first:
+            self.loss_sum.zero_()
         micro_batch(self.model, self.tokens, self.targets, self.loss_scale, self.loss_sum)
-
-    def zero_(self) -> None:
-        """Zero the gradients and loss_sum in place (one foreach op), before a step's first micro-batch."""
-        if any(p.grad is not g for p, g in zip(self.model.parameters(), self.grads)):
-            raise RuntimeError("a parameter's .grad was replaced (e.g. zero_grad(set_to_none=True)) while its CUDA "
-                               "graph is live: the graph would keep writing the old buffer; zero with zero_() only")
-        torch._foreach_zero_([*self.grads, self.loss_sum])
 
     def set_loss_scale(self, value: float) -> None:
         """The factor every later replay multiplies the loss by (on the device: no host sync)."""
         self.loss_scale.fill_(value)
 
-    def __call__(self, tokens: Tensor, targets: Tensor) -> None:
-        """One micro-batch on (tokens, targets): copied into the static buffers, then the graph replayed."""
+    def __call__(self, tokens: Tensor, targets: Tensor, first: bool) -> None:
+        """One micro-batch on (tokens, targets): copied into the static buffers, then the graph of
+        a step's first micro-batch replayed (it rewrites the gradients and loss_sum), or of a later one."""
         if tokens.shape != self.tokens.shape or targets.shape != self.targets.shape:
             raise ValueError(f"the CUDA graph was captured for batches of shape {tuple(self.tokens.shape)}, got "
                              f"{tuple(tokens.shape)} and {tuple(targets.shape)}; capture another GraphedMicroBatch "
                              "for that shape")
+        if any(p.grad is not g for p, g in zip(self.model.parameters(), self.grads)):
+            raise RuntimeError("a parameter's .grad was replaced (e.g. zero_grad(set_to_none=True)) while its CUDA "
+                               "graph is live: the graph would keep writing the old buffer")
+        if not first and self.rest is None:
+            raise RuntimeError("this GraphedMicroBatch was captured without accumulate=True: it has no graph for a "
+                               "step's later micro-batches")
         self.tokens.copy_(tokens, non_blocking=True)
         self.targets.copy_(targets, non_blocking=True)
-        self.graph.replay()
+        (self.first if first else self.rest).replay()

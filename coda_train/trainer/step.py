@@ -143,16 +143,16 @@ class TrainStep:
 
     def _graphed(self, batches: list[tuple[Tensor, Tensor]], scale: float) -> Tensor:
         if self.graphed is None:
-            self.graphed = GraphedMicroBatch(self.state.model, *batches[0], 1.0 / self.grad_accum_steps)
+            self.graphed = GraphedMicroBatch(self.state.model, *batches[0], 1.0 / self.grad_accum_steps,
+                                             accumulate=self.grad_accum_steps > 1)
         graphed = self.graphed
-        graphed.zero_()
         if math.isnan(scale):
             graphed.set_loss_scale(scale)
-        for inputs, targets in batches:
-            graphed(inputs, targets)
+        for i, (inputs, targets) in enumerate(batches):
+            graphed(inputs, targets, first=i == 0)
         if math.isnan(scale):
             graphed.set_loss_scale(1.0 / self.grad_accum_steps)
-        return graphed.loss_sum.clone()  # the static buffer is zeroed again by the next step
+        return graphed.loss_sum.clone()  # the static buffer is restarted by the next step's first replay
 
 
 @torch.no_grad()
