@@ -25,6 +25,7 @@ from coda_train.kernels import BACKENDS
 from coda_train.model import IMPLS, RECOMPUTE, LlamaConfig, preset
 from coda_train.trainer.device import COMPUTE_DTYPES, DEVICES
 from coda_train.trainer.distributed import PARALLEL
+from coda_train.trainer.graphs import CUDA_GRAPHS
 from coda_train.trainer.metrics import LOGGERS, WANDB_MODES, LoggerConfig
 from coda_train.trainer.optim import OPTIMIZERS, SCHEDULES, OptimConfig
 
@@ -68,6 +69,7 @@ class TrainerConfig:
     # (one more all-gather of the model per step, saving its compute-dtype copy: 16 GB for 8B in bf16)
     fsdp_reshard_after_forward: bool = False
     recompute: str = "none"  # one of model/coda.py RECOMPUTE (model.impl=coda only): block = keep each block's input only
+    cuda_graphs: str = "auto"  # one of trainer/graphs.py CUDA_GRAPHS; auto: on for model.impl=coda on one CUDA GPU
     log_every: int = 10  # steps between metrics lines (the last step is always logged)
     eval_every: int = 100  # steps between validation losses (and at the last step); 0 = never
     eval_batches: int = 8
@@ -143,6 +145,7 @@ def check_config(cfg: Config) -> None:
     _choose("trainer.compute_dtype", t.compute_dtype, tuple(COMPUTE_DTYPES))
     _choose("trainer.parallel", t.parallel, PARALLEL)
     _choose("trainer.recompute", t.recompute, RECOMPUTE)
+    _choose("trainer.cuda_graphs", t.cuda_graphs, CUDA_GRAPHS)
     if t.recompute != "none" and cfg.model.impl != "coda":
         raise ConfigError(f"trainer.recompute={t.recompute} recomputes the CODA blocks; use model.impl=coda "
                           "or trainer.recompute=none")

@@ -13,11 +13,14 @@ Variants (bf16 compute, fp32 master weights, fused AdamW):
                         compile, so opt-in per shape (--variants) and reported as skipped otherwise
   liger                 eager with Liger kernels
   coda                  the CODA model on the cute backend
+  coda-graphs           coda with forward+backward replayed as one CUDA graph (the trainer's
+                        coda_train/trainer/graphs.py, trainer.cuda_graphs=on)
   floor                 the step's GEMMs alone (every projection's forward, dgrad and wgrad, the
                         three LM-head GEMMs), each at the best of cuBLAS and quack for its shape,
                         plus FlashAttention 4 forward + backward: what a perfect fusion would cost
 For each model variant: forward+backward ms (median, min, max over --iters after --warmup), a full
-training step (forward, backward, grad clip, AdamW, zero_grad) ms, tokens/s, MFU (model FLOPs with
+training step (forward, backward, grad clip, AdamW, zero_grad: what train.py's step is compared with)
+ms, tokens/s, MFU (model FLOPs with
 causal attention counted as half, against the bf16 GEMM peak measured in the same run), peak memory
 (total, and above the fp32 weights), and the ratios to coda and to the floor. --profile adds the
 per-op breakdown of a coda step (kernel time by op, launches per step, GPU idle from the timeline).
@@ -57,16 +60,17 @@ SHAPES = {
     "8b-slice": Shape("llama3_8b", 2, 4096, n_layers=4),  # full width, 4 layers
     "smoke": Shape("tiny", 2, 64, n_layers=2),  # the harness itself, on CPU too (tests/test_bench.py)
 }
-MODEL_VARIANTS = {  # variant -> (model impl, torch.compile mode or None)
+CUDA_GRAPH = "cuda-graph"  # the trainer's capture (trainer/graphs.py) instead of a torch.compile mode
+MODEL_VARIANTS = {  # variant -> (model impl, torch.compile mode, CUDA_GRAPH, or None: eager)
     "eager": ("eager", None),
     "compile": ("eager", "default"),
     "compile-graphs": ("eager", "reduce-overhead"),
     "compile-max-autotune": ("eager", "max-autotune"),
     "liger": ("liger", None),
     "coda": ("coda", None),
+    "coda-graphs": ("coda", CUDA_GRAPH),
 }
-DEFAULT_VARIANTS = "eager,compile,compile-graphs,liger,coda,floor"
-NOT_YET = {"coda-graphs": "CUDA-graph capture of the CODA step is not implemented yet (the speed issue adds it)"}
+DEFAULT_VARIANTS = "eager,compile,compile-graphs,liger,coda,coda-graphs,floor"
 
 
 # bf16 on the GPU; the CPU smoke run checks the harness in fp32 (CPU bf16 GEMMs are slow and odd)
@@ -165,6 +169,29 @@ def build(impl: str, cfg, state: dict):
     return model
 
 
+def fwd_bwd_fn(model, mode: str | None, tokens, targets) -> Callable[[], None]:
+    """One forward+backward of the variant's runner, gradients zeroed first. CUDA_GRAPH: captured
+    here (warm-up and capture) and replayed per call, the batch copied into its static buffers."""
+    if mode == CUDA_GRAPH:
+        from coda_train.trainer.graphs import GraphedMicroBatch
+
+        graphed = GraphedMicroBatch(model, tokens, targets, 1.0)
+
+        def replay() -> None:
+            graphed.zero_()
+            graphed(tokens, targets)
+        return replay
+    runner = model if mode is None else torch.compile(model, mode=mode)
+    compile_graphs = mode in ("reduce-overhead", "max-autotune")
+
+    def fwd_bwd() -> None:
+        if compile_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        model.zero_grad(set_to_none=True)
+        runner(tokens, targets).backward()
+    return fwd_bwd
+
+
 def bench_model(variant: str, cfg, state: dict, batch, iters: int, warmup: int) -> dict:
     """Forward+backward and full-step timings and peak memory of one model variant."""
     impl, mode = MODEL_VARIANTS[variant]
@@ -172,20 +199,17 @@ def bench_model(variant: str, cfg, state: dict, batch, iters: int, warmup: int) 
     model = build(impl, cfg, state)
     model.rope_tables(tokens.shape[1], tokens.device)  # cached outside torch.compile: CUDA graphs must not own it
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    runner = model if mode is None else torch.compile(model, mode=mode)
-    graphs = mode in ("reduce-overhead", "max-autotune")
-
-    def fwd_bwd() -> None:
-        if graphs:
-            torch.compiler.cudagraph_mark_step_begin()
-        model.zero_grad(set_to_none=True)
-        runner(tokens, targets).backward()
+    # a captured graph's activations sit in its private pool, counted as allocated only while it is
+    # captured: its peaks are taken from the capture on
+    reset_peak = reset_peak_memory if mode != CUDA_GRAPH else lambda: None
+    reset_peak_memory()
 
     t0 = time.perf_counter()
-    fwd_bwd()  # compiles: every kernel, and torch.compile's graphs
+    fwd_bwd = fwd_bwd_fn(model, mode, tokens, targets)
+    fwd_bwd()  # compiles: every kernel, and torch.compile's graphs (CUDA_GRAPH: already captured)
     sync()
     setup_s = time.perf_counter() - t0
-    reset_peak_memory()
+    reset_peak()
     fb = step_times(fwd_bwd, iters, warmup)
     peak_fb = peak_memory()
 
@@ -193,13 +217,15 @@ def bench_model(variant: str, cfg, state: dict, batch, iters: int, warmup: int) 
     from coda_train.trainer.optim import build_optimizer
 
     optimizer = build_optimizer(model, OptimConfig(), DEVICE)
+    refresh = getattr(model, "refresh_compute_copies", lambda: None)  # as the trainer does after each step
 
     def train_step() -> None:
         fwd_bwd()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        refresh()
 
-    reset_peak_memory()
+    reset_peak()
     step = step_times(train_step, iters, warmup)
     peak_step = peak_memory()
     n_tokens = tokens.numel()
@@ -210,7 +236,7 @@ def bench_model(variant: str, cfg, state: dict, batch, iters: int, warmup: int) 
         "peak_above_weights_gib": (peak_fb - weight_bytes) / 2**30 if peak_fb else None,
         "peak_step_gib": peak_step / 2**30 if peak_step else None,
     }
-    del runner, model, optimizer
+    del fwd_bwd, model, optimizer
     return result
 
 
@@ -410,8 +436,6 @@ def run(shape_name: str, variants: list[str], iters: int, warmup: int, profile_s
     for variant in variants:
         t0 = time.perf_counter()
         try:
-            if variant in NOT_YET:
-                raise NotImplementedError(NOT_YET[variant])
             row = bench_floor(cfg, shape) if variant == "floor" else bench_model(variant, cfg, state, batch, iters, warmup)
             result["variants"][variant] = row
             print(f"  {variant:22s} fwd+bwd {row['fwd_bwd']['median_ms']:8.2f} ms  ({time.perf_counter() - t0:5.0f} s)",
@@ -492,7 +516,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", required=True, choices=sorted(SHAPES))
     p.add_argument("--variants", default=DEFAULT_VARIANTS,
-                   help=f"comma list of {sorted([*MODEL_VARIANTS, 'floor', *NOT_YET])}")
+                   help=f"comma list of {sorted([*MODEL_VARIANTS, 'floor'])}")
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--profile-steps", type=int, default=3, help="profiled coda steps (0: no breakdown)")
@@ -500,13 +524,13 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("runs/bench"))
     args = p.parse_args()
     variants = args.variants.split(",")
-    unknown = [v for v in variants if v not in MODEL_VARIANTS and v not in ("floor", *NOT_YET)]
+    unknown = [v for v in variants if v not in MODEL_VARIANTS and v != "floor"]
     if unknown:
         p.error(f"unknown variants {unknown}")
     if not torch.cuda.is_available() and args.shape != "smoke":
         p.error("bench.py times GPU steps; run it on the GPU machine (only --shape smoke runs on CPU)")
     result = run(args.shape, variants, args.iters, args.warmup, args.profile_steps)
-    skipped = [v for v in (*MODEL_VARIANTS, "floor", *NOT_YET) if v not in variants]
+    skipped = [v for v in (*MODEL_VARIANTS, "floor") if v not in variants]
     result["not_run"] = skipped
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"bench_{args.shape}{args.tag}.json"

@@ -17,7 +17,7 @@ from coda_train.kernels import OPS, Dims, Example
 from coda_train.kernels import library as L
 
 # An odd row count M = B*T (3 sequences of 5 tokens); V and ffn_dim over one 192-column stat tile,
-# so the CE backward and dSwiGLU partials have several columns.
+# so the LM-head GEMMs and the dSwiGLU partials span several stat tiles.
 SMALL = Dims(rows=15, seq_len=5, dim=16, n_heads=2, n_kv_heads=1, ffn_dim=200, vocab_size=200)
 
 
@@ -84,18 +84,18 @@ def test_cpu_kernel_equals_reference(case, dt):
 
 
 def test_partial_widths_follow_the_stat_tile():
-    """The contract's widths: one column per 192-wide N tile (+1 for the CE backward's one-hot)."""
+    """The contract's widths: one column per 192-wide N tile (one for the elementwise passes)."""
     widths = {case: {i: op.partials[i](**kw) for i in op.partials} for op, case, kw in cases(torch.float64)}
     assert widths["gemm_residual_rmsnorm_partial"] == {2: 1}
     assert widths["gemm_residual_rmsnorm_partial(wide)"] == {2: 2}  # N = V = 200
     assert widths["gemm_dswiglu_rowscale_stat"] == {2: 2}  # ffn_dim = 200
-    assert widths["gemm_cross_entropy_backward"] == {1: 3}
+    assert widths["cross_entropy_backward_rowscale_stat"] == {1: 1}
     assert widths["embedding_rmsnorm_partial"] == {2: 1} and widths["rope_backward_rowscale_stat"] == {1: 1}
 
 
 def block_and_loss(tokens, emb, norm, w_qkv, rope, w_o, w_gate_up, w_down, w_lm, targets):
-    """A model-like chain (docs/design.md F1..F6, H, L, H', B2, H''): one layer, loss, logits, its
-    first backward ops."""
+    """A model-like chain (docs/design.md F1..F6, H, L, H', B2, H''): one layer, the evaluation and
+    the training loss, logits, the LM head's gradient in two chunks of rows."""
     s, coda = SMALL, torch.ops.coda
     d = s.dim
     x, h, sumsq = coda.embedding_rmsnorm_partial(tokens, emb, norm)
@@ -110,10 +110,12 @@ def block_and_loss(tokens, emb, norm, w_qkv, rope, w_o, w_gate_up, w_down, w_lm,
     lse, target_logit = coda.gemm_rowscale_cross_entropy(h2, r2, w_lm, targets)
     loss = (lse - target_logit).mean()
     logits = coda.gemm_rowscale(h2, r2, w_lm)
-    g_logits, stat = coda.gemm_cross_entropy_backward(h2, r2, w_lm, targets, lse, loss.new_full((), 1.0 / tokens.shape[0]))
+    stored, lse_t, target_t = coda.gemm_rowscale_logits_cross_entropy(h2, r2, w_lm, targets)
+    g_logits, stat = coda.cross_entropy_backward_rowscale_stat(stored, r2, targets, lse_t, loss.new_full((), 1.0 / tokens.shape[0]))
     c = coda.rmsnorm_backward_coeff(stat, r2, d)
     g_x2, g_norm = coda.gemm_rmsnorm_backward(g_logits, w_lm, None, x2, norm, c)
-    return loss, logits, g_x2, g_norm, coda.matmul_tn(g_logits, h2)
+    g_w = coda.matmul_tn_add(coda.matmul_tn(g_logits[:8], h2[:8]), g_logits[8:], h2[8:])
+    return loss, (lse_t - target_t).mean(), logits, g_x2, g_norm, g_w
 
 
 def chain_inputs(dt=torch.float32):
@@ -140,7 +142,8 @@ def test_make_fx_traces_the_ops_as_opaque_nodes():
     assert coda == {f"coda.{n}.default" for n in (
         "embedding_rmsnorm_partial", "rstd_from_partials", "gemm_rowscale_rope", "attention",
         "gemm_residual_rmsnorm_partial", "gemm_rowscale_swiglu", "gemm_rowscale_cross_entropy", "gemm_rowscale",
-        "gemm_cross_entropy_backward", "rmsnorm_backward_coeff", "gemm_rmsnorm_backward", "matmul_tn")}
+        "gemm_rowscale_logits_cross_entropy", "cross_entropy_backward_rowscale_stat", "rmsnorm_backward_coeff",
+        "gemm_rmsnorm_backward", "matmul_tn", "matmul_tn_add")}
     # nothing of the ops' insides (matmuls, logsumexp, ...) leaks into the graph
     assert not any(t.startswith("aten.mm") or "logsumexp" in t for t in targets), sorted(targets)
 

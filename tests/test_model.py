@@ -11,6 +11,7 @@ import torch
 import coda_train.kernels as K
 from coda_train.kernels import reference as R
 from coda_train.model import ConfigError, LlamaConfig, build_model, preset
+from coda_train.model import coda as coda_module
 from coda_train.model.coda import BlockShape, BlockWeights, CodaBlock, CodaLlama, LMHeadLoss
 
 SMALL = dict(dim=64, n_heads=4, ffn_dim=96, vocab_size=101, max_seq_len=32)
@@ -66,6 +67,41 @@ def test_coda_matches_eager_float64(name, batch, seq):
     assert grads_c.keys() == grads_e.keys()
     for n in grads_e:
         assert rel(grads_c[n], grads_e[n]) < 1e-10, n
+
+
+@pytest.mark.parametrize("chunk_rows", [4, 128])
+def test_lm_head_in_chunks_matches_eager_float64(chunk_rows, monkeypatch):
+    """The LM head computes its gradient during the forward, chunk by chunk of rows: with 21 rows in
+    chunks of 4 (the last one ragged) the loss and every gradient still equal eager's (float64),
+    also for an incoming loss gradient other than 1; no chunk of logits exceeds chunk_rows rows."""
+    cfg = preset("tiny", **SMALL, **CONFIGS["gqa_tied_3layers"])
+    monkeypatch.setattr(coda_module, "LOGITS_CHUNK_BYTES", chunk_rows * cfg.vocab_size * 8)
+    assert coda_module.logits_chunk_rows(cfg.vocab_size, 8) == chunk_rows
+    eager, coda = make_pair(cfg, torch.float64)
+    logits_rows = []
+    head_op = coda.ops.gemm_rowscale_logits_cross_entropy
+    coda.ops.gemm_rowscale_logits_cross_entropy = lambda h, *a: logits_rows.append(h.shape[0]) or head_op(h, *a)
+    g = torch.Generator().manual_seed(1)
+    tokens, targets = (torch.randint(0, cfg.vocab_size, (3, 7), generator=g) for _ in range(2))
+    grads = {}
+    for name, model in (("coda", coda), ("eager", eager)):
+        model.zero_grad(set_to_none=True)
+        loss = model(tokens, targets)
+        (2.5 * loss).backward()
+        grads[name] = loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+    assert logits_rows == ([4, 4, 4, 4, 4, 1] if chunk_rows == 4 else [21])
+    (loss_c, grads_c), (loss_e, grads_e) = grads["coda"], grads["eager"]
+    assert abs(loss_c - loss_e).item() / loss_e.item() < 1e-12
+    for n in grads_e:
+        assert rel(grads_c[n], grads_e[n]) < 1e-10, n
+
+
+def test_logits_chunk_rows_follow_the_memory_budget():
+    # llama3_1b in bf16: 4096 rows of 128256 logits is 0.98 GiB, a multiple of the 128-row tile
+    assert coda_module.logits_chunk_rows(128256, 2) == 4096
+    assert coda_module.logits_chunk_rows(128256, 2) * 128256 * 2 <= coda_module.LOGITS_CHUNK_BYTES
+    assert coda_module.logits_chunk_rows(32768, 2) == 16384
+    assert coda_module.logits_chunk_rows(1 << 31, 4) == 1  # at least one row
 
 
 @pytest.mark.parametrize("dtype,loss_tol,grad_tol", [(torch.float32, 1e-5, 1e-4), (torch.bfloat16, 2e-2, 0.1)])
@@ -135,7 +171,10 @@ def test_block_backward_gradcheck():
     assert torch.autograd.gradcheck(block, args, eps=1e-6, atol=1e-7, rtol=1e-5)
 
 
-def test_lm_head_backward_gradcheck():
+@pytest.mark.parametrize("chunk_rows", [None, 3])  # 7 rows: one chunk, or chunks of 3, 3, 1
+def test_lm_head_backward_gradcheck(chunk_rows, monkeypatch):
+    if chunk_rows is not None:
+        monkeypatch.setattr(coda_module, "LOGITS_CHUNK_BYTES", chunk_rows * 13 * 8)  # V = 13, float64
     g = torch.Generator().manual_seed(3)
     M, d, V = 7, 6, 13
     x = torch.randn(M, d, generator=g, dtype=torch.float64, requires_grad=True)
@@ -275,8 +314,14 @@ def test_each_model_holds_its_own_op_set_and_kernels_hold_no_backend_state():
     loss_b = b(tokens, tokens)
     assert not calls
     loss_a = a(tokens, tokens)
-    assert "gemm_rowscale_rope" in calls and "gemm_rowscale_cross_entropy" in calls
+    assert "gemm_rowscale_rope" in calls and "gemm_rowscale_logits_cross_entropy" in calls
+    assert "gemm_rowscale_cross_entropy" not in calls  # training: the loss and its gradient (H, H', H'')
     assert abs(loss_a.item() - loss_b.item()) < 1e-5
+    calls.clear()
+    with torch.no_grad():  # evaluation: lse and target logit only, no logits stored, no gradient work
+        assert abs(a(tokens, tokens).item() - loss_a.item()) < 1e-12
+    assert "gemm_rowscale_cross_entropy" in calls and "gemm_rowscale_logits_cross_entropy" not in calls
+    assert "cross_entropy_backward_rowscale_stat" not in calls and "matmul_tn" not in calls
 
 
 def test_compute_dtype_is_fixed_at_construction():
@@ -357,9 +402,10 @@ def test_bf16_compute_copies_are_cast_once_per_update_and_gradients_stay_fp32(mo
     assert all((m.bfloat16().float() != m).any() for m in matrices)  # not rounded through bf16
 
     with torch.no_grad():
-        assert coda(tokens, targets) == loss  # unchanged weights: no copy, the same loss
+        before = coda(tokens, targets)
+        assert coda(tokens, targets) == before  # unchanged weights: no copy, the same loss
     assert copies == [n_params]
     with torch.no_grad():
         coda.layers[1].w_down.mul_(2.0)  # an optimizer-like in-place update of one weight
         changed = coda(tokens, targets)
-    assert copies == [n_params, 1] and changed != loss
+    assert copies == [n_params, 1] and changed != before

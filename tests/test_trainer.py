@@ -25,7 +25,7 @@ from coda_train.trainer.checkpoint import CheckpointError, list_checkpoints, loa
 from coda_train.trainer.distributed import World
 from coda_train.trainer.loop import train
 from coda_train.trainer.metrics import metrics_line, mfu
-from coda_train.trainer.step import NonFiniteError, StepResult, train_step
+from coda_train.trainer.step import NonFiniteError, StepResult, TrainStep
 
 REPO = Path(__file__).resolve().parents[1]
 TIMING_KEYS = {"tokens_per_s", "elapsed_s"}  # wall-clock metrics; everything else must match exactly
@@ -99,7 +99,8 @@ def test_train_state_round_trip_takes_the_same_next_steps(tiny, tmp_path):
         return build_train_state(cfg, llama, data, "reference", cpu, torch.float32, world)
 
     def steps(state, n):
-        return [train_step(state, state.model, world, cpu, 2, cfg.optim.grad_clip) for _ in range(n)]
+        train_step = TrainStep(state, state.model, world, cpu, 2, cfg.optim.grad_clip)
+        return [train_step.read(train_step()) for _ in range(n)]
 
     saving = fresh_state()
     steps(saving, 3)
@@ -115,7 +116,7 @@ def test_train_state_round_trip_takes_the_same_next_steps(tiny, tmp_path):
 
     weights = {k: v.clone() for k, v in loaded.model.state_dict().items()}
     with pytest.raises(NonFiniteError, match="step 7: loss=nan"):
-        train_step(loaded, loaded.model, world, cpu, 2, cfg.optim.grad_clip, poison_loss=True)
+        TrainStep(loaded, loaded.model, world, cpu, 2, cfg.optim.grad_clip)(poison_loss=True)
     assert loaded.step == 6 and all(torch.equal(loaded.model.state_dict()[k], v) for k, v in weights.items())
 
 

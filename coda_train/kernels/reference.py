@@ -131,9 +131,22 @@ def _lm_head_examples(x: Example) -> dict:
          examples=_lm_head_examples,
          gemm=lambda h, w_lm, **_: _gemm_shape(h, w_lm))
 def gemm_rowscale_cross_entropy(h: Tensor, r: Tensor, w_lm: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-    """(H) logits = r * (h @ w_lm^T) never leave the epilogue: per row logsumexp and target logit, fp32 (M,)."""
+    """(H, evaluation) logits = r * (h @ w_lm^T) never leave the epilogue: per row logsumexp and target logit, fp32 (M,)."""
     logits = _f(h @ w_lm.t()) * r[:, None]
     return torch.logsumexp(logits, dim=-1), logits.gather(1, targets.reshape(-1, 1)).squeeze(1)
+
+
+@declare(fake=lambda h, r, w_lm, targets: (_new(h, h.shape[0], w_lm.shape[0]), _new(h, h.shape[0], stat=True),
+                                           _new(h, h.shape[0], stat=True)),
+         examples=_lm_head_examples,
+         gemm=lambda h, w_lm, **_: _gemm_shape(h, w_lm))
+def gemm_rowscale_logits_cross_entropy(h: Tensor, r: Tensor, w_lm: Tensor,
+                                       targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(H, training) logits = r * (h @ w_lm^T) stored in h.dtype (one chunk of rows at a time), and
+    per row the logsumexp and target logit of the logits as stored, fp32 (M,)."""
+    logits = (_f(h @ w_lm.t()) * r[:, None]).to(h.dtype)
+    y = _f(logits)
+    return logits, torch.logsumexp(y, dim=-1), y.gather(1, targets.reshape(-1, 1)).squeeze(1)
 
 
 @declare(fake=lambda h, r, w: _new(h, h.shape[0], w.shape[0]),
@@ -231,27 +244,28 @@ def gemm_dswiglu_rowscale_stat(g_out: Tensor, w_down: Tensor, gu: Tensor, r: Ten
 
 
 def _ce_backward_examples(x: Example) -> dict:
-    """lse is the float64 logsumexp of the logits, as the forward would have saved it."""
-    kw = _lm_head_examples(x)[""]
-    (lse,) = x.computed(lambda: gemm_rowscale_cross_entropy(*(t.double() for t in (kw["h"], kw["r"], kw["w_lm"])),
-                                                            kw["targets"])[:1], ((x.dims.rows,), x.stat_dtype))
-    return {"": dict(kw, lse=lse, grad_scale=torch.tensor(1.0 / x.dims.rows, dtype=x.stat_dtype, device=x.device))}
+    """Logits of std ~4 as the H op stores them, and their float64 logsumexp as H returns it."""
+    d = x.dims
+    logits = x.act(d.rows, d.vocab_size, scale=4.0)
+    (lse,) = x.computed(lambda: (torch.logsumexp(logits.double(), dim=-1),), ((d.rows,), x.stat_dtype))
+    return {"": dict(logits=logits, r=x.rowscale(), targets=x.tokens(), lse=lse,
+                     grad_scale=torch.tensor(1.0 / d.rows, dtype=x.stat_dtype, device=x.device))}
 
 
-@declare(fake=lambda h, r, w_lm, targets, lse, grad_scale: (_new(h, h.shape[0], w_lm.shape[0]),
-                                                            _new(h, h.shape[0], n_stat_cols(w_lm.shape[0]) + 1, stat=True)),
+@declare(fake=lambda logits, r, targets, lse, grad_scale: (_new(logits, *logits.shape),
+                                                           _new(logits, logits.shape[0], 1, stat=True)),
          examples=_ce_backward_examples,
-         partials={1: lambda w_lm, **_: n_stat_cols(w_lm.shape[0]) + 1},  # + the one-hot column of cute
-         gemm=lambda h, w_lm, **_: _gemm_shape(h, w_lm))
-def gemm_cross_entropy_backward(h: Tensor, r: Tensor, w_lm: Tensor, targets: Tensor, lse: Tensor,
-                                grad_scale: Tensor) -> tuple[Tensor, Tensor]:
-    """(H') recompute logits y = r*(h @ w_lm^T); g_y = (softmax(y) - onehot) * grad_scale (a 0-dim
-    tensor); writes r*g_y and the reverse-fusion statistic S = sum_k g_y*y of the final norm."""
-    y = _f(h @ w_lm.t()) * r[:, None]
+         partials={1: lambda **_: 1})
+def cross_entropy_backward_rowscale_stat(logits: Tensor, r: Tensor, targets: Tensor, lse: Tensor,
+                                         grad_scale: Tensor) -> tuple[Tensor, Tensor]:
+    """(H') g_y = (softmax(y) - onehot(targets)) * grad_scale (a 0-dim tensor) of the stored logits y;
+    writes r*g_y for the dgrad/wgrad GEMMs and the reverse-fusion statistic S = sum_k g_y*y of the
+    final norm."""
+    y = _f(logits)
     g_y = torch.exp(y - lse[:, None])
     g_y[torch.arange(y.shape[0], device=y.device), targets.reshape(-1)] -= 1.0
     g_y = g_y * grad_scale
-    return (g_y * r[:, None]).to(h.dtype), (g_y * y).sum(-1, keepdim=True)
+    return (g_y * r[:, None]).to(logits.dtype), (g_y * y).sum(-1, keepdim=True)
 
 
 @declare(fake=lambda stat_partials, r, dim: r.new_empty(r.shape[0], dtype=torch.promote_types(r.dtype, stat_dtype(stat_partials.dtype))),
@@ -304,6 +318,16 @@ def matmul_tn(a: Tensor, b: Tensor) -> Tensor:
     """Weight gradient a^T @ b (the contraction runs over tokens), written in fp32 (fp64 stays
     fp64): the dtype of the master weights it updates, so no cast follows."""
     return _f(a).t() @ _f(b)
+
+
+@declare(fake=lambda acc, a, b: acc.new_empty(acc.shape, dtype=stat_dtype(acc.dtype)),
+         examples=lambda x: {"": dict(acc=x.stat(x.dims.vocab_size, x.dims.dim, scale=x.dims.rows ** 0.5),
+                                      a=x.act(x.dims.rows, x.dims.vocab_size), b=x.act(x.dims.rows, x.dims.dim))},
+         gemm=lambda acc, a, b: (a.shape[1], b.shape[1], a.shape[0]))
+def matmul_tn_add(acc: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """(H'') acc + a^T @ b in fp32 (fp64 stays fp64): a weight gradient accumulated over chunks of
+    tokens, the products summed in fp32 without rounding to a's dtype."""
+    return _f(acc) + _f(a).t() @ _f(b)
 
 
 @declare(fake=lambda tokens, g_x, vocab_size: _new(g_x, vocab_size, g_x.shape[1], stat=True),

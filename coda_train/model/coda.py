@@ -136,27 +136,71 @@ class CodaBlock(Function):
                 None, None, None, None, None)
 
 
+# One (rows, vocab) chunk of logits, and one of their gradient, at most this many bytes: 4096 rows
+# at llama3_1b in bf16 (V = 128256), so no (tokens x vocab) buffer larger than a chunk exists.
+LOGITS_CHUNK_BYTES = 1 << 30
+
+
+def logits_chunk_rows(vocab_size: int, itemsize: int) -> int:
+    """Token rows per LM-head chunk: the most whose logits fit LOGITS_CHUNK_BYTES, rounded down to
+    a multiple of the 128-row GEMM tile where there are that many (at least one row)."""
+    rows = max(1, LOGITS_CHUNK_BYTES // (vocab_size * itemsize))
+    return rows - rows % 128 if rows >= 128 else rows
+
+
+def lm_head_loss(x: Tensor, h: Tensor, r: Tensor, norm: Tensor, w_lm: Tensor, norm_c: Tensor, w_lm_c: Tensor,
+                 targets: Tensor, ops: OpSet) -> Tensor:
+    """(H) mean cross-entropy of logits = r * (h @ w_lm^T) (norm, w_lm: the parameters; *_c: their
+    compute copies). With gradients wanted, LMHeadLoss (the gradient computed chunk by chunk during
+    the forward); otherwise (evaluation) only each row's logsumexp and target logit, no logits stored."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, norm, w_lm)):
+        return LMHeadLoss.apply(x, h, r, norm, w_lm, norm_c, w_lm_c, targets, ops)
+    lse, target_logit = ops.gemm_rowscale_cross_entropy(h, r, w_lm_c, targets)
+    return (lse - target_logit).mean()
+
+
 class LMHeadLoss(Function):
-    """(H) mean cross-entropy of logits = r * (h @ w_lm^T); owns the final RMSNorm."""
+    """(H, H', H'') mean cross-entropy of logits = r * (h @ w_lm^T); owns the final RMSNorm. The loss
+    ends the graph, so its gradient is known during the forward up to the incoming scalar: the
+    forward computes it chunk by chunk of rows (three vocab-sized GEMMs, logits never recomputed,
+    one chunk of logits alive at a time) and the backward only scales it by that scalar."""
 
     @staticmethod
     def forward(ctx, x: Tensor, h: Tensor, r: Tensor, norm: Tensor, w_lm: Tensor, norm_c: Tensor, w_lm_c: Tensor,
                 targets: Tensor, ops: OpSet):
-        # norm, w_lm: the parameters (receive the gradients); *_c: their compute copies
+        # norm, w_lm: the parameters (receive the gradients); *_c: their compute copies, which the ops read
         norm, w_lm = norm_c, w_lm_c
-        lse, target_logit = ops.gemm_rowscale_cross_entropy(h, r, w_lm, targets)
-        ctx.save_for_backward(x, h, r, norm, w_lm, targets, lse)
-        ctx.ops = ops
-        return (lse - target_logit).mean()
+        M = x.shape[0]
+        step = logits_chunk_rows(w_lm.shape[0], h.element_size())
+        grad_scale = r.new_full((), 1.0 / M)  # d mean / d loss_m, for an incoming gradient of 1
+        losses, g_xs, g_norm, g_w = [], [], None, None
+        for i in range(0, M, step):
+            rows = slice(i, i + step)
+            loss_c, g_x_c, g_norm_c, g_w = LMHeadLoss._chunk(x[rows], h[rows], r[rows], norm, w_lm, targets[rows],
+                                                             grad_scale, g_w, ops)
+            losses.append(loss_c)
+            g_xs.append(g_x_c)
+            g_norm = g_norm_c if g_norm is None else g_norm + g_norm_c
+        ctx.save_for_backward(torch.cat(g_xs), g_norm, g_w)
+        return torch.cat(losses).mean()
+
+    @staticmethod
+    def _chunk(x, h, r, norm, w_lm, targets, grad_scale, g_w, ops: OpSet):
+        """H, H', H'' on one chunk of rows: its per-row losses, g_x, partial g_norm, and g_w with
+        this chunk's contribution added (fp32)."""
+        logits, lse, target_logit = ops.gemm_rowscale_logits_cross_entropy(h, r, w_lm, targets)   # H
+        g_y, stat = ops.cross_entropy_backward_rowscale_stat(logits, r, targets, lse, grad_scale)  # H'
+        del logits  # one chunk of logits alive at a time
+        c = ops.rmsnorm_backward_coeff(stat, r, x.shape[1])
+        g_x, g_norm = ops.gemm_rmsnorm_backward(g_y, w_lm, None, x, norm, c)                       # H''
+        g_w = ops.matmul_tn(g_y, h) if g_w is None else ops.matmul_tn_add(g_w, g_y, h)
+        return lse - target_logit, g_x, g_norm, g_w
 
     @staticmethod
     def backward(ctx, g_loss: Tensor):
-        x, h, r, norm, w_lm, targets, lse = ctx.saved_tensors
-        ops = ctx.ops
-        g_logits, stat = ops.gemm_cross_entropy_backward(h, r, w_lm, targets, lse, g_loss / x.shape[0])  # H'
-        c = ops.rmsnorm_backward_coeff(stat, r, x.shape[1])
-        g_x, g_norm = ops.gemm_rmsnorm_backward(g_logits, w_lm, None, x, norm, c)                        # H''
-        return g_x, None, None, g_norm, ops.matmul_tn(g_logits, h), None, None, None, None
+        g_x, g_norm, g_w = ctx.saved_tensors
+        # The forward's gradients are for an incoming gradient of 1: scale by the real one (0-dim, on device).
+        return g_x * g_loss, None, None, g_norm * g_loss, g_w * g_loss, None, None, None, None
 
 
 RECOMPUTE = ("none", "block")  # block: each block's backward recomputes its forward from (x, h, r)
@@ -176,8 +220,8 @@ class CodaLlama(LlamaWeights):
         self._check_batch(tokens, targets)
         x, h, r = self._blocks(tokens)
         cp = self.compute_copy
-        return LMHeadLoss.apply(x, h, r, self.norm, self.lm_weight, cp(self.norm), cp(self.lm_weight),
-                                targets.reshape(-1), self.ops)
+        return lm_head_loss(x, h, r, self.norm, self.lm_weight, cp(self.norm), cp(self.lm_weight),
+                            targets.reshape(-1), self.ops)
 
     @torch.no_grad()
     def logits(self, tokens: Tensor) -> Tensor:

@@ -1,5 +1,6 @@
 """The trainer: loop (train(): set up, resume, steps, stop), build (the run's pieces from its config),
-state (TrainState: what a checkpoint holds), step (train_step, evaluate), optim (AdamW, schedules),
+state (TrainState: what a checkpoint holds), step (TrainStep, evaluate), graphs (a micro-batch as a
+CUDA graph), optim (AdamW, schedules),
 checkpoint (atomic save, verified resume, resume rules), metrics (metrics line, metrics.jsonl, wandb),
 device and distributed (where each process computes, DDP).
 

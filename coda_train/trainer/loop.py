@@ -30,11 +30,12 @@ from .checkpoint import (CHECKPOINTS_DIR, CheckpointError, Checkpointer, check_s
 from .device import pick_compute_dtype, pick_device
 from .distributed import (World, any_rank, barrier, close_world, data_parallel, from_main, init_world, process_device,
                           resolve_parallel)
+from .graphs import use_cuda_graphs
 from .metrics import METRICS_FILE, MetricsLogger, Throughput, metrics_line, mfu, rewind_metrics
 from .optim import apply_config_after_resume
 from .rundir import RunDirError, hold_run_dir, writing
 from .state import TrainState
-from .step import NonFiniteError, evaluate, train_step
+from .step import NonFiniteError, TrainStep, evaluate
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +87,12 @@ def train(cfg: Config, run_dir: Path) -> Optional[dict[str, Any]]:
             check_model_before_data(cfg, backend)
             world = init_world(device.type)
             held.callback(close_world, world)
+            parallel = resolve_parallel(cfg.trainer.parallel, world)
+            cuda_graphs = use_cuda_graphs(cfg.trainer.cuda_graphs, cfg.model.impl, device, parallel)
             run_dir = from_main(run_dir, world)
             held.enter_context(hold_run_dir(run_dir, world))  # before anything reads or writes the run dir
-            result = _train(cfg, run_dir, backend, process_device(device, world), compute_dtype, world)
+            result = _train(cfg, run_dir, backend, process_device(device, world), compute_dtype, world, parallel,
+                            cuda_graphs)
             barrier(world)  # every rank done (rank 0's last checkpoint too) before gloo/NCCL tear down
             return result
         except STOP_ERRORS as e:
@@ -97,7 +101,7 @@ def train(cfg: Config, run_dir: Path) -> Optional[dict[str, Any]]:
 
 
 def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compute_dtype: torch.dtype,
-           world: World) -> Optional[dict[str, Any]]:
+           world: World, parallel: str, cuda_graphs: bool) -> Optional[dict[str, Any]]:
     t = cfg.trainer
     resume_from = find_resume_checkpoint(t.resume, run_dir)  # before data preparation, which can be long
     data = prepare_data(data_config(cfg), world)
@@ -105,7 +109,6 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
     if resume_from is not None:
         check_same_model(resume_from, llama)
 
-    parallel = resolve_parallel(t.parallel, world)
     state = build_train_state(cfg, llama, data, backend, device, compute_dtype, world, init_weights=resume_from is None,
                               parallel=parallel)
     if resume_from is not None:
@@ -129,18 +132,20 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
             metrics_logger = MetricsLogger(run_dir, cfg.logger, config, resume_from is not None,
                                            t.progress_bar, state.step, t.max_steps)
         tokens_per_step = t.batch_size * t.seq_len * t.grad_accum_steps * world.world_size
-        log.info("model %s (%s, %.2fM params, vocab %d) | kernels %s | %s %s x%d %s | %d tokens/step | run dir %s",
+        log.info("model %s (%s, %.2fM params, vocab %d) | kernels %s | %s %s x%d %s%s | %d tokens/step | run dir %s",
                  cfg.model.init_from or cfg.model.preset, cfg.model.impl, sum(p.numel() for p in state.model.parameters()) / 1e6,
                  llama.vocab_size, backend, device.type, str(compute_dtype).removeprefix("torch."), world.world_size,
-                 parallel, tokens_per_step, run_dir)
-    forward = data_parallel(state.model, parallel, device)
-    return _loop(cfg, llama, state, forward, val_loader, checkpointer, metrics_logger, world, device)
+                 parallel, " cuda-graphs" if cuda_graphs else "", tokens_per_step, run_dir)
+    train_step = TrainStep(state, data_parallel(state.model, parallel, device), world, device, t.grad_accum_steps,
+                           cfg.optim.grad_clip, cuda_graphs)
+    return _loop(cfg, llama, state, train_step, val_loader, checkpointer, metrics_logger, world, device)
 
 
-def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, forward: nn.Module, val_loader: Optional[TokenLoader],
+def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, train_step: TrainStep, val_loader: Optional[TokenLoader],
           checkpointer: Checkpointer, metrics_logger: Optional[MetricsLogger], world: World,
           device: torch.device) -> Optional[dict[str, Any]]:
-    """Steps until trainer.max_steps or a stop signal; logs, evaluates and checkpoints on schedule."""
+    """Steps until trainer.max_steps or a stop signal; logs, evaluates and checkpoints on schedule.
+    Only those steps read the device (TrainStep.read/check), so the host runs ahead of the GPU between them."""
     t, debug = cfg.trainer, cfg.debug
     flops_per_token = llama.flops_per_token(t.seq_len)
     stop = StopSignal()
@@ -152,19 +157,14 @@ def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, forward: nn.Module
         if state.step >= t.max_steps:
             log.info("nothing to do: the checkpoint is at step %d and trainer.max_steps=%d", state.step, t.max_steps)
         while state.step < t.max_steps and not any_rank(stop.received is not None, world, device):
-            try:
-                result = train_step(state, forward, world, device, t.grad_accum_steps, cfg.optim.grad_clip,
-                                    poison_loss=debug.nan_loss_at_step == state.step + 1)
-            except NonFiniteError as e:
-                exit_code = EXIT_NON_FINITE
-                newest = next(iter(list_checkpoints(checkpointer.root)), "none")
-                raise NonFiniteError(f"{e}; stopped without applying or saving this step (newest checkpoint: {newest}). "
-                                     "Resume from it with a lower optim.lr, longer optim.warmup_steps or a tighter "
-                                     "optim.grad_clip") from None
-            throughput.add(result.tokens)
+            pending = train_step(poison_loss=debug.nan_loss_at_step == state.step + 1)
+            throughput.add(pending.tokens)
             is_last = state.step == t.max_steps
             should_eval = val_loader is not None and (state.step % t.eval_every == 0 or is_last)
-            if state.step == 1 or state.step % t.log_every == 0 or is_last or should_eval:
+            should_save = (t.ckpt_every and state.step % t.ckpt_every == 0) or is_last
+            should_log = state.step == 1 or state.step % t.log_every == 0 or is_last or should_eval
+            result = train_step.read(pending) if should_log or should_save else None  # the one device sync
+            if should_log:
                 now = time.perf_counter()
                 tokens_per_s = throughput.per_second(now)
                 utilization = mfu(tokens_per_s, flops_per_token, t.peak_flops, world.world_size) if device.type == "cuda" else None
@@ -177,22 +177,36 @@ def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, forward: nn.Module
                 throughput.reset()
             if metrics_logger is not None:
                 metrics_logger.step_done()
-            if (t.ckpt_every and state.step % t.ckpt_every == 0) or is_last:
+            if should_save:
                 _save(checkpointer, state, world)
             if debug.sigkill_after_step == state.step:
                 os.kill(os.getpid(), signal.SIGKILL)
             if debug.sigterm_after_step == state.step:
                 os.kill(os.getpid(), signal.SIGTERM)
         if state.step < t.max_steps:  # a rank received SIGTERM/SIGINT
+            train_step.check()  # never save a state that a non-finite step reached
             path = _save(checkpointer, state, world)
             if world.is_main:
                 log.info("received %s: saved %s and stopped; run again with the same trainer.run_dir to continue",
                          signal.Signals(stop.received).name if stop.received else "a stop signal", path)
+    except NonFiniteError as e:
+        exit_code = EXIT_NON_FINITE
+        raise _non_finite_stop(e, state.step, checkpointer) from None
     finally:
         stop.restore()
         if metrics_logger is not None:
             metrics_logger.close(exit_code)
     return last
+
+
+def _non_finite_stop(error: NonFiniteError, step: int, checkpointer: Checkpointer) -> NonFiniteError:
+    """The error a run stops with: which steps were not applied (a fused step runs ahead of the check
+    until the next step that reads the device), the newest checkpoint, and the fix."""
+    newest = next(iter(list_checkpoints(checkpointer.root)), "none")
+    skipped = "this step" if error.step >= step else f"steps {error.step}..{step}"
+    return NonFiniteError(f"{error}; stopped without applying or saving {skipped} (newest checkpoint: {newest}). "
+                          "Resume from it with a lower optim.lr, longer optim.warmup_steps or a tighter "
+                          "optim.grad_clip", error.step)
 
 
 def _save(checkpointer: Checkpointer, state: TrainState, world: World) -> Optional[Path]:

@@ -1,21 +1,28 @@
-"""One optimizer step (micro-batches, gradient accumulation, clipping) and the validation loss."""
+"""Optimizer steps (micro-batches, gradient accumulation, clipping) without waiting for the GPU,
+the non-finite check that keeps a bad step from ever being applied, and the validation loss."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from coda_train.data import TokenLoader
 
 from .distributed import World, global_grad_norm, gradient_sync, mean_over_ranks
+from .graphs import GraphedMicroBatch, micro_batch
 from .state import TrainState
 
 
 class NonFiniteError(RuntimeError):
-    """The loss or gradient norm became NaN/inf; the state of that step is never applied or saved."""
+    """The loss or gradient norm became NaN/inf; that step and every later one is never applied or saved."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step  # the first non-finite step
 
 
 @dataclass(frozen=True)
@@ -27,39 +34,125 @@ class StepResult:
     tokens: int  # trained on in this step, all ranks together
 
 
-def train_step(state: TrainState, forward: nn.Module, world: World, device: torch.device, grad_accum_steps: int,
-               grad_clip: float, poison_loss: bool = False) -> StepResult:
-    """grad_accum_steps micro-batches, the global gradient norm clipped to grad_clip (0: not clipped),
-    then the optimizer and scheduler steps. `forward` is the model (maybe sharded in place) or its DDP
-    wrapper; poison_loss (a test hook) multiplies the loss by NaN. Raises NonFiniteError before any weight changes."""
-    optimizer = state.optimizer
-    lr = optimizer.param_groups[0]["lr"]
-    loss_sum = torch.zeros((), device=device)
-    tokens = 0
-    for micro in range(grad_accum_steps):
-        inputs, targets = state.train_loader.next_batch()
-        # gradients are averaged across ranks once, in the last micro-batch's backward
-        last_micro = micro == grad_accum_steps - 1
-        with gradient_sync(forward, last_micro):
-            loss = forward(inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True))
-            if poison_loss:
-                loss = loss * float("nan")
-            (loss / grad_accum_steps).backward()
-        loss_sum += loss.detach()
-        tokens += inputs.numel()
-    params = list(state.model.parameters())
-    grad_norm = global_grad_norm(params)
-    torch.nn.utils.clip_grads_with_norm_(params, grad_clip if grad_clip > 0 else math.inf, grad_norm)
-    loss_value = mean_over_ranks(loss_sum, world).item() / grad_accum_steps
-    grad_norm_value = grad_norm.item()  # the same on every rank: the gradients are already averaged
-    if not (math.isfinite(loss_value) and math.isfinite(grad_norm_value)):
-        raise NonFiniteError(f"step {state.step + 1}: loss={loss_value} grad_norm={grad_norm_value} is not finite")
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    state.scheduler.step()
-    state.step += 1
-    state.tokens += tokens * world.world_size
-    return StepResult(state.step, loss_value, lr, grad_norm_value, tokens * world.world_size)
+@dataclass(frozen=True)
+class PendingStep:
+    """A step as the host knows it before reading the device: loss and grad_norm are 0-dim device tensors."""
+    step: int
+    loss: Tensor
+    lr: float
+    grad_norm: Tensor
+    tokens: int
+
+
+class NonFiniteFlag:
+    """Whether any step so far had a non-finite loss or gradient norm, kept on the device so that no
+    step waits for the GPU. `found` is 1.0 from the first such step on (sticky): fused AdamW reads it
+    as found_inf and then changes nothing (parameters, moments and its step count). `first` holds
+    (step, loss, grad_norm) of the first such step."""
+
+    def __init__(self, device: torch.device):
+        self.found = torch.zeros((), dtype=torch.float32, device=device)
+        self.first = torch.zeros(3, dtype=torch.float64, device=device)
+
+    def record(self, step: int, loss: Tensor, grad_norm: Tensor) -> None:
+        bad = ~torch.isfinite(loss + grad_norm)  # the sum is non-finite iff one of them is
+        values = torch.stack((torch.full_like(loss, step, dtype=torch.float64), loss.double(), grad_norm.double()))
+        self.first.copy_(torch.where(bad & (self.found == 0), values, self.first))
+        self.found.copy_(torch.maximum(self.found, bad.float()))
+
+    def read(self, *values: Tensor) -> list[float]:
+        """The host values of `values` (0-dim tensors) in one device sync; raises NonFiniteError if the flag is set."""
+        found, step, loss, grad_norm, *read = torch.stack((self.found.double(), *self.first,
+                                                          *(v.double() for v in values))).tolist()
+        if found:
+            raise NonFiniteError(f"step {int(step)}: loss={loss} grad_norm={grad_norm} is not finite", int(step))
+        return read
+
+
+class TrainStep:
+    """Takes one optimizer step per call: grad_accum_steps micro-batches (eager, or replays of one
+    CUDA graph), the global gradient norm clipped to grad_clip (0: not clipped), the optimizer and
+    scheduler steps. `forward` is the model (maybe sharded in place) or its DDP wrapper.
+
+    A step never waits for the GPU when the optimizer is fused AdamW (on CUDA): the loss and norm stay
+    on the device, a non-finite one sets the sticky NonFiniteFlag that the optimizer reads as found_inf,
+    and only read() (logging, evaluation, checkpoint and last steps) syncs, raising NonFiniteError for
+    the first bad step. What such a stop leaves: the parameters and optimizer state of the step before
+    the first bad one (no later update was applied), while the host counters (state.step, tokens, the
+    scheduler, the data position) have advanced to the step that read the flag; nothing is saved, since
+    every checkpoint step reads the flag first. Any other optimizer (foreach AdamW on CPU) syncs every
+    step and raises before the bad step changes any weight or counter."""
+
+    def __init__(self, state: TrainState, forward: nn.Module, world: World, device: torch.device,
+                 grad_accum_steps: int, grad_clip: float, cuda_graphs: bool = False):
+        self.state, self.forward, self.world, self.device = state, forward, world, device
+        self.grad_accum_steps, self.grad_clip, self.cuda_graphs = grad_accum_steps, grad_clip, cuda_graphs
+        self.flag = NonFiniteFlag(device)
+        self.deferred = bool(state.optimizer.defaults.get("fused"))  # found_inf exists in the fused path only
+        if self.deferred:
+            state.optimizer.found_inf = self.flag.found
+        self.graphed: Optional[GraphedMicroBatch] = None
+        self.params = list(state.model.parameters())
+
+    def __call__(self, poison_loss: bool = False) -> PendingStep:
+        """One optimizer step; poison_loss (a test hook) multiplies this step's loss by NaN."""
+        state, optimizer = self.state, self.state.optimizer
+        lr = optimizer.param_groups[0]["lr"]
+        batches = [tuple(self._pinned(t) for t in state.train_loader.next_batch()) for _ in range(self.grad_accum_steps)]
+        scale = math.nan if poison_loss else 1.0 / self.grad_accum_steps
+        loss_sum = self._graphed(batches, scale) if self.cuda_graphs else self._eager(batches, scale)
+        loss = mean_over_ranks(loss_sum, self.world)
+        grad_norm = global_grad_norm(self.params)  # the same on every rank: the gradients are already averaged
+        torch.nn.utils.clip_grads_with_norm_(self.params, self.grad_clip if self.grad_clip > 0 else math.inf, grad_norm)
+        self.flag.record(state.step + 1, loss, grad_norm)
+        if not self.deferred:
+            self.flag.read()  # raises before any weight or counter changes
+        optimizer.step()
+        refresh = getattr(state.model, "refresh_compute_copies", None)
+        if refresh is not None:  # a captured forward does not check whether the weights changed
+            refresh()
+        if not self.cuda_graphs:
+            optimizer.zero_grad(set_to_none=True)
+        state.scheduler.step()
+        state.step += 1
+        tokens = sum(x.numel() for x, _ in batches) * self.world.world_size
+        state.tokens += tokens
+        return PendingStep(state.step, loss, lr, grad_norm, tokens)
+
+    def read(self, pending: PendingStep) -> StepResult:
+        """The step's values on the host (one device sync); raises NonFiniteError if any step so far was non-finite."""
+        loss, grad_norm = self.flag.read(pending.loss, pending.grad_norm)
+        return StepResult(pending.step, loss, pending.lr, grad_norm, pending.tokens)
+
+    def check(self) -> None:
+        """Raise NonFiniteError if any step so far was non-finite (before saving a state)."""
+        self.flag.read()
+
+    def _pinned(self, t: Tensor) -> Tensor:
+        """t in page-locked memory when training on CUDA: a copy from pageable memory can wait for the GPU."""
+        return t.pin_memory() if self.device.type == "cuda" else t
+
+    def _eager(self, batches: list[tuple[Tensor, Tensor]], scale: float) -> Tensor:
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        for i, (inputs, targets) in enumerate(batches):
+            # gradients are averaged across ranks once, in the last micro-batch's backward
+            with gradient_sync(self.forward, i == len(batches) - 1):
+                micro_batch(self.forward, inputs.to(self.device, non_blocking=True),
+                            targets.to(self.device, non_blocking=True), scale, loss_sum)
+        return loss_sum
+
+    def _graphed(self, batches: list[tuple[Tensor, Tensor]], scale: float) -> Tensor:
+        if self.graphed is None:
+            self.graphed = GraphedMicroBatch(self.state.model, *batches[0], 1.0 / self.grad_accum_steps)
+        graphed = self.graphed
+        graphed.zero_()
+        if math.isnan(scale):
+            graphed.set_loss_scale(scale)
+        for inputs, targets in batches:
+            graphed(inputs, targets)
+        if math.isnan(scale):
+            graphed.set_loss_scale(1.0 / self.grad_accum_steps)
+        return graphed.loss_sum.clone()  # the static buffer is zeroed again by the next step
 
 
 @torch.no_grad()

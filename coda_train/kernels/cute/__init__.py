@@ -135,6 +135,26 @@ def gemm_rowscale_cross_entropy(h: Tensor, r: Tensor, w_lm: Tensor, targets: Ten
     return torch.logsumexp(lse_part, dim=-1), target_logit
 
 
+@cute_impl("gemm_rowscale_logits_cross_entropy", gpu_blind_compile=True)
+def gemm_rowscale_logits_cross_entropy(h: Tensor, r: Tensor, w_lm: Tensor,
+                                       targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(H, training) the logits stored in bf16, with per-N-tile online (max, sum-exp) partials and
+    the target logit of the stored values; the partials fold with one tiny logsumexp."""
+    M, K = h.shape
+    V = w_lm.shape[0]
+    need_bf16("gemm_rowscale_logits_cross_entropy", h=h, w_lm=w_lm)
+    need_inner("gemm_rowscale_logits_cross_entropy", K=K, V=V)
+    logits = empty(M, V, dtype=h.dtype, device=h.device)
+    lse_part = sink_cols(M, V, CFG_DEFAULT, h.device)
+    target_logit = empty(M, dtype=torch.float32, device=h.device)
+    gemm(E.rowscale_logits_lse_target, h, w_lm, logits,
+         epi={"r": colvec(r), "lse": lse_part, "target_logit": target_logit,
+              "target": targets.reshape(1, -1).contiguous()})
+    if compiling_only():
+        return logits, lse_part, target_logit
+    return logits, torch.logsumexp(lse_part, dim=-1), target_logit
+
+
 @cute_impl("attention")
 def attention(qkv: Tensor, n_heads: int, n_kv_heads: int, seq_len: int) -> tuple[Tensor, Tensor]:
     """(F2) FlashAttention 4 forward (causal, GQA) on head views of the fused qkv rows."""
@@ -154,33 +174,13 @@ def attention_backward(g_o: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, n_heads
     return attention_bwd(g_o, qkv, o, lse, n_heads, n_kv_heads, seq_len)
 
 
-@cute_impl("gemm_cross_entropy_backward", gpu_blind_compile=True)
-def gemm_cross_entropy_backward(h: Tensor, r: Tensor, w_lm: Tensor, targets: Tensor, lse: Tensor,
-                                grad_scale: Tensor) -> tuple[Tensor, Tensor]:
-    """(H') recompute the logits in the GEMM; epilogue stores r * softmax * grad_scale and the
-    partials of sum g*y, and picks each row's target logit; the one-hot term is one element per
-    row, fixed up afterwards (M-element scatter, one extra partial column)."""
-    M, K = h.shape
-    V = w_lm.shape[0]
-    need_bf16("gemm_cross_entropy_backward", h=h, w_lm=w_lm)
-    need_inner("gemm_cross_entropy_backward", K=K, V=V)
-    dev = h.device
-    scale = grad_scale.detach().to(device=dev, dtype=torch.float32).reshape(1).contiguous()
-    g = empty(M, V, dtype=h.dtype, device=dev)
-    stat = sink_cols(M, V, CFG_DEFAULT, dev)
-    y_t = empty(M, dtype=torch.float32, device=dev)
-    rv = colvec(r)
-    t = targets.reshape(-1)
-    gemm(E.ce_backward_target, h, w_lm, g,
-         epi={"r": rv, "lse": colvec(lse), "scale": scale, "stat": stat, "target_logit": y_t,
-              "target": t.reshape(1, -1).contiguous()})
-    if compiling_only():
-        return g, stat
-    # one-hot term: g[m, t_m] = (p_t - 1) * s, stat -= s * y_t
-    p_t = torch.exp(y_t - lse.float()) * scale
-    rows = torch.arange(M, device=dev)
-    g[rows, t] = ((p_t - scale) * r.float()).to(g.dtype)
-    return g, torch.cat((stat, (-scale * y_t)[:, None]), dim=1)
+@cute_impl("cross_entropy_backward_rowscale_stat")
+def cross_entropy_backward_rowscale_stat(logits: Tensor, r: Tensor, targets: Tensor, lse: Tensor,
+                                         grad_scale: Tensor) -> tuple[Tensor, Tensor]:
+    """(H') one elementwise pass over the stored logits + row sum (Triton kernel)."""
+    from ._elementwise import cross_entropy_backward_rowscale_stat as impl
+
+    return impl(logits, r, targets, lse, grad_scale)
 
 
 @cute_impl("gemm_dswiglu_rowscale_stat", gpu_blind_compile=True)
@@ -232,6 +232,21 @@ def gemm_rmsnorm_backward(g_y_scaled: Tensor, w: Tensor, residual_grad: Optional
     if compiling_only():
         return g_x, g_gamma
     return g_x, g_gamma.sum(0)
+
+
+@cute_impl("matmul_tn_add", gpu_blind_compile=True)
+def matmul_tn_add(acc: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """(H'') acc + a^T b: the GEMM reads a and b through transposed views (M-major A, N-major B)
+    and adds the fp32 accumulator as its C operand; the sum is written to a fresh fp32 output."""
+    K, N = a.shape
+    P = b.shape[1]
+    need_bf16("matmul_tn_add", a=a, b=b)
+    need_inner("matmul_tn_add", N=N, P=P)
+    need(tuple(acc.shape) == (N, P), f"matmul_tn_add: acc must be (a.shape[1], b.shape[1]) = ({N}, {P}), "
+                                      f"got {tuple(acc.shape)}")
+    out = empty(N, P, dtype=torch.float32, device=a.device)
+    gemm(E.accumulate, a.mT, b.mT, out, C=acc.float().contiguous(), epi={})
+    return out
 
 
 # ---- inference ----------------------------------------------------------------------------

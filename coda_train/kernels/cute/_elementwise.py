@@ -1,9 +1,12 @@
-"""Activation-sized elementwise work that is not GEMM-adjacent: the RoPE backward (inverse rotation
-of the q/k gradient pairs, row scale, and the attention-norm statistic sum_k g*qkv). It runs
-after FlashAttention's backward, whose output no GEMM epilogue can see, so it is one Triton pass
-(one row per program, pairs loaded as (n/2, 2) blocks). No torch fallback: the cute backend
-runs on an sm_90 GPU (need_bf16 rejects CPU tensors), compile_only() returns before the launch,
-and reference.rope_backward_rowscale_stat is the oracle."""
+"""Activation-sized elementwise work that no GEMM epilogue can see, as Triton passes:
+- the RoPE backward (inverse rotation of the q/k gradient pairs, row scale, and the attention-norm
+  statistic sum_k g*qkv), after FlashAttention's backward (one row per program, pairs loaded as
+  (n/2, 2) blocks);
+- the cross-entropy gradient of one chunk of stored logits (softmax - onehot, row scale, and the
+  final-norm statistic sum_k g*y), which needs the row's full logsumexp before any of its columns
+  (one row per program, looping over the vocabulary in blocks).
+No torch fallback: the cute backend runs on an sm_90 GPU (need_bf16 rejects CPU tensors),
+compile_only() returns before the launch, and reference.py's functions are the oracle."""
 
 from __future__ import annotations
 
@@ -59,3 +62,41 @@ def rope_backward_rowscale_stat(g_qkv: Tensor, qkv: Tensor, r: Tensor, rope: Ten
         BLOCK=triton.next_power_of_2(N // 2), num_warps=4 if N <= 2048 else 8)
     return out, stat
 
+
+
+@triton.jit
+def _ce_bwd_kernel(y_ptr, r_ptr, t_ptr, lse_ptr, scale_ptr, out_ptr, stat_ptr, N, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    base = row.to(tl.int64) * N
+    lse = tl.load(lse_ptr + row)
+    r = tl.load(r_ptr + row)
+    t = tl.load(t_ptr + row)
+    scale = tl.load(scale_ptr)
+    stat = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < N
+        y = tl.load(y_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
+        g = (tl.exp(y - lse) - (cols == t).to(tl.float32)) * scale
+        g = tl.where(mask, g, 0.0)
+        stat += g * y
+        tl.store(out_ptr + base + cols, (g * r).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(stat_ptr + row, tl.sum(stat, axis=0))
+
+
+def cross_entropy_backward_rowscale_stat(logits: Tensor, r: Tensor, targets: Tensor, lse: Tensor,
+                                         grad_scale: Tensor) -> tuple[Tensor, Tensor]:
+    """grad_scale: a 0-dim tensor, read on the device (no host sync)."""
+    M, N = logits.shape
+    need_bf16("cross_entropy_backward_rowscale_stat", logits=logits)
+    need(targets.numel() == M and lse.numel() == M and r.numel() == M and grad_scale.numel() == 1,
+         f"cross_entropy_backward_rowscale_stat: r, targets and lse need one entry per row ({M}), grad_scale one")
+    out = empty(M, N, dtype=logits.dtype, device=logits.device)
+    stat = empty(M, 1, dtype=torch.float32, device=logits.device)
+    if compiling_only():
+        return out, stat
+    _ce_bwd_kernel[(M,)](
+        logits.contiguous(), r.float().contiguous(), targets.reshape(-1).contiguous(), lse.float().contiguous(),
+        grad_scale.detach().float().reshape(1), out, stat, N,
+        BLOCK=min(4096, triton.next_power_of_2(N)), num_warps=8)
+    return out, stat

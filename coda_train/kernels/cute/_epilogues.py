@@ -21,7 +21,6 @@ from cutlass import BFloat16, Float32
 import quack
 from quack.activation import dswiglu as _dswiglu, swiglu as _swiglu
 from quack.epilogue.frontend import gemm_epilogue, pack, unpack
-from quack.epilogue.math import pexp as _pexp
 from quack.epilogue.ops import (
     ColVecLoad,
     ColVecReduce,
@@ -29,7 +28,6 @@ from quack.epilogue.ops import (
     OnlineLSEReduce,
     RowVecLoad,
     RowVecReduce,
-    Scalar,
 )
 from quack.epilogue.rotary import rotary_cos_sin_load
 
@@ -54,7 +52,6 @@ class _Library:
 
 swiglu = _Library(_swiglu)  # silu(gate) * up
 dswiglu = _Library(_dswiglu)  # (d gate, d up, silu(gate) * up) given d out
-pexp = _Library(_pexp)  # fast exp
 
 
 def as_stored(v):
@@ -100,7 +97,7 @@ def rowscale_swiglu(acc, r):
     return {"gate": g, "up": u, "a": swiglu(g, u)}
 
 
-# H: logits y = r * h W_lm^T never leave the chip: online (max, sum-exp) partials per N tile and
+# H (evaluation): logits y = r * h W_lm^T never leave the chip: online (max, sum-exp) partials per N tile and
 # the target column's logit. No D store.
 _target = ColVecLoad("target")
 
@@ -115,22 +112,19 @@ def rowscale_lse_target(acc, r):
     return {"lse": y, "target_logit": y}
 
 
-# H': recompute y = r * acc; p = softmax(y) * grad_scale from the forward's lse; store r * p,
-# per-tile partials of sum p*y, and pick the target column's y. The one-hot term touches one
-# element per row: fixed up after the kernel from that exact y (see gemm_cross_entropy_backward).
-_target_bwd = ColVecLoad("target")
+# H (training): the same, with the logits stored (bf16); the partials and the target logit are of
+# the stored values, so the softmax that H' computes from them sums to one.
+_target_logits = ColVecLoad("target")
 
 
 @gemm_epilogue(
-    ops={"r": ColVecLoad("r"), "lse": ColVecLoad("lse"), "scale": Scalar("scale")},
-    reduces={"stat": ColVecReduce("stat", scaled=True)},
-    outs={"target_logit": ColVecSelect("target_logit", idx_op=_target_bwd)},
-    extra_ops=(_target_bwd,),
+    ops={"r": ColVecLoad("r")},
+    outs={"lse": OnlineLSEReduce("lse"), "target_logit": ColVecSelect("target_logit", idx_op=_target_logits)},
+    extra_ops=(_target_logits,),
 )
-def ce_backward_target(acc, r, lse, scale):
-    y = acc * r
-    p = pexp(y - lse) * scale
-    return {"D": p * r, "stat": (p, y), "target_logit": y}
+def rowscale_logits_lse_target(acc, r):
+    y = as_stored(acc * r)
+    return {"D": y, "lse": y, "target_logit": y}
 
 
 # B1: acc = g_out W_down = g_a; dSwiGLU with the saved gate/up halves (two tile loads of column
@@ -163,3 +157,9 @@ def rmsnorm_backward(acc, c, x, gamma, coef):
 )
 def rmsnorm_backward_noresidual(acc, x, gamma, coef):
     return {"D": acc * gamma + x * coef, "g_gamma": (acc, x)}
+
+
+# H'': acc_out = acc_in (C, fp32) + a^T b: the LM-head weight gradient accumulated over chunks of rows.
+@gemm_epilogue()
+def accumulate(acc, c):
+    return {"D": acc + c}
