@@ -24,8 +24,14 @@ summary "$OUT/1b_1gpu.log" 1b_1gpu
 timeout 110 $TWO model=llama3_1b $COMMON trainer.batch_size=4 trainer.max_steps=20 trainer.ckpt_every=10 \
   trainer.parallel=fsdp trainer.run_dir=$R/1b_fsdp > "$OUT/1b_fsdp.log" 2>&1; echo "1b_fsdp rc=$?" >> "$OUT/fsdp_summary.txt"
 summary "$OUT/1b_fsdp.log" 1b_fsdp
+# peak memory per GPU of the 8b run: nvidia-smi's memory.used (the allocator's cache included), sampled every 0.5 s
+nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$OUT/8b_gpu_memory.csv" 2>/dev/null &
+SMI=$!
 timeout 200 $TWO model=llama3_8b $COMMON trainer.batch_size=2 trainer.max_steps=50 trainer.ckpt_every=0 \
   trainer.parallel=fsdp trainer.run_dir=$R/8b_fsdp > "$OUT/8b_fsdp.log" 2>&1; echo "8b_fsdp rc=$?" >> "$OUT/fsdp_summary.txt"
+kill $SMI 2>/dev/null
+awk -F', ' '$2 > m[$1] {m[$1] = $2} END {for (g in m) printf "8b_fsdp: GPU %s peak memory.used %d MiB\n", g, m[g]}' \
+  "$OUT/8b_gpu_memory.csv" >> "$OUT/fsdp_summary.txt"
 summary "$OUT/8b_fsdp.log" 8b_fsdp
 # saved on 2 GPUs at step 20, resumed on 1 GPU (same global batch 8) to step 30
 timeout 70 python3 train.py model=llama3_1b $COMMON trainer.batch_size=8 trainer.max_steps=30 trainer.ckpt_every=0 \

@@ -157,7 +157,8 @@ def main() -> None:
             summary = overlap_summary(device_kernels(Path(f"{tmp}/trace.json")), args.steps)
         summary.update(preset=args.preset, n_layers=cfg.n_layers, batch=args.batch, seq=args.seq,
                        processes=world.world_size, reshard_after_forward=args.reshard_after_forward,
-                       wall_ms_per_step_profiled=wall_ms, nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"))
+                       wall_ms_per_step_profiled=wall_ms, nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"),
+                       peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "fsdp_overlap.json").write_text(json.dumps(summary, indent=1))
