@@ -413,3 +413,23 @@ def test_bf16_compute_copies_are_cast_once_per_update_and_gradients_stay_fp32(mo
         coda.layers[1].w_down.mul_(2.0)  # an optimizer-like in-place update of one weight
         changed = coda(tokens, targets)
     assert copies == [n_params, 1] and changed != before
+
+
+def test_compute_copies_follow_a_fused_optimizer_step_when_forced():
+    """Fused AdamW updates the weights in place without bumping their version counters, so the
+    version check alone would keep computing with the old weights; the trainer forces the refresh."""
+    cfg = preset("tiny", **SMALL, n_layers=1)
+    _, coda = make_pair(cfg, torch.float32, compute_dtype=torch.bfloat16)
+    eager, _ = make_pair(cfg, torch.float32, compute_dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(10)
+    tokens, targets = (torch.randint(0, cfg.vocab_size, (2, 16), generator=g) for _ in range(2))
+    coda(tokens, targets).backward()
+    w = coda.layers[0].w_down
+    optimizer = torch.optim.AdamW(coda.parameters(), lr=0.1, fused=True)
+    version = w._version
+    optimizer.step()
+    assert w._version == version  # the reason for force=True
+    coda.refresh_compute_copies(force=True)
+    assert torch.equal(coda.compute_copy(w), w.detach().bfloat16())
+    eager.refresh_compute_copies(force=True)
+    assert eager._copies == {}  # a model that never read copies gets none

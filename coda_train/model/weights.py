@@ -86,11 +86,14 @@ class LlamaWeights(nn.Module):
         self.norm.fill_(1.0)
 
     @torch.no_grad()
-    def refresh_compute_copies(self) -> None:
+    def refresh_compute_copies(self, force: bool = False) -> None:
         """Bring the compute-dtype copies of the parameters up to date: one fused multi-tensor copy
-        of those changed since the last call (an optimizer step, a load), so the weights are cast
-        once per optimizer step, not in every forward and backward. Parameters already in the
-        compute dtype need no copy; FSDP2's sharded ones are gathered in it."""
+        of those changed since the last call, so the weights are cast once per optimizer step, not
+        in every forward and backward. A change is seen through the parameter's version counter (an
+        in-place op, a load); fused optimizers (fused AdamW) update in place without bumping it, so
+        the trainer passes force=True after each optimizer step (which rewrites the copies there are
+        and creates none). Parameters already in the compute dtype need no copy; FSDP2's sharded
+        ones are gathered in it."""
         stale, sources = [], []
         for p in self.parameters():
             if p.dtype == self.compute_dtype or isinstance(p, DTensor):
@@ -98,8 +101,10 @@ class LlamaWeights(nn.Module):
             key = (p._version, p.data_ptr())
             held = self._copies.get(id(p))
             if held is None or held[0] is not p or held[2].shape != p.shape or held[2].device != p.device:
+                if force:  # a model that reads no copies (the eager one) gets none
+                    continue
                 held = (p, None, torch.empty_like(p, dtype=self.compute_dtype))
-            if held[1] != key:
+            if force or held[1] != key:
                 stale.append(held[2])
                 sources.append(p.detach())
                 self._copies[id(p)] = (p, key, held[2])

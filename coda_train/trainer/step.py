@@ -108,9 +108,8 @@ class TrainStep:
         if not self.deferred:
             self.flag.read()  # raises before any weight or counter changes
         optimizer.step()
-        refresh = getattr(state.model, "refresh_compute_copies", None)
-        if refresh is not None:  # a captured forward does not check whether the weights changed
-            refresh()
+        # fused AdamW leaves the parameters' version counters alone, and a captured forward checks nothing
+        state.model.refresh_compute_copies(force=True)
         if not self.cuda_graphs:
             optimizer.zero_grad(set_to_none=True)
         state.scheduler.step()
