@@ -13,7 +13,6 @@ from typing import Any, Optional
 
 import torch
 from omegaconf import OmegaConf
-from torch import nn
 
 from coda_train.config import Config, check_config
 from coda_train.data import DataError, TokenLoader
