@@ -3,11 +3,11 @@
 # kind nvidia-h200-x2; the timeouts add up to 580 s):   bash scripts/device_fsdp.sh
 # 1. llama3_1b on 1 GPU and under FSDP2 on 2 GPUs with the same global batch (20 steps each): the
 #    losses must agree (bf16: to about 1e-2) and the tokens/s are compared;
-# 2. llama3_8b under FSDP2 on 2 GPUs for 50 steps (batch 2 x 2048 per GPU);
-# 3. the 1b FSDP2 run's checkpoint (saved on 2 GPUs, sharded) resumed on 1 GPU for 10 more steps;
-# 4. llama3_1b on 1 GPU with trainer.recompute=block for 10 steps (losses as run 1's, less memory);
-# 5. the FSDP2 overlap profile (scripts/fsdp_overlap_profile.py): 3 profiled steps of a 4-layer
-#    llama3_1b slice on 2 GPUs, NCCL kernel time under compute -> $OUT/fsdp_overlap.json.
+# 2. the 1b FSDP2 run's checkpoint (saved on 2 GPUs, sharded) resumed on 1 GPU for 10 more steps;
+# 3. llama3_1b on 1 GPU with trainer.recompute=block for 10 steps (losses as run 1's, less memory);
+# 4. the FSDP2 overlap profile (scripts/fsdp_overlap_profile.py): 3 profiled steps of a 4-layer
+#    llama3_1b slice on 2 GPUs, NCCL kernel time under compute -> $OUT/fsdp_overlap.json;
+# 5. llama3_8b under FSDP2 on 2 GPUs for 50 steps (batch 2 x 2048 per GPU), last.
 # Summaries land in $OUT/fsdp_summary.txt; full logs in $OUT/*.log.
 set -uo pipefail
 OUT=${OUT:-runs/fsdp}
@@ -25,16 +25,8 @@ timeout 110 $TWO model=llama3_1b $COMMON trainer.batch_size=4 trainer.max_steps=
   trainer.parallel=fsdp trainer.run_dir=$R/1b_fsdp > "$OUT/1b_fsdp.log" 2>&1; echo "1b_fsdp rc=$?" >> "$OUT/fsdp_summary.txt"
 summary "$OUT/1b_fsdp.log" 1b_fsdp
 # peak memory per GPU of the 8b run: nvidia-smi's memory.used (the allocator's cache included), sampled every 0.5 s
-nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$OUT/8b_gpu_memory.csv" 2>/dev/null &
-SMI=$!
-timeout 200 $TWO model=llama3_8b $COMMON trainer.batch_size=2 trainer.max_steps=50 trainer.ckpt_every=0 \
-  trainer.parallel=fsdp trainer.run_dir=$R/8b_fsdp > "$OUT/8b_fsdp.log" 2>&1; echo "8b_fsdp rc=$?" >> "$OUT/fsdp_summary.txt"
-kill $SMI 2>/dev/null
-awk -F', ' '$2 > m[$1] {m[$1] = $2} END {for (g in m) printf "8b_fsdp: GPU %s peak memory.used %d MiB\n", g, m[g]}' \
-  "$OUT/8b_gpu_memory.csv" >> "$OUT/fsdp_summary.txt"
-summary "$OUT/8b_fsdp.log" 8b_fsdp
 # saved on 2 GPUs at step 20, resumed on 1 GPU (same global batch 8) to step 30
-timeout 70 python3 train.py model=llama3_1b $COMMON trainer.batch_size=8 trainer.max_steps=30 trainer.ckpt_every=0 \
+timeout 80 python3 train.py model=llama3_1b $COMMON trainer.batch_size=8 trainer.max_steps=30 trainer.ckpt_every=0 \
   trainer.run_dir=$R/1b_fsdp > "$OUT/1b_resume_1gpu.log" 2>&1; echo "1b_resume_1gpu rc=$?" >> "$OUT/fsdp_summary.txt"
 summary "$OUT/1b_resume_1gpu.log" 1b_resume_1gpu
 timeout 70 python3 train.py model=llama3_1b $COMMON trainer.batch_size=8 trainer.max_steps=10 trainer.ckpt_every=0 \
@@ -51,6 +43,16 @@ for kind in ("all_gather", "reduce_scatter", "nccl"):
           f"({s[kind]['overlapped_fraction']})")
 print(f"overlap: compute busy {s['compute_busy_ms']:.2f} ms/step, GPU span {s['gpu_span_ms']:.2f} ms/step")
 PY
+# last: its final checkpoint (84 GB of fp32 weights and AdamW moments over two ranks) outlasts the timeout
+# and fills the disk, which stopped every run after it in the first call (exit 4: run-dir write failed)
+nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$OUT/8b_gpu_memory.csv" 2>/dev/null &
+SMI=$!
+timeout 190 $TWO model=llama3_8b $COMMON trainer.batch_size=2 trainer.max_steps=50 trainer.ckpt_every=0 \
+  trainer.parallel=fsdp trainer.run_dir=$R/8b_fsdp > "$OUT/8b_fsdp.log" 2>&1; echo "8b_fsdp rc=$?" >> "$OUT/fsdp_summary.txt"
+kill $SMI 2>/dev/null
+awk -F', ' '$2 > m[$1] {m[$1] = $2} END {for (g in m) printf "8b_fsdp: GPU %s peak memory.used %d MiB\n", g, m[g]}' \
+  "$OUT/8b_gpu_memory.csv" >> "$OUT/fsdp_summary.txt"
+summary "$OUT/8b_fsdp.log" 8b_fsdp
 python3 - "$R" >> "$OUT/fsdp_summary.txt" <<'PY'
 import json, sys
 def losses(d): return {m["step"]: m["loss"] for m in map(json.loads, open(f"{sys.argv[1]}/{d}/metrics.jsonl"))}
