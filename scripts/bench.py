@@ -215,14 +215,12 @@ def bench_model(variant: str, cfg, state: dict, batch, iters: int, warmup: int) 
     from coda_train.config import OptimConfig
     from coda_train.trainer.optim import build_optimizer
 
-    optimizer = build_optimizer(model, OptimConfig(), DEVICE)
-    refresh = getattr(model, "refresh_compute_copies", lambda: None)  # as the trainer does after each step
+    optimizer = build_optimizer(model, OptimConfig(), DEVICE)  # the trainer's: it refreshes the compute copies
 
     def train_step() -> None:
         fwd_bwd()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        refresh()
 
     reset_peak()
     step = step_times(train_step, iters, warmup)

@@ -433,3 +433,12 @@ def test_compute_copies_follow_a_fused_optimizer_step_when_forced():
     assert torch.equal(coda.compute_copy(w), w.detach().bfloat16())
     eager.refresh_compute_copies(force=True)
     assert eager._copies == {}  # a model that never read copies gets none
+    # the trainer's optimizer forces the refresh after every step
+    from coda_train.config import OptimConfig
+    from coda_train.trainer.optim import build_optimizer
+
+    calls = []
+    coda.refresh_compute_copies = lambda force=False: calls.append(force)
+    coda(tokens, targets).backward()
+    build_optimizer(coda, OptimConfig(), torch.device("cpu")).step()
+    assert calls[-1] is True

@@ -91,8 +91,8 @@ class LlamaWeights(nn.Module):
         of those changed since the last call, so the weights are cast once per optimizer step, not
         in every forward and backward. A change is seen through the parameter's version counter (an
         in-place op, a load); fused optimizers (fused AdamW) update in place without bumping it, so
-        the trainer passes force=True after each optimizer step (which rewrites the copies there are
-        and creates none). Parameters already in the compute dtype need no copy; FSDP2's sharded
+        the trainer's optimizer calls it with force=True after each step (trainer/optim.py), which
+        rewrites the copies there are and creates none. Parameters already in the compute dtype need no copy; FSDP2's sharded
         ones are gathered in it."""
         stale, sources = [], []
         for p in self.parameters():

@@ -36,7 +36,11 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # fused on GPU (one kernel for all parameters), foreach (few large ops) on CPU
     kind = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kind)
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kind)
+    refresh = getattr(model, "refresh_compute_copies", None)
+    if refresh is not None:  # fused AdamW updates in place without bumping the version counters it would check
+        optimizer.register_step_post_hook(lambda *_: refresh(force=True))
+    return optimizer
 
 
 def lr_multiplier(step: int, cfg: OptimConfig, max_steps: int) -> float:

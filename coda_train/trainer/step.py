@@ -108,8 +108,6 @@ class TrainStep:
         if not self.deferred:
             self.flag.read()  # raises before any weight or counter changes
         optimizer.step()
-        # fused AdamW leaves the parameters' version counters alone, and a captured forward checks nothing
-        state.model.refresh_compute_copies(force=True)
         if not self.cuda_graphs:
             optimizer.zero_grad(set_to_none=True)
         state.scheduler.step()
