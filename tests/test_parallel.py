@@ -295,3 +295,14 @@ def test_overlap_summary_counts_nccl_time_under_compute():
     assert summary["other_nccl"]["busy_ms"] == 0 and summary["other_nccl"]["overlapped_fraction"] is None
     assert summary["nccl"] == pytest.approx({"busy_ms": 200 * ms, "overlapped_ms": 90 * ms, "exposed_ms": 110 * ms,
                                              "overlapped_fraction": 0.45})
+
+
+def test_fsdp_only_options_are_refused_under_ddp():
+    from coda_train.errors import ConfigError
+    from coda_train.trainer.distributed import check_fsdp_options
+
+    with pytest.raises(ConfigError, match="trainer.fsdp_reshard_after_forward=true applies to FSDP2 only.*"
+                                          "set trainer.parallel=fsdp, or trainer.fsdp_reshard_after_forward=false"):
+        check_fsdp_options("ddp", True)
+    for parallel, reshard in (("fsdp", True), ("ddp", False), ("none", True)):  # one process: nothing to shard
+        check_fsdp_options(parallel, reshard)

@@ -69,6 +69,13 @@ def resolve_parallel(name: str, world: World) -> str:
     return name
 
 
+def check_fsdp_options(parallel: str, reshard_after_forward: bool) -> None:
+    """trainer.fsdp_* keys act under FSDP2 only; under DDP they would be silently ignored."""
+    if reshard_after_forward and parallel == "ddp":
+        raise ConfigError("trainer.fsdp_reshard_after_forward=true applies to FSDP2 only, and this run uses "
+                          "trainer.parallel=ddp: set trainer.parallel=fsdp, or trainer.fsdp_reshard_after_forward=false")
+
+
 def shard_model(model: nn.Module, compute_dtype: torch.dtype, reshard_after_forward: bool = False) -> None:
     """FSDP2 in place, before the optimizer is built (it then holds the sharded DTensor parameters):
     one unit per block (LayerWeights), the root unit holding the embedding, final norm and LM head.

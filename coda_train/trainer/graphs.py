@@ -86,7 +86,7 @@ class GraphedMicroBatch:
         self.first = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.first):
             self._run(first=True)
-        self.grads = [p.grad for p in params]  # the buffers the graphs write
+        self.params, self.grads = params, [p.grad for p in params]  # the buffers the graphs write
         self.rest = None
         if accumulate:
             self.rest = torch.cuda.CUDAGraph()
@@ -110,7 +110,7 @@ class GraphedMicroBatch:
             raise ValueError(f"the CUDA graph was captured for batches of shape {tuple(self.tokens.shape)}, got "
                              f"{tuple(tokens.shape)} and {tuple(targets.shape)}; capture another GraphedMicroBatch "
                              "for that shape")
-        if any(p.grad is not g for p, g in zip(self.model.parameters(), self.grads)):
+        if any(p.grad is not g for p, g in zip(self.params, self.grads)):
             raise RuntimeError("a parameter's .grad was replaced (e.g. zero_grad(set_to_none=True)) while its CUDA "
                                "graph is live: the graph would keep writing the old buffer")
         if not first and self.rest is None:

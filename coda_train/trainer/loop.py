@@ -27,8 +27,8 @@ from .build import (build_loader, build_train_state, check_compute, check_model_
 from .checkpoint import (CHECKPOINTS_DIR, CheckpointError, Checkpointer, check_same_model, find_resume_checkpoint,
                          list_checkpoints, restore, set_aside_newer)
 from .device import pick_compute_dtype, pick_device
-from .distributed import (World, any_rank, barrier, close_world, data_parallel, from_main, init_world, process_device,
-                          resolve_parallel)
+from .distributed import (World, any_rank, barrier, check_fsdp_options, close_world, data_parallel, from_main, init_world,
+                          process_device, resolve_parallel)
 from .graphs import use_cuda_graphs
 from .metrics import METRICS_FILE, MetricsLogger, Throughput, metrics_line, mfu, rewind_metrics
 from .optim import apply_config_after_resume
@@ -87,6 +87,7 @@ def train(cfg: Config, run_dir: Path) -> Optional[dict[str, Any]]:
             world = init_world(device.type)
             held.callback(close_world, world)
             parallel = resolve_parallel(cfg.trainer.parallel, world)
+            check_fsdp_options(parallel, cfg.trainer.fsdp_reshard_after_forward)
             cuda_graphs = use_cuda_graphs(cfg.trainer.cuda_graphs, cfg.model.impl, device, parallel)
             run_dir = from_main(run_dir, world)
             held.enter_context(hold_run_dir(run_dir, world))  # before anything reads or writes the run dir

@@ -90,15 +90,15 @@ def sink_cols(M: int, N: int, cfg: Cfg, device) -> Tensor:
     return empty(M, -(-N // cfg.tile_N), dtype=torch.float32, device=device)
 
 
-def stat_cols(M: int, N: int, cfg: Cfg, device, extra: int = 0) -> tuple[Tensor, Tensor]:
-    """A declared partial-sum output, (M, n_stat_cols(N) + extra) fp32, and its first
-    ceil(N / tile_N) columns as the kernel's per-N-tile sink; the columns past the sink are zero
-    (consumers only sum them), so any tile_N >= STAT_TILE_N gives the declared width."""
-    out = empty(M, n_stat_cols(N) + extra, dtype=torch.float32, device=device)
+def stat_cols(M: int, N: int, cfg: Cfg, device) -> tuple[Tensor, Tensor]:
+    """A declared partial-sum output, (M, n_stat_cols(N)) fp32, and its first ceil(N / tile_N)
+    columns as the kernel's per-N-tile sink; the columns past the sink are zero (consumers only
+    sum them), so any tile_N >= STAT_TILE_N gives the declared width."""
+    out = empty(M, n_stat_cols(N), dtype=torch.float32, device=device)
     n_tiles = -(-N // cfg.tile_N)
-    assert n_tiles <= n_stat_cols(N), f"tile_N={cfg.tile_N} gives more partial columns than declared"
-    if n_tiles < out.shape[1] - extra:
-        out[:, n_tiles:out.shape[1] - extra].zero_()
+    assert n_tiles <= out.shape[1], f"tile_N={cfg.tile_N} gives more partial columns than declared"
+    if n_tiles < out.shape[1]:
+        out[:, n_tiles:].zero_()
     return out, out[:, :n_tiles]
 
 
