@@ -41,14 +41,20 @@ def wait_for_steps(proc: subprocess.Popen, run_dir: Path, n: int, timeout: float
         time.sleep(0.2)
 
 
-def test_exclusive_lock_names_its_holder_and_dies_with_it(tmp_path):
-    lock = tmp_path / "x.lock"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+def _hold_lock(lock, seconds: float) -> subprocess.Popen:
+    """Another process holding `lock` for `seconds`, returned once it holds it."""
+    holder = subprocess.Popen([sys.executable, "-c", "import time; from pathlib import Path; "
                                "from coda_train.durable import exclusive_lock\n"
                                f"with exclusive_lock(Path({str(lock)!r}), wait=False):\n"
-                               "    print('held', flush=True); time.sleep(60)"],
+                               f"    print('held', flush=True); time.sleep({seconds})"],
                               cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline() == "held\n"
+    return holder
+
+
+def test_exclusive_lock_names_its_holder_and_dies_with_it(tmp_path):
+    lock = tmp_path / "x.lock"
+    holder = _hold_lock(lock, seconds=60)
     with pytest.raises(LockHeldError, match=f"locked by pid {holder.pid} on host "):
         with exclusive_lock(lock, wait=False):
             pass
@@ -60,12 +66,7 @@ def test_exclusive_lock_names_its_holder_and_dies_with_it(tmp_path):
 
 def test_exclusive_lock_with_wait_blocks_until_the_holder_lets_go(tmp_path, caplog):
     lock = tmp_path / "x.lock"
-    holder = subprocess.Popen([sys.executable, "-c", "import time; from pathlib import Path; "
-                               "from coda_train.durable import exclusive_lock\n"
-                               f"with exclusive_lock(Path({str(lock)!r}), wait=False):\n"
-                               "    print('held', flush=True); time.sleep(1.5)"],
-                              cwd=REPO, stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline() == "held\n"
+    holder = _hold_lock(lock, seconds=1.5)
     caplog.set_level("INFO")
     start = time.monotonic()
     with exclusive_lock(lock, wait=True):

@@ -110,18 +110,19 @@ def gemm_rowscale_swiglu(h: Tensor, r: Tensor, w_gate_up: Tensor) -> tuple[Tenso
     return gu, a
 
 
-@cute_impl("gemm_rowscale_cross_entropy", gpu_blind_compile=True)
-def gemm_rowscale_cross_entropy(h: Tensor, r: Tensor, w_lm: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-    """(H) per-N-tile online (max, sum-exp) partials + target logit in the epilogue, no logits
-    written; the (M, n_tiles) partials fold with one tiny logsumexp."""
+def _lse_target(op: str, program, h: Tensor, r: Tensor, w_lm: Tensor, targets: Tensor,
+                logits: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """(H) the logits GEMM with per-N-tile online (max, sum-exp) partials and the target logit in
+    the epilogue (and the logits stored when `logits` is given); the (M, n_tiles) partials fold
+    with one tiny logsumexp, so any tile_N."""
     M, K = h.shape
     V = w_lm.shape[0]
-    need_bf16("gemm_rowscale_cross_entropy", h=h, w_lm=w_lm)
-    need_inner("gemm_rowscale_cross_entropy", K=K, V=V)
-    cfg = cfg_for("gemm_rowscale_cross_entropy", M, V, K)
-    lse_part = sink_cols(M, V, cfg, h.device)  # folded below: any tile_N
+    need_bf16(op, h=h, w_lm=w_lm)
+    need_inner(op, K=K, V=V)
+    cfg = cfg_for(op, M, V, K)
+    lse_part = sink_cols(M, V, cfg, h.device)
     target_logit = empty(M, dtype=torch.float32, device=h.device)
-    gemm(E.rowscale_lse_target, h, w_lm, None, cfg=cfg,
+    gemm(program, h, w_lm, logits, cfg=cfg,
          epi={"r": colvec(r), "lse": lse_part, "target_logit": target_logit,
               "target": targets.reshape(1, -1).contiguous()})
     if compiling_only():
@@ -129,25 +130,19 @@ def gemm_rowscale_cross_entropy(h: Tensor, r: Tensor, w_lm: Tensor, targets: Ten
     return torch.logsumexp(lse_part, dim=-1), target_logit
 
 
+@cute_impl("gemm_rowscale_cross_entropy", gpu_blind_compile=True)
+def gemm_rowscale_cross_entropy(h: Tensor, r: Tensor, w_lm: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """(H, evaluation) lse and target logit only: no logits written."""
+    return _lse_target("gemm_rowscale_cross_entropy", E.rowscale_lse_target, h, r, w_lm, targets, None)
+
+
 @cute_impl("gemm_rowscale_logits_cross_entropy", gpu_blind_compile=True)
 def gemm_rowscale_logits_cross_entropy(h: Tensor, r: Tensor, w_lm: Tensor,
                                        targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(H, training) the logits stored in bf16, with per-N-tile online (max, sum-exp) partials and
-    the target logit of the stored values; the partials fold with one tiny logsumexp."""
-    M, K = h.shape
-    V = w_lm.shape[0]
-    need_bf16("gemm_rowscale_logits_cross_entropy", h=h, w_lm=w_lm)
-    need_inner("gemm_rowscale_logits_cross_entropy", K=K, V=V)
-    logits = empty(M, V, dtype=h.dtype, device=h.device)
-    cfg = cfg_for("gemm_rowscale_logits_cross_entropy", M, V, K)
-    lse_part = sink_cols(M, V, cfg, h.device)  # folded below: any tile_N
-    target_logit = empty(M, dtype=torch.float32, device=h.device)
-    gemm(E.rowscale_logits_lse_target, h, w_lm, logits, cfg=cfg,
-         epi={"r": colvec(r), "lse": lse_part, "target_logit": target_logit,
-              "target": targets.reshape(1, -1).contiguous()})
-    if compiling_only():
-        return logits, lse_part, target_logit
-    return logits, torch.logsumexp(lse_part, dim=-1), target_logit
+    """(H, training) the logits stored in bf16 too; lse and target logit are of the stored values."""
+    logits = empty(h.shape[0], w_lm.shape[0], dtype=h.dtype, device=h.device)
+    return (logits, *_lse_target("gemm_rowscale_logits_cross_entropy", E.rowscale_logits_lse_target, h, r, w_lm,
+                                 targets, logits))
 
 
 @cute_impl("attention")
