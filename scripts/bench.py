@@ -22,7 +22,8 @@ For each model variant: forward+backward ms (median, min, max over --iters after
 training step (forward, backward, grad clip, AdamW, zero_grad: what train.py's step is compared with)
 ms, tokens/s, MFU (model FLOPs with
 causal attention counted as half, against the bf16 GEMM peak measured in the same run), peak memory
-(total, and above the fp32 weights), and the ratios to coda and to the floor. --profile adds the
+(the variant's own: the model, its step and what it keeps, not what earlier variants left allocated;
+total, and above the fp32 weights), and the ratios to coda and to the floor. --profile adds the
 per-op breakdown of a coda step (kernel time by op, launches per step, GPU idle from the timeline).
 A variant that fails is recorded with its error; the run goes on. Writes <out>/bench_<shape>.json.
 """
@@ -86,6 +87,11 @@ def reset_peak_memory() -> None:
 def sync() -> None:
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
+
+
+def allocated_memory() -> int:
+    """Bytes allocated on the GPU now (0 on CPU: not measured there)."""
+    return torch.cuda.memory_allocated() if DEVICE.type == "cuda" else 0
 
 
 def peak_memory() -> int:
@@ -195,6 +201,8 @@ def bench_model(variant: str, cfg, state: dict, batch, iters: int, warmup: int) 
     """Forward+backward and full-step timings and peak memory of one model variant."""
     impl, mode = MODEL_VARIANTS[variant]
     tokens, targets = batch
+    # what earlier variants left allocated (torch.compile's CUDA-graph pools live on) is not this one's
+    base = allocated_memory()
     model = build(impl, cfg, state)
     model.rope_tables(tokens.shape[1], tokens.device)  # cached outside torch.compile: CUDA graphs must not own it
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -210,7 +218,7 @@ def bench_model(variant: str, cfg, state: dict, batch, iters: int, warmup: int) 
     setup_s = time.perf_counter() - t0
     reset_peak()
     fb = step_times(fwd_bwd, iters, warmup)
-    peak_fb = peak_memory()
+    peak_fb = peak_memory() - base
 
     from coda_train.config import OptimConfig
     from coda_train.trainer.optim import build_optimizer
@@ -224,7 +232,7 @@ def bench_model(variant: str, cfg, state: dict, batch, iters: int, warmup: int) 
 
     reset_peak()
     step = step_times(train_step, iters, warmup)
-    peak_step = peak_memory()
+    peak_step = peak_memory() - base
     n_tokens = tokens.numel()
     result = {
         "variant": variant, "setup_s": setup_s, "fwd_bwd": summary(fb), "step": summary(step),

@@ -306,3 +306,23 @@ def test_fsdp_only_options_are_refused_under_ddp():
         check_fsdp_options("ddp", True)
     for parallel, reshard in (("fsdp", True), ("ddp", False), ("none", True)):  # one process: nothing to shard
         check_fsdp_options(parallel, reshard)
+
+
+def _stop_check_worker(rank: int, store: str, out: str) -> None:
+    """Rank 1 alone has a stop flag; both ranks must see it, through a separate gloo control group as
+    init_world makes for NCCL runs, with no device tensor involved."""
+    import torch.distributed as dist
+
+    from coda_train.trainer.distributed import World, any_rank
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    world = World(rank, 2, rank, dist.new_group(backend="gloo"))
+    seen = [any_rank(rank == 1, world), any_rank(False, world), any_rank(rank == 0, World(rank, 2, rank))]
+    Path(f"{out}.{rank}").write_text(json.dumps(seen))
+    dist.destroy_process_group()
+
+
+def test_a_stop_on_one_rank_stops_every_rank_through_the_host_side_control_group(tmp_path):
+    mp.spawn(_stop_check_worker, args=(str(tmp_path / "store"), str(tmp_path / "seen")), nprocs=2)
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"seen.{rank}").read_text()) == [True, False, True]

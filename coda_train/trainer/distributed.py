@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,8 @@ class World:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    # host-side collectives (the stop check) over gloo, so they never wait for the GPU; None: the default group
+    control_group: Optional[Any] = field(default=None, compare=False, repr=False)
 
     @property
     def is_main(self) -> bool:
@@ -42,12 +44,13 @@ def init_world(device_type: str) -> World:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return World()
-    world = World(int(os.environ["RANK"]), world_size, int(os.environ["LOCAL_RANK"]))
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     if device_type == "cuda":
-        torch.cuda.set_device(world.local_rank)
+        torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
-    return world
+    control = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+    return World(rank, world_size, local_rank, control)
 
 
 def process_device(device: torch.device, world: World) -> torch.device:
@@ -134,7 +137,7 @@ def global_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
 
 def close_world(world: World) -> None:
     if world.distributed and dist.is_initialized():
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # every group, the control group included
 
 
 def mean_over_ranks(value: torch.Tensor, world: World) -> torch.Tensor:
@@ -146,12 +149,14 @@ def mean_over_ranks(value: torch.Tensor, world: World) -> torch.Tensor:
     return value
 
 
-def any_rank(flag: bool, world: World, device: torch.device) -> bool:
-    """True on every rank if it is true on one (so all ranks stop at the same step)."""
+def any_rank(flag: bool, world: World) -> bool:
+    """True on every rank if it is true on one (so all ranks stop at the same step). A host-side
+    collective (a CPU tensor over world.control_group): it syncs the processes, not their GPUs, so the
+    loop calling it every step still runs ahead of the GPU."""
     if not world.distributed:
         return flag
-    t = torch.tensor(float(flag), device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    t = torch.tensor(float(flag))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world.control_group)
     return bool(t.item())
 
 

@@ -156,7 +156,7 @@ def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, train_step: TrainS
     try:
         if state.step >= t.max_steps:
             log.info("nothing to do: the checkpoint is at step %d and trainer.max_steps=%d", state.step, t.max_steps)
-        while state.step < t.max_steps and not any_rank(stop.received is not None, world, device):
+        while state.step < t.max_steps and not any_rank(stop.received is not None, world):
             pending = train_step(poison_loss=debug.nan_loss_at_step == state.step + 1)
             throughput.add(pending.tokens)
             is_last = state.step == t.max_steps
