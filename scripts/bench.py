@@ -435,7 +435,7 @@ def run(shape_name: str, variants: list[str], iters: int, warmup: int, profile_s
     result = {"shape": shape_name, **shape.__dict__, "n_layers": cfg.n_layers, "model": cfg.__dict__,
               "tokens": shape.batch * shape.seq, "flops_per_step": cfg.flops_per_token(shape.seq) * shape.batch * shape.seq,
               "environment": environment(), "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-              "variants": {}, "failed": {}}
+              "variants": {}, "failed": {}, "memory_accounting": "own"}
     result["gemm_peak_tflops"] = gemm_peak_tflops()
     print(f"{shape_name}: {shape} | bf16 GEMM peak {result['gemm_peak_tflops']['peak']:.0f} TFLOP/s", flush=True)
     for variant in variants:

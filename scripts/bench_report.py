@@ -152,6 +152,17 @@ def summary_table(results: list[dict]) -> list[str]:
     return lines
 
 
+def memory_caveat(results: list[dict]) -> list[str]:
+    """Results written before bench.py counted each variant's own memory (MEMORY_ACCOUNTING) include
+    what earlier variants of the same process left allocated (torch.compile's CUDA-graph pools)."""
+    old = [r["shape"] for r in results if r.get("memory_accounting") != "own"]
+    if not old:
+        return []
+    return [f"Peak memory of {', '.join(old)}: measured before bench.py counted only each variant's own allocations, "
+            "so it includes what the variants measured before it in the same process left allocated (torch.compile's "
+            "CUDA-graph pools); compare variants there with `scripts/memory_profile.py`.", ""]
+
+
 def chart(results: list[dict], png: Path) -> None:
     import matplotlib
 
@@ -193,7 +204,7 @@ def main() -> None:
              "run. The floor is the step's GEMMs at the best of cuBLAS and quack plus FlashAttention 4, nothing else.",
              "", f"![forward+backward time per variant, floor as a line]({args.png.name})", "",
              "## Summary: coda against the best peer and the floor (forward + backward)", "", *summary_table(results), "",
-             "## Per shape", ""]
+             *memory_caveat(results), "## Per shape", ""]
     for r in results:
         lines += shape_table(r)
     args.md.write_text("\n".join(lines) + "\n")

@@ -5,7 +5,8 @@
 # seed, data and initial weights, bf16 compute; then compare_runs.py -> compare.png/.md/.json.
 # BACKENDS=cute,reference runs each impl with both kernel backends (4 runs, eager/cute first and the
 # reference of every |delta|): eager ignores the backend, so its second run is the run-to-run noise
-# floor, and coda/reference is the same hand-written schedule on plain torch ops.
+# floor, and coda/reference is the same hand-written schedule on plain torch ops (the four runs took
+# over 330 s on an H200 on 2026-11-30: give the call the whole 600 s).
 # Everything lands in $OUT (default runs/h200): at most 8 files, as the device tool returns them.
 set -uo pipefail
 STEPS=${1:-1000}
@@ -14,11 +15,12 @@ OUT=${OUT:-runs/h200}
 RUNS=/tmp/coda-runs/compare
 mkdir -p "$OUT"
 rm -rf "$RUNS"
-python3 train.py -m model=llama3_125m model.impl=eager,coda kernels.backend="$BACKENDS" \
+timeout "${TRAIN_TIMEOUT:-1200}" python3 train.py -m model=llama3_125m model.impl=eager,coda kernels.backend="$BACKENDS" \
   trainer.max_steps="$STEPS" trainer.batch_size=16 trainer.seq_len=1024 trainer.log_every=1 \
   trainer.eval_every=100 trainer.eval_batches=4 trainer.ckpt_every=0 trainer.progress_bar=false \
   optim.lr=1e-3 optim.warmup_steps=100 data.cache_dir=/tmp/coda-data trainer.run_dir="$RUNS" \
-  2>&1 | grep -v "^{" | tail -n 40 > "$OUT/train.log"
+  > "$RUNS.log" 2>&1
+grep -v "^{" "$RUNS.log" | tail -n 40 > "$OUT/train.log"
 JOBS=$(ls -d "$RUNS"/[0-9]* | sort -V)
 for job in $JOBS; do  # <impl>_<backend>_metrics.jsonl
   name=$(python3 -c "import yaml, sys; c = yaml.safe_load(open(sys.argv[1])); print(c['model']['impl'] + '_' + c['kernels']['backend'])" "$job/config.yaml")

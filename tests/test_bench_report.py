@@ -61,6 +61,13 @@ def test_report_writes_tables_summary_and_chart(tmp_path):
     assert "| gemm_rowscale_rope | 7.00 | 6.00 | +1.00 |" in text and "| [copies / casts] | 2.00 | 0.00 | +2.00 |" in text
     assert "| GPU idle between kernels | - | - | +11.00 |" in text and "**+14.00**" in text
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    # results from before bench.py counted each variant's own memory carry a caveat naming their shapes
+    assert "Peak memory of 125m, 1b-4x4096: measured before bench.py counted only each variant's own" in text
+    for path in paths:
+        path.write_text(json.dumps(dict(json.loads(path.read_text()), memory_accounting="own")))
+    subprocess.run([sys.executable, str(ROOT / "scripts/bench_report.py"), *map(str, paths), "--md", str(md),
+                    "--png", str(png)], check=True, cwd=tmp_path)
+    assert "Peak memory of" not in md.read_text()
 
 
 def test_profile_from_a_profile_only_run_and_old_profiles_ignored(tmp_path):
