@@ -320,14 +320,16 @@ def matmul_tn(a: Tensor, b: Tensor) -> Tensor:
     return _f(a).t() @ _f(b)
 
 
-@declare(fake=lambda acc, a, b: acc.new_empty(acc.shape, dtype=stat_dtype(acc.dtype)),
+@declare(fake=lambda acc, a, b: None,
          examples=lambda x: {"": dict(acc=x.stat(x.dims.vocab_size, x.dims.dim, scale=x.dims.rows ** 0.5),
                                       a=x.act(x.dims.rows, x.dims.vocab_size), b=x.act(x.dims.rows, x.dims.dim))},
+         mutates=("acc",),
          gemm=lambda acc, a, b: (a.shape[1], b.shape[1], a.shape[0]))
-def matmul_tn_add(acc: Tensor, a: Tensor, b: Tensor) -> Tensor:
-    """(H'') acc + a^T @ b in fp32 (fp64 stays fp64): a weight gradient accumulated over chunks of
-    tokens, the products summed in fp32 without rounding to a's dtype."""
-    return _f(acc) + _f(a).t() @ _f(b)
+def matmul_tn_add(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """(H'') acc += a^T @ b in place, acc (a.shape[1], b.shape[1]) fp32 (fp64 stays fp64): a weight
+    gradient accumulated over chunks of tokens in one buffer, the products summed in fp32 without
+    rounding to a's dtype."""
+    acc += _f(a).t() @ _f(b)
 
 
 @declare(fake=lambda tokens, g_x, vocab_size: _new(g_x, vocab_size, g_x.shape[1], stat=True),

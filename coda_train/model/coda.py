@@ -187,13 +187,16 @@ class LMHeadLoss(Function):
     @staticmethod
     def _chunk(x, h, r, norm, w_lm, targets, grad_scale, g_w, ops: OpSet):
         """H, H', H'' on one chunk of rows: its per-row losses, g_x, partial g_norm, and g_w with
-        this chunk's contribution added (fp32)."""
+        this chunk's contribution added (fp32; in place after the first chunk)."""
         logits, lse, target_logit = ops.gemm_rowscale_logits_cross_entropy(h, r, w_lm, targets)   # H
         g_y, stat = ops.cross_entropy_backward_rowscale_stat(logits, r, targets, lse, grad_scale)  # H'
         del logits  # one chunk of logits alive at a time
         c = ops.rmsnorm_backward_coeff(stat, r, x.shape[1])
         g_x, g_norm = ops.gemm_rmsnorm_backward(g_y, w_lm, None, x, norm, c)                       # H''
-        g_w = ops.matmul_tn(g_y, h) if g_w is None else ops.matmul_tn_add(g_w, g_y, h)
+        if g_w is None:
+            g_w = ops.matmul_tn(g_y, h)
+        else:
+            ops.matmul_tn_add(g_w, g_y, h)  # in place: one vocab x dim gradient buffer
         return lse - target_logit, g_x, g_norm, g_w
 
     @staticmethod
