@@ -98,7 +98,8 @@ def written_args(name: str) -> set:
 def test_ops_write_exactly_their_declared_mutated_inputs():
     """The in-place contract: the schema marks the declared inputs as written; a call updates them
     (to the reference's values) and leaves every other input as it was."""
-    assert {n: op.mutates for n, op in OPS.items() if op.mutates} == {"matmul_tn_add": ("acc",)}
+    assert {n: op.mutates for n, op in OPS.items() if op.mutates} == {"matmul_tn_add": ("acc",),
+                                                                      "cross_entropy_backward_rowscale_stat": ("logits",)}
     for op, case, kw in cases(torch.float64):
         assert written_args(op.name) == set(op.mutates), case
         before = {k: v.clone() for k, v in kw.items() if isinstance(v, torch.Tensor)}
@@ -141,6 +142,10 @@ def test_check_harness_compares_the_mutated_inputs():
     assert [r["ok"] for r in check_case(op, "matmul_tn_add", kw, op.reference)] == [True]
     assert [r["ok"] for r in check_case(op, "matmul_tn_add", kw, lambda acc, a, b: None)] == [False]
     assert torch.equal(kw["acc"], acc)
+    op, kw = case_of("cross_entropy_backward_rowscale_stat", torch.float32)
+    assert [r["ok"] for r in check_case(op, op.name, kw, op.reference)] == [True, True]  # S, then r*g_y
+    stat_only = lambda logits, **rest: op.reference(logits.clone(), **rest)  # noqa: E731  (the logits stay)
+    assert [r["ok"] for r in check_case(op, op.name, kw, stat_only)] == [True, False]
 
 
 def test_partial_widths_follow_the_stat_tile():
@@ -149,7 +154,7 @@ def test_partial_widths_follow_the_stat_tile():
     assert widths["gemm_residual_rmsnorm_partial"] == {2: 1}
     assert widths["gemm_residual_rmsnorm_partial(wide)"] == {2: 2}  # N = V = 200
     assert widths["gemm_dswiglu_rowscale_stat"] == {2: 2}  # ffn_dim = 200
-    assert widths["cross_entropy_backward_rowscale_stat"] == {1: 1}
+    assert widths["cross_entropy_backward_rowscale_stat"] == {0: 1}  # the returned S (g_y is written over the logits)
     assert widths["embedding_rmsnorm_partial"] == {2: 1} and widths["rope_backward_rowscale_stat"] == {1: 1}
 
 
@@ -171,7 +176,8 @@ def block_and_loss(tokens, emb, norm, w_qkv, rope, w_o, w_gate_up, w_down, w_lm,
     loss = (lse - target_logit).mean()
     logits = coda.gemm_rowscale(h2, r2, w_lm)
     stored, lse_t, target_t = coda.gemm_rowscale_logits_cross_entropy(h2, r2, w_lm, targets)
-    g_logits, stat = coda.cross_entropy_backward_rowscale_stat(stored, r2, targets, lse_t, loss.new_full((), 1.0 / tokens.shape[0]))
+    stat = coda.cross_entropy_backward_rowscale_stat(stored, r2, targets, lse_t, loss.new_full((), 1.0 / tokens.shape[0]))
+    g_logits = stored  # r * g_y, written over the logits
     c = coda.rmsnorm_backward_coeff(stat, r2, d)
     g_x2, g_norm = coda.gemm_rmsnorm_backward(g_logits, w_lm, None, x2, norm, c)
     g_w = coda.matmul_tn(g_logits[:8], h2[:8])

@@ -189,8 +189,8 @@ class LMHeadLoss(Function):
         """H, H', H'' on one chunk of rows: its per-row losses, g_x, partial g_norm, and g_w with
         this chunk's contribution added (fp32; in place after the first chunk)."""
         logits, lse, target_logit = ops.gemm_rowscale_logits_cross_entropy(h, r, w_lm, targets)   # H
-        g_y, stat = ops.cross_entropy_backward_rowscale_stat(logits, r, targets, lse, grad_scale)  # H'
-        del logits  # one chunk of logits alive at a time
+        stat = ops.cross_entropy_backward_rowscale_stat(logits, r, targets, lse, grad_scale)       # H'
+        g_y = logits  # H' wrote r*g_y over the logits: one chunk-sized buffer
         c = ops.rmsnorm_backward_coeff(stat, r, x.shape[1])
         g_x, g_norm = ops.gemm_rmsnorm_backward(g_y, w_lm, None, x, norm, c)                       # H''
         if g_w is None:

@@ -166,8 +166,8 @@ def attention_backward(g_o: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, n_heads
 
 @cute_impl("cross_entropy_backward_rowscale_stat")
 def cross_entropy_backward_rowscale_stat(logits: Tensor, r: Tensor, targets: Tensor, lse: Tensor,
-                                         grad_scale: Tensor) -> tuple[Tensor, Tensor]:
-    """(H') one elementwise pass over the stored logits + row sum (Triton kernel)."""
+                                         grad_scale: Tensor) -> Tensor:
+    """(H') one elementwise pass over the stored logits, r*g_y written over them, + row sum (Triton kernel)."""
     from ._elementwise import cross_entropy_backward_rowscale_stat as impl
 
     return impl(logits, r, targets, lse, grad_scale)
