@@ -3,10 +3,10 @@
 A declaration is the op's whole contract in one place: the signature and semantics (the reference
 function, plain torch, the oracle), the fake (output shapes and dtypes from input shapes), which
 inputs it updates in place, which outputs are partial row sums and how many columns they have,
-the GEMM it fuses (for benchmarks), and a generator of example inputs for given sizes. Everything else iterates over `OPS`: the custom
-ops `coda::<name>` (library.py), the backends' op sets (__init__.op_set), the cute implementations
-(registered against a declaration by name), the checks (testing.py), the compile list and the
-benchmark. Importing this module imports only torch.
+the GEMM it fuses (for benchmarks), and a generator of example inputs for given sizes.
+Everything else iterates over `OPS`: the custom ops `coda::<name>` (library.py), the backends' op
+sets (__init__.op_set), the cute implementations (registered against a declaration by name), the
+checks (testing.py), the compile list and the benchmark. Importing this module imports only torch.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ For every declared op and example case (declare.py), at given dims, on one devic
 Each call gets its own copy of the inputs the op updates in place (declared `mutates`), and those
 are compared as outputs after the returned ones (an unwritten tile keeps its input value, which
 differs from the oracle's). Partial-sum outputs (declared `partials`) are compared after summing
-over their columns. Error is
-the relative Frobenius error vs the oracle; an output passes when it is finite where the oracle
-is, has the oracle's shape and the baseline's dtype, and err(impl) <= RATIO * err(baseline) + ATOL.
+over their columns. Error is the relative Frobenius error vs the oracle; an output passes when it
+is finite where the oracle is, has the oracle's shape and the baseline's dtype, and
+err(impl) <= RATIO * err(baseline) + ATOL.
 """
 
 from __future__ import annotations
