@@ -7,7 +7,9 @@ widths with M = 8192 tokens (batch 4 x seq 2048), bf16, on one Hopper GPU.
             separate torch kernels (exactly the sequence the fused op replaces);
   gemm    = the bare cuBLAS GEMM of the declared (m, n, k) (torch.matmul), the floor for any epilogue;
   attention rows compare FlashAttention 4 with torch SDPA (causal, GQA) instead.
-Median of triton.testing.do_bench (warm-up included, compiles excluded). Prints a table and
+Median of triton.testing.do_bench (warm-up included, compiles excluded); an op that updates an
+input in place (declared `mutates`) keeps updating it across the timed calls (timing only: no
+output is compared here; scripts/check_kernels.py checks them). Prints a table and
 writes bench_kernels.json / bench_kernels.md under --out (default $OUT).
 
   python scripts/bench_kernels.py [--presets llama3_1b,llama3_8b] [--out DIR]

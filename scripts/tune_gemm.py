@@ -202,15 +202,16 @@ def relative_error(x: torch.Tensor, y: torch.Tensor) -> float:
 
 def time_launch(launch: dict, deadline: float, bench: Callable) -> dict:
     """Every candidate of one launch: {op, m, n, k, shapes, results: [{config, ms | error}], ...}."""
-    from coda_train.kernels import OPS
+    from coda_train.kernels import OPS, testing
     from coda_train.kernels.library import CUTE_IMPLS
-    from coda_train.kernels.testing import comparable, poisoned_cute_outputs
     from coda_train.kernels.tile_configs import forced
 
     op = launch["op"]
     dims = PRESETS[launch["preset"]].kernel_dims(launch["rows"], launch["seq"])
     kwargs = model_gemms(dims)[launch["index"]][2](Example(dims, torch.bfloat16, "cuda", torch.Generator("cuda").manual_seed(0)))
     impl, want, results = CUTE_IMPLS[op].kernel, None, []
+    # the timed calls update their own copy of what the op mutates: every candidate's check starts from the same inputs
+    timed = {k: v.clone() if k in OPS[op].mutates else v for k, v in kwargs.items()}
     for cfg in candidates(op):
         if time.time() > deadline or (results and want is None):  # out of time, or the default failed
             break
@@ -218,8 +219,8 @@ def time_launch(launch: dict, deadline: float, bench: Callable) -> dict:
         t0 = time.time()
         try:
             with forced({op: cfg}):
-                with poisoned_cute_outputs():
-                    got = comparable(OPS[op], impl(**kwargs))
+                with testing.poisoned_cute_outputs():
+                    got = testing.results(OPS[op], impl, kwargs)  # on a fresh copy of what the op mutates
                 torch.cuda.synchronize()
                 row["first_call_s"] = round(time.time() - t0, 2)
                 row["err"] = max(relative_error(g, w) for g, w in zip(got, got if want is None else want))
@@ -227,13 +228,13 @@ def time_launch(launch: dict, deadline: float, bench: Callable) -> dict:
                     row["error"] = f"output differs from the default config's (relative error {row['err']:.2e})"
                 else:
                     want = got if want is None else want  # the default's: what the others must reproduce
-                    row["ms"] = bench(lambda: impl(**kwargs))
+                    row["ms"] = bench(lambda: impl(**timed))
             del got
         except Exception as e:  # a config this shape cannot run: discarded, reason kept
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         results.append(row)
         print(f"  {row['config']:26s} " + (f"{row['ms']:8.3f} ms" if "ms" in row else f"-- {row['error'][:100]}"), flush=True)
-    del kwargs, want
+    del kwargs, timed, want
     torch.cuda.empty_cache()
     return dict(launch, results=results)
 

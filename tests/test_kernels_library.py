@@ -38,7 +38,13 @@ def case_of(name: str, dt: torch.dtype):
 
 
 def as_tuple(out) -> tuple:
-    return out if isinstance(out, tuple) else (out,)
+    return () if out is None else out if isinstance(out, tuple) else (out,)
+
+
+def call_on_copies(fn, op, kw) -> tuple:
+    """fn's returned outputs, then the inputs op mutates, on copies of those inputs (kw unchanged)."""
+    kw = {k: v.clone() if k in op.mutates else v for k, v in kw.items()}
+    return as_tuple(fn(**kw)) + tuple(kw[m] for m in op.mutates)
 
 
 def test_every_declared_op_is_a_custom_op_with_fake_and_examples():
@@ -73,7 +79,7 @@ def test_fake_tensor_shapes_match_the_cpu_kernel(case, dt):
 def test_cpu_kernel_equals_reference(case, dt):
     """Exactly the reference; partial-sum outputs have the declared width P and the same row sums."""
     op, kw = case_of(case, dt)
-    got, want = as_tuple(L.CUSTOM_OPS[op.name](**kw)), as_tuple(op.reference(**kw))
+    got, want = call_on_copies(L.CUSTOM_OPS[op.name], op, kw), call_on_copies(op.reference, op, kw)
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
         if i in op.partials:
@@ -83,13 +89,72 @@ def test_cpu_kernel_equals_reference(case, dt):
         torch.testing.assert_close(g, w, rtol=0, atol=0, msg=f"{case} out{i}")
 
 
+def written_args(name: str) -> set:
+    """The arguments the schema of coda::<name> marks as written in place (Tensor(a!))."""
+    schema = getattr(torch.ops.coda, name).default._schema
+    return {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+
+
+def test_ops_write_exactly_their_declared_mutated_inputs():
+    """The in-place contract: the schema marks the declared inputs as written; a call updates them
+    (to the reference's values) and leaves every other input as it was."""
+    assert {n: op.mutates for n, op in OPS.items() if op.mutates} == {"matmul_tn_add": ("acc",),
+                                                                      "cross_entropy_backward_rowscale_stat": ("logits",)}
+    for op, case, kw in cases(torch.float64):
+        assert written_args(op.name) == set(op.mutates), case
+        before = {k: v.clone() for k, v in kw.items() if isinstance(v, torch.Tensor)}
+        want = call_on_copies(op.reference, op, kw)
+        want_mutated = dict(zip(op.mutates, want[len(want) - len(op.mutates):]))
+        L.CUSTOM_OPS[op.name](**kw)
+        for k, v in before.items():
+            if k in op.mutates:
+                assert not torch.equal(kw[k], v), f"{case}: {k} not updated"
+                torch.testing.assert_close(kw[k], want_mutated[k], rtol=0, atol=0)
+            else:
+                assert torch.equal(kw[k], v), f"{case}: {k} changed"
+
+
+def test_matmul_tn_add_accumulates_in_place():
+    op, kw = case_of("matmul_tn_add", torch.float32)
+    acc, a, b = kw["acc"], kw["a"], kw["b"]
+    want, ptr = acc + a.t() @ b, acc.data_ptr()
+    assert L.CUSTOM_OPS["matmul_tn_add"](acc, a, b) is None and op.reference(acc, a, b) is None
+    assert acc.data_ptr() == ptr
+    torch.testing.assert_close(acc, want + a.t() @ b)  # two calls: two contributions in one buffer
+
+
+def test_torch_compile_keeps_the_in_place_update_of_a_graph_input():
+    torch._dynamo.reset()
+    _, kw = case_of("matmul_tn_add", torch.float32)
+    want = kw["acc"] + kw["a"].t() @ kw["b"]
+    compiled = torch.compile(lambda acc, a, b: torch.ops.coda.matmul_tn_add(acc, a, b), fullgraph=True, backend="aot_eager")
+    compiled(**kw)
+    torch.testing.assert_close(kw["acc"], want)
+
+
+def test_check_harness_compares_the_mutated_inputs():
+    """kernels.testing (check_kernels.py, the GPU tests): each call on its own copy of the mutated
+    input, which is compared as an output, so an implementation that does not write it fails."""
+    from coda_train.kernels.testing import check_case
+
+    op, kw = case_of("matmul_tn_add", torch.float32)
+    acc = kw["acc"].clone()
+    assert [r["ok"] for r in check_case(op, "matmul_tn_add", kw, op.reference)] == [True]
+    assert [r["ok"] for r in check_case(op, "matmul_tn_add", kw, lambda acc, a, b: None)] == [False]
+    assert torch.equal(kw["acc"], acc)
+    op, kw = case_of("cross_entropy_backward_rowscale_stat", torch.float32)
+    assert [r["ok"] for r in check_case(op, op.name, kw, op.reference)] == [True, True]  # S, then r*g_y
+    stat_only = lambda logits, **rest: op.reference(logits.clone(), **rest)  # noqa: E731  (the logits stay)
+    assert [r["ok"] for r in check_case(op, op.name, kw, stat_only)] == [True, False]
+
+
 def test_partial_widths_follow_the_stat_tile():
     """The contract's widths: one column per 192-wide N tile (one for the elementwise passes)."""
     widths = {case: {i: op.partials[i](**kw) for i in op.partials} for op, case, kw in cases(torch.float64)}
     assert widths["gemm_residual_rmsnorm_partial"] == {2: 1}
     assert widths["gemm_residual_rmsnorm_partial(wide)"] == {2: 2}  # N = V = 200
     assert widths["gemm_dswiglu_rowscale_stat"] == {2: 2}  # ffn_dim = 200
-    assert widths["cross_entropy_backward_rowscale_stat"] == {1: 1}
+    assert widths["cross_entropy_backward_rowscale_stat"] == {0: 1}  # the returned S (g_y is written over the logits)
     assert widths["embedding_rmsnorm_partial"] == {2: 1} and widths["rope_backward_rowscale_stat"] == {1: 1}
 
 
@@ -111,10 +176,12 @@ def block_and_loss(tokens, emb, norm, w_qkv, rope, w_o, w_gate_up, w_down, w_lm,
     loss = (lse - target_logit).mean()
     logits = coda.gemm_rowscale(h2, r2, w_lm)
     stored, lse_t, target_t = coda.gemm_rowscale_logits_cross_entropy(h2, r2, w_lm, targets)
-    g_logits, stat = coda.cross_entropy_backward_rowscale_stat(stored, r2, targets, lse_t, loss.new_full((), 1.0 / tokens.shape[0]))
+    stat = coda.cross_entropy_backward_rowscale_stat(stored, r2, targets, lse_t, loss.new_full((), 1.0 / tokens.shape[0]))
+    g_logits = stored  # r * g_y, written over the logits
     c = coda.rmsnorm_backward_coeff(stat, r2, d)
     g_x2, g_norm = coda.gemm_rmsnorm_backward(g_logits, w_lm, None, x2, norm, c)
-    g_w = coda.matmul_tn_add(coda.matmul_tn(g_logits[:8], h2[:8]), g_logits[8:], h2[8:])
+    g_w = coda.matmul_tn(g_logits[:8], h2[:8])
+    coda.matmul_tn_add(g_w, g_logits[8:], h2[8:])
     return loss, (lse_t - target_t).mean(), logits, g_x2, g_norm, g_w
 
 

@@ -193,6 +193,29 @@ def test_lm_head_backward_gradcheck(chunk_rows, monkeypatch):
     assert torch.autograd.gradcheck(head, (x, norm, w), eps=1e-6, atol=1e-8)
 
 
+def test_lm_head_backward_is_exact_when_retained_and_scales_in_place_when_freed():
+    """LMHeadLoss.backward: with the graph retained, each call gives the saved gradients (those of
+    g_loss = 1) times its own g_loss, exactly (0 included), and leaves them as saved; the last call
+    (graph freed) scales the saved tensors themselves, which become the .grad (no second V x d buffer)."""
+    g = torch.Generator().manual_seed(5)
+    M, d, V = 7, 6, 13
+    x = torch.randn(M, d, generator=g, dtype=torch.float64, requires_grad=True)
+    norm = (torch.rand(d, generator=g, dtype=torch.float64) + 0.5).requires_grad_()
+    w = torch.randn(V, d, generator=g, dtype=torch.float64, requires_grad=True)
+    r = torch.rsqrt(x.detach().pow(2).mean(-1) + 1e-5)
+    loss = LMHeadLoss.apply(x, (x * norm).detach(), r, norm, w, norm.detach(), w.detach(),
+                            torch.randint(0, V, (M,), generator=g), K.op_set("reference"))
+    unit = [t.clone() for t in loss.grad_fn.saved_tensors]  # g_x, g_norm, g_w
+    for scale in (2.5, 0.0, -1.25):
+        got = torch.autograd.grad(loss, (x, norm, w), torch.tensor(scale, dtype=torch.float64), retain_graph=True)
+        assert all(torch.equal(a, b * scale) for a, b in zip(got, unit)), scale
+        assert all(torch.equal(a, b) for a, b in zip(loss.grad_fn.saved_tensors, unit)), scale
+    ptrs = [t.data_ptr() for t in loss.grad_fn.saved_tensors]
+    (3.0 * loss).backward()
+    for p, u, ptr in zip((x, norm, w), unit, ptrs):
+        assert torch.equal(p.grad, u * 3.0) and p.grad.data_ptr() == ptr
+
+
 def test_attention_backward_matches_autograd():
     g = torch.Generator().manual_seed(4)
     H, Hkv, T, B, hd = 4, 2, 5, 3, 4

@@ -2,11 +2,11 @@
 
 A declaration is the op's whole contract in one place: the signature and semantics (the reference
 function, plain torch, the oracle), the fake (output shapes and dtypes from input shapes), which
-outputs are partial row sums and how many columns they have, the GEMM it fuses (for benchmarks),
-and a generator of example inputs for given sizes. Everything else iterates over `OPS`: the custom
-ops `coda::<name>` (library.py), the backends' op sets (__init__.op_set), the cute implementations
-(registered against a declaration by name), the checks (testing.py), the compile list and the
-benchmark. Importing this module imports only torch.
+inputs it updates in place, which outputs are partial row sums and how many columns they have,
+the GEMM it fuses (for benchmarks), and a generator of example inputs for given sizes.
+Everything else iterates over `OPS`: the custom ops `coda::<name>` (library.py), the backends' op
+sets (__init__.op_set), the cute implementations (registered against a declaration by name), the
+checks (testing.py), the compile list and the benchmark. Importing this module imports only torch.
 """
 
 from __future__ import annotations
@@ -134,13 +134,17 @@ class Op:
     cases (e.g. "no residual") are named variants, reported as "<name>(<case>)". `partials` maps an
     output index to its column count given the kwargs: those (M, P) outputs are per-tile partial
     row sums whose column split is backend-specific, so consumers and checks only sum over P.
-    `gemm(**kwargs)` gives the (m, n, k) of the fused GEMM, for benchmarks (None: not a GEMM)."""
+    `mutates` names the inputs the op updates in place: they are results too, never returned (a
+    custom op's outputs may not alias its inputs), so the op returns only its other outputs
+    (None when there are none). `gemm(**kwargs)` gives the (m, n, k) of the fused GEMM, for
+    benchmarks (None: not a GEMM)."""
 
     name: str
     reference: Callable
     fake: Callable
     examples: Callable[[Example], dict[str, dict[str, Any]]]
     partials: dict[int, Callable[..., int]] = field(default_factory=dict)
+    mutates: tuple[str, ...] = ()
     gemm: Optional[Callable[..., tuple[int, int, int]]] = None
 
     @functools.cached_property
@@ -155,14 +159,15 @@ class Op:
 OPS: dict[str, Op] = {}  # name -> declaration, in declaration order (reference.py fills it)
 
 
-def declare(*, fake: Callable, examples: Callable, partials: Optional[dict] = None,
+def declare(*, fake: Callable, examples: Callable, partials: Optional[dict] = None, mutates: tuple[str, ...] = (),
             gemm: Optional[Callable] = None) -> Callable:
     """Declare the decorated reference function as the CODA op of the same name."""
 
     def add(reference: Callable) -> Callable:
         name = reference.__name__
         assert name not in OPS, f"op {name} declared twice"
-        OPS[name] = Op(name, reference, fake, examples, dict(partials or {}), gemm)
+        assert set(mutates) <= set(inspect.signature(reference).parameters), f"{name}: mutates {mutates} names no input"
+        OPS[name] = Op(name, reference, fake, examples, dict(partials or {}), tuple(mutates), gemm)
         return reference
 
     return add

@@ -4,13 +4,15 @@ Each op is one opaque node for the dispatcher, so torch.compile, fake tensors (F
 make_fx) and CUDA graph capture see it without tracing into quack / FlashAttention. Built from
 the declarations (declare.OPS, filled by reference.py):
 
-  schema         = the reference function's signature;
+  schema         = the reference function's signature, the declared `mutates` inputs marked as
+                   written in place (Tensor(a!));
   default kernel = the reference (plain torch, any device), partial-sum outputs widened to the
                    declared column count (the row sum in column 0, zeros elsewhere);
   CUDA kernel    = the cute implementation, registered by `@cute_impl(name)` when kernels/cute loads;
   fake kernel    = the declared fake.
 
-Every op returns fresh tensors (custom ops may not alias their inputs) and mutates nothing.
+Every op returns fresh tensors (custom ops may not alias their inputs) and writes no input but
+the ones its declaration names in `mutates`, which it updates in place and does not return.
 Importing this module imports only torch (the reference backend never needs it; cute imports it).
 """
 
@@ -34,18 +36,19 @@ def _widen_partials(op: Op) -> Callable:
         if not op.partials:
             return out
         bound = op.signature.bind(*args, **kwargs).arguments
-        out = list(out)
+        single = isinstance(out, torch.Tensor)
+        out = [out] if single else list(out)
         for i, width in op.partials.items():
             extra = width(**bound) - out[i].shape[1]
             out[i] = torch.cat((out[i], out[i].new_zeros(out[i].shape[0], extra)), dim=1) if extra else out[i]
-        return tuple(out)
+        return out[0] if single else tuple(out)
 
     return kernel
 
 
 def _define(op: Op):
-    custom = torch.library.custom_op(f"coda::{op.name}", _widen_partials(op), mutates_args=(),
-                                     schema=torch.library.infer_schema(op.reference, mutates_args=()))
+    custom = torch.library.custom_op(f"coda::{op.name}", _widen_partials(op), mutates_args=op.mutates,
+                                     schema=torch.library.infer_schema(op.reference, mutates_args=op.mutates))
     custom.register_fake(op.fake)
     return custom
 

@@ -252,20 +252,22 @@ def _ce_backward_examples(x: Example) -> dict:
                      grad_scale=torch.tensor(1.0 / d.rows, dtype=x.stat_dtype, device=x.device))}
 
 
-@declare(fake=lambda logits, r, targets, lse, grad_scale: (_new(logits, *logits.shape),
-                                                           _new(logits, logits.shape[0], 1, stat=True)),
+@declare(fake=lambda logits, r, targets, lse, grad_scale: _new(logits, logits.shape[0], 1, stat=True),
          examples=_ce_backward_examples,
-         partials={1: lambda **_: 1})
+         mutates=("logits",),
+         partials={0: lambda **_: 1})
 def cross_entropy_backward_rowscale_stat(logits: Tensor, r: Tensor, targets: Tensor, lse: Tensor,
-                                         grad_scale: Tensor) -> tuple[Tensor, Tensor]:
+                                         grad_scale: Tensor) -> Tensor:
     """(H') g_y = (softmax(y) - onehot(targets)) * grad_scale (a 0-dim tensor) of the stored logits y;
-    writes r*g_y for the dgrad/wgrad GEMMs and the reverse-fusion statistic S = sum_k g_y*y of the
-    final norm."""
+    writes r*g_y over the logits (in place: a chunk's logits and their gradient never coexist) and
+    returns the reverse-fusion statistic S = sum_k g_y*y of the final norm."""
     y = _f(logits)
     g_y = torch.exp(y - lse[:, None])
     g_y[torch.arange(y.shape[0], device=y.device), targets.reshape(-1)] -= 1.0
     g_y = g_y * grad_scale
-    return (g_y * r[:, None]).to(logits.dtype), (g_y * y).sum(-1, keepdim=True)
+    stat = (g_y * y).sum(-1, keepdim=True)  # before the write: y may be the logits themselves (fp32, fp64)
+    logits.copy_(g_y * r[:, None])
+    return stat
 
 
 @declare(fake=lambda stat_partials, r, dim: r.new_empty(r.shape[0], dtype=torch.promote_types(r.dtype, stat_dtype(stat_partials.dtype))),
@@ -320,14 +322,16 @@ def matmul_tn(a: Tensor, b: Tensor) -> Tensor:
     return _f(a).t() @ _f(b)
 
 
-@declare(fake=lambda acc, a, b: acc.new_empty(acc.shape, dtype=stat_dtype(acc.dtype)),
+@declare(fake=lambda acc, a, b: None,
          examples=lambda x: {"": dict(acc=x.stat(x.dims.vocab_size, x.dims.dim, scale=x.dims.rows ** 0.5),
                                       a=x.act(x.dims.rows, x.dims.vocab_size), b=x.act(x.dims.rows, x.dims.dim))},
+         mutates=("acc",),
          gemm=lambda acc, a, b: (a.shape[1], b.shape[1], a.shape[0]))
-def matmul_tn_add(acc: Tensor, a: Tensor, b: Tensor) -> Tensor:
-    """(H'') acc + a^T @ b in fp32 (fp64 stays fp64): a weight gradient accumulated over chunks of
-    tokens, the products summed in fp32 without rounding to a's dtype."""
-    return _f(acc) + _f(a).t() @ _f(b)
+def matmul_tn_add(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """(H'') acc += a^T @ b in place, acc (a.shape[1], b.shape[1]) fp32 (fp64 stays fp64): a weight
+    gradient accumulated over chunks of tokens in one buffer, the products summed in fp32 without
+    rounding to a's dtype."""
+    acc += _f(a).t() @ _f(b)
 
 
 @declare(fake=lambda tokens, g_x, vocab_size: _new(g_x, vocab_size, g_x.shape[1], stat=True),

@@ -7,9 +7,12 @@ For every declared op and example case (declare.py), at given dims, on one devic
   * baseline = the reference on the inputs as given (bf16), and for attention also torch SDPA in
                bf16 (the eager model's attention): the error an unfused bf16 op makes;
   * impl     = the implementation under test (cute outputs NaN-poisoned, so unwritten tiles show).
-Partial-sum outputs (declared `partials`) are compared after summing over their columns. Error is
-the relative Frobenius error vs the oracle; an output passes when it is finite where the oracle
-is, has the oracle's shape and the baseline's dtype, and err(impl) <= RATIO * err(baseline) + ATOL.
+Each call gets its own copy of the inputs the op updates in place (declared `mutates`), and those
+are compared as outputs after the returned ones (an unwritten tile keeps its input value, which
+differs from the oracle's). Partial-sum outputs (declared `partials`) are compared after summing
+over their columns. Error is the relative Frobenius error vs the oracle; an output passes when it
+is finite where the oracle is, has the oracle's shape and the baseline's dtype, and
+err(impl) <= RATIO * err(baseline) + ATOL.
 """
 
 from __future__ import annotations
@@ -42,10 +45,14 @@ def to_float64(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v.double() if isinstance(v, Tensor) and v.is_floating_point() else v for k, v in kwargs.items()}
 
 
-def comparable(op: Op, out) -> tuple[Tensor, ...]:
-    """The op's outputs as a tuple, partial-sum outputs summed over their columns."""
-    out = out if isinstance(out, tuple) else (out,)
-    return tuple(t.sum(-1) if i in op.partials else t for i, t in enumerate(out))
+def results(op: Op, fn: Callable, kwargs: dict[str, Any]) -> tuple[Tensor, ...]:
+    """fn (an implementation of op) called on kwargs with the inputs op mutates cloned (kwargs stay
+    as given): its returned outputs, partial-sum outputs summed over their columns, then the
+    mutated inputs in declared order."""
+    kwargs = {k: v.clone() if k in op.mutates else v for k, v in kwargs.items()}
+    out = fn(**kwargs)
+    out = () if out is None else out if isinstance(out, tuple) else (out,)
+    return tuple(t.sum(-1) if i in op.partials else t for i, t in enumerate(out)) + tuple(kwargs[m] for m in op.mutates)
 
 
 def sdpa_attention(qkv: Tensor, n_heads: int, n_kv_heads: int, seq_len: int,
@@ -92,12 +99,12 @@ def _sync(device: torch.device) -> None:
 def check_case(op: Op, case: str, kwargs: dict[str, Any], impl: Callable) -> list[dict]:
     """One row per output of `impl` on kwargs (see the module docstring)."""
     device = next(v.device for v in kwargs.values() if isinstance(v, Tensor))
-    oracle = comparable(op, op.reference(**to_float64(kwargs)))
-    base = comparable(op, op.reference(**kwargs))
+    oracle = results(op, op.reference, to_float64(kwargs))
+    base = results(op, op.reference, kwargs)
     eager = _eager_baseline(op.name, kwargs)
     _sync(device)
     t0 = time.time()
-    got = comparable(op, impl(**kwargs))
+    got = results(op, impl, kwargs)
     _sync(device)
     seconds = time.time() - t0
     rows = []

@@ -136,8 +136,8 @@ class CodaBlock(Function):
                 None, None, None, None, None)
 
 
-# One (rows, vocab) chunk of logits, and one of their gradient, at most this many bytes: 4096 rows
-# at llama3_1b in bf16 (V = 128256), so no (tokens x vocab) buffer larger than a chunk exists.
+# One (rows, vocab) chunk of logits (their gradient is written over them) at most this many bytes: 4096
+# rows at llama3_1b in bf16 (V = 128256), so no (tokens x vocab) buffer larger than a chunk exists.
 LOGITS_CHUNK_BYTES = 1 << 30
 
 
@@ -187,20 +187,29 @@ class LMHeadLoss(Function):
     @staticmethod
     def _chunk(x, h, r, norm, w_lm, targets, grad_scale, g_w, ops: OpSet):
         """H, H', H'' on one chunk of rows: its per-row losses, g_x, partial g_norm, and g_w with
-        this chunk's contribution added (fp32)."""
+        this chunk's contribution added (fp32; in place after the first chunk)."""
         logits, lse, target_logit = ops.gemm_rowscale_logits_cross_entropy(h, r, w_lm, targets)   # H
-        g_y, stat = ops.cross_entropy_backward_rowscale_stat(logits, r, targets, lse, grad_scale)  # H'
-        del logits  # one chunk of logits alive at a time
+        stat = ops.cross_entropy_backward_rowscale_stat(logits, r, targets, lse, grad_scale)       # H'
+        g_y = logits  # H' wrote r*g_y over the logits: one chunk-sized buffer
         c = ops.rmsnorm_backward_coeff(stat, r, x.shape[1])
         g_x, g_norm = ops.gemm_rmsnorm_backward(g_y, w_lm, None, x, norm, c)                       # H''
-        g_w = ops.matmul_tn(g_y, h) if g_w is None else ops.matmul_tn_add(g_w, g_y, h)
+        if g_w is None:
+            g_w = ops.matmul_tn(g_y, h)
+        else:
+            ops.matmul_tn_add(g_w, g_y, h)  # in place: one vocab x dim gradient buffer
         return lse - target_logit, g_x, g_norm, g_w
 
     @staticmethod
     def backward(ctx, g_loss: Tensor):
-        g_x, g_norm, g_w = ctx.saved_tensors
-        # The forward's gradients are for an incoming gradient of 1: scale by the real one (0-dim, on device).
-        return g_x * g_loss, None, None, g_norm * g_loss, g_w * g_loss, None, None, None, None
+        saved = ctx.saved_tensors  # g_x, g_norm, g_w for an incoming gradient of 1; g_loss: 0-dim, on device
+        # Scaled in place when autograd frees the graph after this call: no second V x d g_w, and with the saved
+        # reference released AccumulateGrad adopts it as .grad without a copy. Out of place when the graph is
+        # retained (a host flag: no sync), so every later call scales the unscaled originals again: exact for any g_loss.
+        if torch._C._autograd._get_current_graph_task_keep_graph():
+            g_x, g_norm, g_w = (t * g_loss for t in saved)
+        else:
+            g_x, g_norm, g_w = (t.mul_(g_loss) for t in saved)
+        return g_x, None, None, g_norm, g_w, None, None, None, None
 
 
 RECOMPUTE = ("none", "block")  # block: each block's backward recomputes its forward from (x, h, r)

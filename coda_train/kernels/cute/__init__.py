@@ -166,8 +166,8 @@ def attention_backward(g_o: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, n_heads
 
 @cute_impl("cross_entropy_backward_rowscale_stat")
 def cross_entropy_backward_rowscale_stat(logits: Tensor, r: Tensor, targets: Tensor, lse: Tensor,
-                                         grad_scale: Tensor) -> tuple[Tensor, Tensor]:
-    """(H') one elementwise pass over the stored logits + row sum (Triton kernel)."""
+                                         grad_scale: Tensor) -> Tensor:
+    """(H') one elementwise pass over the stored logits, r*g_y written over them, + row sum (Triton kernel)."""
     from ._elementwise import cross_entropy_backward_rowscale_stat as impl
 
     return impl(logits, r, targets, lse, grad_scale)
@@ -227,18 +227,19 @@ def gemm_rmsnorm_backward(g_y_scaled: Tensor, w: Tensor, residual_grad: Optional
 
 
 @cute_impl("matmul_tn_add", gpu_blind_compile=True)
-def matmul_tn_add(acc: Tensor, a: Tensor, b: Tensor) -> Tensor:
-    """(H'') acc + a^T b: the GEMM reads a and b through transposed views (M-major A, N-major B)
-    and adds the fp32 accumulator as its C operand; the sum is written to a fresh fp32 output."""
+def matmul_tn_add(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """(H'') acc += a^T b in place: the GEMM reads a and b through transposed views (M-major A,
+    N-major B) and acc is both its C operand and its D output."""
     K, N = a.shape
     P = b.shape[1]
     need_bf16("matmul_tn_add", a=a, b=b)
     need_inner("matmul_tn_add", N=N, P=P)
-    need(tuple(acc.shape) == (N, P), f"matmul_tn_add: acc must be (a.shape[1], b.shape[1]) = ({N}, {P}), "
-                                      f"got {tuple(acc.shape)}")
-    out = empty(N, P, dtype=torch.float32, device=a.device)
-    gemm(E.accumulate, a.mT, b.mT, out, C=acc.float().contiguous(), cfg=cfg_for("matmul_tn_add", N, P, K), epi={})
-    return out
+    need(acc.dtype == torch.float32 and tuple(acc.shape) == (N, P) and acc.is_contiguous(),
+         f"matmul_tn_add: acc (updated in place) must be a contiguous float32 (a.shape[1], b.shape[1]) = ({N}, {P}) "
+         f"tensor, got {tuple(acc.shape)} {acc.dtype}{'' if acc.is_contiguous() else ' non-contiguous'}")
+    need(compiling_only() or acc.device == a.device, f"matmul_tn_add: acc must be on {a.device}, got {acc.device}")
+    # D = C = acc is safe: one CTA owns each output tile and loads its C before storing its D.
+    gemm(E.accumulate, a.mT, b.mT, acc, C=acc, cfg=cfg_for("matmul_tn_add", N, P, K), epi={})
 
 
 # ---- plain GEMMs ----------------------------------------------------------------------------

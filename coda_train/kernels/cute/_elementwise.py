@@ -4,7 +4,7 @@
   (n/2, 2) blocks);
 - the cross-entropy gradient of one chunk of stored logits (softmax - onehot, row scale, and the
   final-norm statistic sum_k g*y), which needs the row's full logsumexp before any of its columns
-  (one row per program, looping over the vocabulary in blocks).
+  (one row per program, looping over the vocabulary in blocks), written over the logits.
 No torch fallback: the cute backend runs on an sm_90 GPU (need_bf16 rejects CPU tensors),
 compile_only() returns before the launch, and reference.py's functions are the oracle."""
 
@@ -65,7 +65,7 @@ def rope_backward_rowscale_stat(g_qkv: Tensor, qkv: Tensor, r: Tensor, rope: Ten
 
 
 @triton.jit
-def _ce_bwd_kernel(y_ptr, r_ptr, t_ptr, lse_ptr, scale_ptr, out_ptr, stat_ptr, N, BLOCK: tl.constexpr):
+def _ce_bwd_kernel(y_ptr, r_ptr, t_ptr, lse_ptr, scale_ptr, stat_ptr, N, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     base = row.to(tl.int64) * N
     lse = tl.load(lse_ptr + row)
@@ -80,23 +80,24 @@ def _ce_bwd_kernel(y_ptr, r_ptr, t_ptr, lse_ptr, scale_ptr, out_ptr, stat_ptr, N
         g = (tl.exp(y - lse) - (cols == t).to(tl.float32)) * scale
         g = tl.where(mask, g, 0.0)
         stat += g * y
-        tl.store(out_ptr + base + cols, (g * r).to(out_ptr.dtype.element_ty), mask=mask)
+        # in place: this program's own row, each block stored from the values it just loaded
+        tl.store(y_ptr + base + cols, (g * r).to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(stat_ptr + row, tl.sum(stat, axis=0))
 
 
 def cross_entropy_backward_rowscale_stat(logits: Tensor, r: Tensor, targets: Tensor, lse: Tensor,
-                                         grad_scale: Tensor) -> tuple[Tensor, Tensor]:
-    """grad_scale: a 0-dim tensor, read on the device (no host sync)."""
+                                         grad_scale: Tensor) -> Tensor:
+    """r*g_y written over the logits; grad_scale: a 0-dim tensor, read on the device (no host sync)."""
     M, N = logits.shape
     need_bf16("cross_entropy_backward_rowscale_stat", logits=logits)
+    need(logits.is_contiguous(), "cross_entropy_backward_rowscale_stat: logits (overwritten with r*g_y) must be contiguous")
     need(targets.numel() == M and lse.numel() == M and r.numel() == M and grad_scale.numel() == 1,
          f"cross_entropy_backward_rowscale_stat: r, targets and lse need one entry per row ({M}), grad_scale one")
-    out = empty(M, N, dtype=logits.dtype, device=logits.device)
     stat = empty(M, 1, dtype=torch.float32, device=logits.device)
     if compiling_only():
-        return out, stat
+        return stat
     _ce_bwd_kernel[(M,)](
-        logits.contiguous(), r.float().contiguous(), targets.reshape(-1).contiguous(), lse.float().contiguous(),
-        grad_scale.detach().float().reshape(1), out, stat, N,
+        logits, r.float().contiguous(), targets.reshape(-1).contiguous(), lse.float().contiguous(),
+        grad_scale.detach().float().reshape(1), stat, N,
         BLOCK=min(4096, triton.next_power_of_2(N)), num_warps=8)
-    return out, stat
+    return stat

@@ -159,7 +159,8 @@ def rmsnorm_backward_noresidual(acc, x, gamma, coef):
     return {"D": acc * gamma + x * coef, "g_gamma": (acc, x)}
 
 
-# H'': acc_out = acc_in (C, fp32) + a^T b: the LM-head weight gradient accumulated over chunks of rows.
+# H'': D = C + a^T b with C and D the same fp32 buffer: the LM-head weight gradient accumulated in place over
+# chunks of rows.
 @gemm_epilogue()
 def accumulate(acc, c):
     return {"D": acc + c}
