@@ -163,7 +163,7 @@ def block_and_loss(tokens, emb, norm, w_qkv, rope, w_o, w_gate_up, w_down, w_lm,
     the training loss, logits, the LM head's gradient in two chunks of rows."""
     s, coda = SMALL, torch.ops.coda
     d = s.dim
-    x, h, sumsq = coda.embedding_rmsnorm_partial(tokens, emb, norm)
+    x, h, sumsq = coda.embedding_rmsnorm_partial(tokens, emb, norm, emb.dtype)
     r = coda.rstd_from_partials(sumsq, d, 1e-5)
     qkv = coda.gemm_rowscale_rope(h, r, w_qkv, rope, s.n_rope_cols)
     o, _ = coda.attention(qkv, s.n_heads, s.n_kv_heads, s.seq_len)

@@ -407,11 +407,13 @@ def test_seq_len_limit():
         model(tokens, tokens)
 
 
-def test_bf16_compute_copies_are_cast_once_per_update_and_gradients_stay_fp32(monkeypatch):
-    """The CODA model reads bf16 copies of its fp32 weights, rewritten by one fused copy only after
-    the weights changed; its weight gradients arrive in fp32 straight from the ops (never rounded
-    to bf16 on the way)."""
-    cfg = preset("tiny", **SMALL, n_layers=2)
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_bf16_compute_copies_are_cast_once_per_update_and_gradients_stay_fp32(monkeypatch, tied):
+    """The CODA model reads bf16 copies of its fp32 weights, made at the first read and then
+    rewritten by one fused copy only after the weights changed; the embedding table is gathered from
+    the fp32 weights (an untied one has no copy); its weight gradients arrive in fp32 straight from
+    the ops (never rounded to bf16 on the way)."""
+    cfg = preset("tiny", **SMALL, n_layers=2, tie_embeddings=tied)
     _, coda = make_pair(cfg, torch.float32, compute_dtype=torch.bfloat16)
     copies = []
     real_copy = torch._foreach_copy_
@@ -421,8 +423,12 @@ def test_bf16_compute_copies_are_cast_once_per_update_and_gradients_stay_fp32(mo
 
     loss = coda(tokens, targets)
     loss.backward()
-    n_params = len(list(coda.parameters()))
-    assert copies == [n_params]  # every weight copied once, in one call
+    params = list(coda.parameters())
+    copied = {id(p) for p in params} - ({id(coda.tok_emb)} if not tied else set())
+    assert set(coda._copies) == copied and copies == []  # every weight read in bf16 cast once, at its first read
+    for p in params:
+        if id(p) in copied:
+            assert torch.equal(coda.compute_copy(p), p.detach().bfloat16())
     for name, p in coda.named_parameters():
         assert p.grad is not None and p.grad.dtype == torch.float32, name
     matrices = [p.grad for p in coda.parameters() if p.dim() == 2]
@@ -431,11 +437,13 @@ def test_bf16_compute_copies_are_cast_once_per_update_and_gradients_stay_fp32(mo
     with torch.no_grad():
         before = coda(tokens, targets)
         assert coda(tokens, targets) == before  # unchanged weights: no copy, the same loss
-    assert copies == [n_params]
+    assert copies == []
     with torch.no_grad():
         coda.layers[1].w_down.mul_(2.0)  # an optimizer-like in-place update of one weight
         changed = coda(tokens, targets)
-    assert copies == [n_params, 1] and changed != before
+    assert copies == [1] and changed != before
+    coda.refresh_compute_copies(force=True)  # after a fused optimizer step: every copy in one call
+    assert copies == [1, len(copied)]
 
 
 def test_compute_copies_follow_a_fused_optimizer_step_when_forced():

@@ -53,15 +53,23 @@ def _new(t: Tensor, *shape: int, stat: bool = False) -> Tensor:
 
 # ---- forward ------------------------------------------------------------------------------
 
-@declare(fake=lambda tokens, emb, gamma: (_new(emb, tokens.numel(), emb.shape[1]), _new(emb, tokens.numel(), emb.shape[1]),
-                                          _new(emb, tokens.numel(), 1, stat=True)),
-         examples=lambda x: {"": dict(tokens=x.tokens(), emb=x.act(x.dims.vocab_size, x.dims.dim), gamma=x.gamma(x.dims.dim))},
+def _embedding_fake(tokens, emb, gamma, dtype):
+    x = emb.new_empty(tokens.numel(), emb.shape[1], dtype=dtype)
+    return x, torch.empty_like(x), x.new_empty(tokens.numel(), 1, dtype=stat_dtype(dtype))
+
+
+@declare(fake=_embedding_fake,
+         examples=lambda x: {"": dict(tokens=x.tokens(), emb=x.act(x.dims.vocab_size, x.dims.dim), gamma=x.gamma(x.dims.dim),
+                                      dtype=x.dtype),
+                             "fp32 table": dict(tokens=x.tokens(), emb=x.stat(x.dims.vocab_size, x.dims.dim),
+                                                gamma=x.gamma(x.dims.dim), dtype=x.dtype)},
          partials={2: lambda **_: 1})
-def embedding_rmsnorm_partial(tokens: Tensor, emb: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(E) x = emb[tokens]; h = x*gamma; partial row sums of x^2."""
-    x = emb[tokens.reshape(-1)]
+def embedding_rmsnorm_partial(tokens: Tensor, emb: Tensor, gamma: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """(E) x = emb[tokens] in `dtype` (the compute dtype: the table may be the fp32 master weights,
+    read without a copy of the whole table); h = x*gamma; partial row sums of x^2."""
+    x = emb[tokens.reshape(-1)].to(dtype)
     xf = _f(x)
-    return x, (xf * _f(gamma)).to(x.dtype), (xf * xf).sum(-1, keepdim=True)
+    return x, (xf * _f(gamma)).to(dtype), (xf * xf).sum(-1, keepdim=True)
 
 
 @declare(fake=lambda sumsq_partials, dim, eps: _new(sumsq_partials, sumsq_partials.shape[0], stat=True),

@@ -42,7 +42,12 @@ def passes(err: float, baseline_err: float) -> bool:
 
 
 def to_float64(kwargs: dict[str, Any]) -> dict[str, Any]:
-    return {k: v.double() if isinstance(v, Tensor) and v.is_floating_point() else v for k, v in kwargs.items()}
+    """The oracle's inputs: floating tensors in float64, and a floating dtype argument float64 too."""
+    def f64(v):
+        if isinstance(v, Tensor) and v.is_floating_point():
+            return v.double()
+        return torch.float64 if isinstance(v, torch.dtype) and v.is_floating_point else v
+    return {k: f64(v) for k, v in kwargs.items()}
 
 
 def results(op: Op, fn: Callable, kwargs: dict[str, Any]) -> tuple[Tensor, ...]:

@@ -38,9 +38,10 @@ class EmbeddingEntry(Function):
     """(E) x = emb[tokens], h = x*gamma, r = rstd(x): the first block's input triple."""
 
     @staticmethod
-    def forward(ctx, tokens: Tensor, emb: Tensor, emb_c: Tensor, gamma_c: Tensor, eps: float, ops: OpSet):
-        # emb: the parameter (receives the gradient); *_c: compute copies (CodaLlama._blocks)
-        x, h, sumsq = ops.embedding_rmsnorm_partial(tokens, emb_c, gamma_c)
+    def forward(ctx, tokens: Tensor, emb: Tensor, gamma_c: Tensor, dtype: torch.dtype, eps: float, ops: OpSet):
+        # emb: the parameter, whose rows the op gathers and rounds to the compute dtype (no copy of the
+        # whole table); gamma_c: a compute copy (CodaLlama._blocks)
+        x, h, sumsq = ops.embedding_rmsnorm_partial(tokens, emb.detach(), gamma_c, dtype)
         r = ops.rstd_from_partials(sumsq, emb.shape[1], eps)
         ctx.save_for_backward(tokens)
         ctx.vocab_size, ctx.ops = emb.shape[0], ops
@@ -251,7 +252,7 @@ class CodaLlama(LlamaWeights):
         cp = self.compute_copy
         # The entry and F6 of block i write h for the RMSNorm after them, so that norm's weight (block
         # i+1's attn_norm, or the final norm) is gathered before they run; they read its compute copy only.
-        x, h, r = EmbeddingEntry.apply(tokens, self.tok_emb, cp(self.tok_emb), cp(gathered(layers[0]).attn_norm),
+        x, h, r = EmbeddingEntry.apply(tokens, self.tok_emb, cp(gathered(layers[0]).attn_norm), self.compute_dtype,
                                        cfg.norm_eps, self.ops)
         for i, layer in enumerate(layers):
             next_norm = gathered(layers[i + 1]).attn_norm if i + 1 < len(layers) else self.norm

@@ -8,7 +8,6 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from .config import LlamaConfig
 
@@ -92,31 +91,36 @@ class LlamaWeights(nn.Module):
         in every forward and backward. A change is seen through the parameter's version counter (an
         in-place op, a load); fused optimizers (fused AdamW) update in place without bumping it, so
         the trainer's optimizer calls it with force=True after each step (trainer/optim.py), which
-        rewrites the copies there are and creates none. Parameters already in the compute dtype need no copy; FSDP2's sharded
-        ones are gathered in it."""
+        rewrites every copy. Copies exist only for the parameters the model has read through
+        compute_copy: one read in its own dtype (the CODA embedding table, gathered row by row) or a
+        model that reads none (the eager one) costs no memory. FSDP2's sharded parameters are
+        gathered in the compute dtype and need none."""
         stale, sources = [], []
-        for p in self.parameters():
-            if p.dtype == self.compute_dtype or isinstance(p, DTensor):
+        for key, (p, seen, copy) in list(self._copies.items()):
+            if copy.shape != p.shape or copy.device != p.device:  # moved or resized: a new copy at the next read
+                del self._copies[key]
                 continue
-            key = (p._version, p.data_ptr())
-            held = self._copies.get(id(p))
-            if held is None or held[0] is not p or held[2].shape != p.shape or held[2].device != p.device:
-                if force:  # a model that reads no copies (the eager one) gets none
-                    continue
-                held = (p, None, torch.empty_like(p, dtype=self.compute_dtype))
-            if force or held[1] != key:
-                stale.append(held[2])
+            now = (p._version, p.data_ptr())
+            if force or now != seen:
+                stale.append(copy)
                 sources.append(p.detach())
-                self._copies[id(p)] = (p, key, held[2])
+                self._copies[key] = (p, now, copy)
         if stale:
             torch._foreach_copy_(stale, sources)
 
     def compute_copy(self, p: Tensor) -> Tensor:
-        """Parameter p in the compute dtype (after refresh_compute_copies): p's data, or its copy. Never
-        differentiable: a Function returns no gradient for it, and were it p itself, p's gradient
-        would wait for that Function's backward, after the reduce-scatter of p's FSDP2 unit (the
-        entry and block l-1 read block l's attn_norm)."""
-        return p.detach() if p.dtype == self.compute_dtype else self._copies[id(p)][2]
+        """Parameter p in the compute dtype: p's data, or its copy (made at the first read, kept up to
+        date by refresh_compute_copies). Never differentiable: a Function returns no gradient for it,
+        and were it p itself, p's gradient would wait for that Function's backward, after the
+        reduce-scatter of p's FSDP2 unit (the entry and block l-1 read block l's attn_norm)."""
+        if p.dtype == self.compute_dtype:
+            return p.detach()
+        held = self._copies.get(id(p))
+        if held is None or held[0] is not p or held[2].device != p.device or held[2].shape != p.shape:
+            with torch.no_grad():
+                held = (p, (p._version, p.data_ptr()), p.detach().to(self.compute_dtype, copy=True))
+            self._copies[id(p)] = held
+        return held[2]
 
     def rope_tables(self, seq_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
         """cos, sin of shape (seq_len, head_dim/2) in the epilogue precision (fp32; fp64 for fp64
