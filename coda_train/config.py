@@ -75,6 +75,8 @@ class TrainerConfig:
     eval_batches: int = 8
     ckpt_every: int = 100  # steps between checkpoints (and at the last step); 0 = only at the end/signal
     keep_last: int = 3  # checkpoints kept in <run_dir>/checkpoints
+    # fsdp: stage the shards in memory and write them in a background thread while training continues
+    ckpt_async: bool = False
     resume: str = "auto"  # auto (newest good checkpoint in run_dir, if any) | never | <checkpoint dir>
     run_dir: Optional[str] = None  # null: hydra's output dir (outputs/<date>/<time>)
     peak_flops: float = 989e12  # per GPU, for MFU: H100/H200 dense bf16

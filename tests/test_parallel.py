@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 from coda_train.trainer.checkpoint import CheckpointError, list_checkpoints, load_state, verify_checkpoint
 
-from test_trainer import REPO, metrics, run_train
+from test_trainer import REPO, metrics, run_train, train_in_process
 
 # float32 on CPU: 2 ranks sum the gradient of 2+2 sequences in another order than one process does;
 # measured relative differences: loss <= 1e-7, grad_norm <= 3e-7
@@ -25,9 +25,13 @@ LOSS_RTOL, GRAD_NORM_RTOL = 1e-5, 1e-4
 STEPS = ["trainer.max_steps=6", "trainer.eval_every=3", "trainer.ckpt_every=0"]
 
 
+def run_ranks(processes: int, *overrides: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+                           "train.py", *overrides], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
 def run_two_ranks(*overrides: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-                           *overrides], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return run_ranks(2, *overrides, timeout=timeout)
 
 
 def assert_same_trajectory(run: list[dict], reference: list[dict]) -> None:
@@ -46,6 +50,19 @@ def one_process(tiny, tmp_path_factory):
         assert result.returncode == 0, result.stderr
         return run_dir
     return {impl: run(impl) for impl in ("eager", "coda")}
+
+
+# 12 steps of a 2-process FSDP2 run, checkpointed every 4: the trajectory every resume below must continue
+FSDP_RUN = ["trainer.max_steps=12", "trainer.ckpt_every=4", "trainer.eval_every=6", "trainer.parallel=fsdp"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_straight(tiny, tmp_path_factory) -> Path:
+    """The run dir of FSDP_RUN on 2 processes with batch 2 (global batch 4), synchronous checkpoints."""
+    run_dir = tmp_path_factory.mktemp("fsdp-straight")
+    result = run_two_ranks(*tiny, *FSDP_RUN, "trainer.batch_size=2", f"trainer.run_dir={run_dir}")
+    assert result.returncode == 0, result.stderr
+    return run_dir
 
 
 @pytest.mark.parametrize("impl", ["eager", "coda"])
@@ -77,14 +94,13 @@ def test_fsdp_resharding_after_forward_matches_one_process(tiny, one_process, tm
     assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000006"]
 
 
-def test_fsdp_run_killed_resumes_on_two_and_on_one_process(tiny, tmp_path):
+def test_fsdp_run_killed_resumes_on_two_and_on_one_process(tiny, fsdp_straight, tmp_path):
     """A 2-process FSDP2 run SIGKILLed after step 6 (checkpoint at 4, sharded) continues from step 4 on
     2 processes (batch 2 each) and on 1 (batch 4, the shards read into whole tensors): the same global
     batch, so the same trajectory as the uninterrupted run; measured: 2 -> 2 bit-exact, 2 -> 1 within
     2e-7 of the loss (the reduction order differs)."""
-    common = [*tiny, "trainer.max_steps=12", "trainer.ckpt_every=4", "trainer.eval_every=6", "trainer.parallel=fsdp"]
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    assert run_two_ranks(*common, "trainer.batch_size=2", f"trainer.run_dir={straight}").returncode == 0
+    common = [*tiny, *FSDP_RUN]
+    killed = tmp_path / "killed"
     result = run_two_ranks(*common, "trainer.batch_size=2", f"trainer.run_dir={killed}", "debug.sigkill_after_step=6")
     assert result.returncode != 0 and metrics(killed)[-1]["step"] == 6
     on_one = tmp_path / "on-one"
@@ -93,11 +109,124 @@ def test_fsdp_run_killed_resumes_on_two_and_on_one_process(tiny, tmp_path):
     resumed = run_two_ranks(*common, "trainer.batch_size=2", f"trainer.run_dir={killed}")
     assert resumed.returncode == 0, resumed.stderr
     assert "step_00000004 (step 4)" in resumed.stderr + resumed.stdout
-    assert_same_trajectory(metrics(killed), metrics(straight))
+    assert_same_trajectory(metrics(killed), metrics(fsdp_straight))
     resumed = run_train(*common, "trainer.batch_size=4", f"trainer.run_dir={on_one}")
     assert resumed.returncode == 0, resumed.stderr
     assert "step_00000004 (step 4)" in resumed.stderr + resumed.stdout and "x1 none" in resumed.stderr + resumed.stdout
-    assert_same_trajectory(metrics(on_one), metrics(straight))
+    assert_same_trajectory(metrics(on_one), metrics(fsdp_straight))
+
+
+def test_fsdp_checkpoint_of_two_processes_resumes_on_four(tiny, fsdp_straight, tmp_path):
+    """Save on 2 (batch 2 each), resume on 4 (batch 1 each): the same 4 windows a step (rank r takes
+    every 4th), each shard split in two on load, so the trajectory continues within LOSS_RTOL."""
+    run_dir = tmp_path / "on-four"
+    subprocess.run(["cp", "-r", str(fsdp_straight), str(run_dir)], check=True)
+    resumed = run_ranks(4, *tiny, *FSDP_RUN, "trainer.batch_size=1", f"trainer.run_dir={run_dir}",
+                        f"trainer.resume={run_dir / 'checkpoints' / 'step_00000004'}", timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "step_00000004 (step 4)" in resumed.stderr + resumed.stdout and "x4 fsdp" in resumed.stderr + resumed.stdout
+    assert_same_trajectory(metrics(run_dir), metrics(fsdp_straight))
+    assert verify_checkpoint(run_dir / "checkpoints" / "step_00000012")["processes"] == 4
+
+
+def test_fsdp_async_checkpoints_match_the_synchronous_run_and_resume_on_two_and_on_one_process(tiny, fsdp_straight, tmp_path):
+    """trainer.ckpt_async=true: the shards are copied to memory and written while training continues,
+    each checkpoint published before the next save and before the run exits. The trajectory is the
+    synchronous run's (the copy is taken at the checkpoint's step), every checkpoint verifies with the
+    same files, and the one at step 4 resumes on 2 processes (async again) and on 1."""
+    common = [*tiny, *FSDP_RUN]
+    run_dir = tmp_path / "async"
+    result = run_two_ranks(*common, "trainer.batch_size=2", "trainer.ckpt_async=true", f"trainer.run_dir={run_dir}")
+    assert result.returncode == 0, result.stderr
+    assert_same_trajectory(metrics(run_dir), metrics(fsdp_straight))
+    ckpts = run_dir / "checkpoints"
+    assert [p.name for p in list_checkpoints(ckpts)] == ["step_00000012", "step_00000008", "step_00000004"]
+    assert not list(ckpts.glob(".tmp-*"))
+    for path in list_checkpoints(ckpts):
+        assert set(verify_checkpoint(path)["files"]) == set(verify_checkpoint(fsdp_straight / "checkpoints" / path.name)["files"])
+
+    for processes, batch, extra in ((2, 2, ["trainer.ckpt_async=true"]), (1, 4, [])):
+        resumed_dir = tmp_path / f"on-{processes}"
+        subprocess.run(["cp", "-r", str(run_dir), str(resumed_dir)], check=True)
+        overrides = [*common, f"trainer.batch_size={batch}", *extra, f"trainer.run_dir={resumed_dir}",
+                     f"trainer.resume={resumed_dir / 'checkpoints' / 'step_00000004'}"]
+        resumed = run_two_ranks(*overrides) if processes == 2 else run_train(*overrides)
+        assert resumed.returncode == 0, resumed.stderr
+        assert "step_00000004 (step 4)" in resumed.stderr + resumed.stdout
+        assert f"x{processes} {'fsdp' if processes == 2 else 'none'}" in resumed.stderr + resumed.stdout
+        assert_same_trajectory(metrics(resumed_dir), metrics(fsdp_straight))
+
+
+def test_fsdp_async_save_cut_short_keeps_the_previous_checkpoint(tiny, fsdp_straight, tmp_path):
+    """SIGKILL right after the async save of step 8 started (its shards in flight, nothing published):
+    step 4 is the newest checkpoint and the run resumes from it on the same trajectory. SIGKILL in the
+    publish of step 8 (every shard written, meta.json not yet): step 4 again, step 8 a hidden temp dir."""
+    common = [*tiny, *FSDP_RUN, "trainer.batch_size=2", "trainer.ckpt_async=true"]
+    killed = tmp_path / "killed"
+    result = run_two_ranks(*common, f"trainer.run_dir={killed}", "debug.sigkill_after_step=8")
+    assert result.returncode != 0 and metrics(killed)[-1]["step"] == 8
+    assert [p.name for p in list_checkpoints(killed / "checkpoints")] == ["step_00000004"]
+    resumed = run_two_ranks(*common, f"trainer.run_dir={killed}")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "step_00000004 (step 4)" in resumed.stderr + resumed.stdout
+    assert_same_trajectory(metrics(killed), metrics(fsdp_straight))
+
+    in_publish = tmp_path / "in-publish"
+    result = run_two_ranks(*common, f"trainer.run_dir={in_publish}", "debug.sigkill_in_checkpoint_at_step=8")
+    assert result.returncode != 0
+    ckpts = in_publish / "checkpoints"
+    assert [p.name for p in list_checkpoints(ckpts)] == ["step_00000004"]
+    verify_checkpoint(ckpts / "step_00000004")
+    (partial,) = ckpts.glob(".tmp-step_00000008-*")
+    assert {"shards/__0_0.distcp", "shards/__1_0.distcp", "shards/.metadata", "run_state.pt"} <= \
+        {str(p.relative_to(partial)) for p in partial.rglob("*") if p.is_file()}
+    assert not (partial / "meta.json").exists()
+
+
+def test_failed_async_write_removes_its_temp_dir_and_raises_naming_the_checkpoint(tmp_path):
+    """A background write that failed (as torch.distributed.checkpoint reports it: a CheckpointException
+    holding each failed rank's error) is never published: its temp dir goes, the earlier checkpoint
+    stays, and finish raises the OSError (the loop's run-dir error) or a CheckpointError naming the step."""
+    import errno
+    import os
+    from concurrent.futures import Future
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from coda_train.trainer.checkpoint import Checkpointer, PendingSave
+
+    root = tmp_path / "checkpoints"
+    (root / "step_00000004").mkdir(parents=True)
+    (root / "step_00000004" / "meta.json").write_text("{}")
+    for failure, raised in ((OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), "No space left on device"),
+                            (ValueError("bad plan"), r"writing the checkpoint of step 8 \(.*step_00000008\) failed "
+                                                     r"\(ValueError: bad plan\); the earlier checkpoints are intact")):
+        tmp = root / ".tmp-step_00000008-1"
+        (tmp / "shards").mkdir(parents=True)
+        written = Future()
+        written.set_exception(CheckpointException("write", {1: (failure, None)}))
+        checkpointer = Checkpointer(root, keep_last=3, meta={}, ckpt_async=True)
+        checkpointer.pending = PendingSave(8, tmp, written)
+        assert not checkpointer.written()  # never published early
+        with pytest.raises((OSError, CheckpointError), match=raised):
+            checkpointer.finish()
+        assert checkpointer.pending is None and not tmp.exists()
+        assert sorted(p.name for p in root.iterdir()) == ["step_00000004"]
+
+
+def test_async_checkpoints_need_fsdp(tiny, tmp_path):
+    """trainer.ckpt_async=true on one process or under DDP is refused before the run dir is touched."""
+    from coda_train.errors import ConfigError
+    from coda_train.trainer.checkpoint import check_ckpt_async
+
+    with pytest.raises(ConfigError, match="trainer.ckpt_async=true .* this run is one process.*set trainer.ckpt_async="
+                                          "false, or run several processes under torchrun with trainer.parallel=fsdp"):
+        train_in_process(tmp_path, *tiny, "trainer.ckpt_async=true")
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(ConfigError, match="uses trainer.parallel=ddp.*set trainer.ckpt_async=false"):
+        check_ckpt_async(True, "ddp")
+    for ckpt_async, parallel in ((True, "fsdp"), (False, "none"), (False, "ddp")):
+        check_ckpt_async(ckpt_async, parallel)
 
 
 def test_one_process_checkpoint_resumes_on_two_fsdp_processes(tiny, tmp_path):

@@ -3,6 +3,12 @@ resume rules: which checkpoint a run continues and what of the model may differ 
 Under FSDP2 a checkpoint is sharded instead: {shards/, run_state.pt, meta.json}, each rank writing its
 own shards through torch.distributed.checkpoint, meta.json (last) holding every file's sha256; it is
 written and renamed the same way, and restore() reads either layout on any number of processes.
+With trainer.ckpt_async (FSDP2 only) each rank copies its shards to memory and a background thread writes
+them while training continues; rank 0 publishes the checkpoint (checksums, meta.json, rename, prune)
+only once every rank's shards are written: as soon as it sees that between steps, and at the latest
+before the next save and before the run exits. A failed write is never published (its temporary
+directory is removed and the error raised on the training thread), so the guarantees below hold as for
+a synchronous save; a crash while a write is pending loses only that checkpoint.
 
 A checkpoint is written into a hidden temporary directory (state.pt, then meta.json holding its
 sha256), each file fsynced, then the directory is renamed to its final name and the parent fsynced.
@@ -32,17 +38,20 @@ import os
 import re
 import shutil
 import signal
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from coda_train.errors import ConfigError
 from coda_train.model import LlamaConfig
 
 from ..durable import fsync_dir, sha256_file, write_synced
@@ -210,11 +219,65 @@ def _publish(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
 def save_sharded_checkpoint(root: Path, step: int, state: TrainState, meta: dict[str, Any], keep_last: int,
                             world: World, before_meta: Optional[Callable[[], None]] = None) -> Optional[Path]:
     """Every rank calls it: each writes its shards of model and optimizer (torch.distributed.checkpoint)
-    into rank 0's temporary directory; rank 0 then writes run_state.pt and, last, meta.json with every
-    file's size and sha256, and renames the directory (complete by construction, as save_checkpoint's).
-    Returns the path on rank 0. The free space is checked on rank 0 for all ranks' shards (one host)."""
-    final, tmp, error = root / f"step_{step:08d}", None, None
+    into rank 0's temporary directory; rank 0 then writes, last, meta.json with every file's size and
+    sha256, and renames the directory (complete by construction, as save_checkpoint's). Returns the
+    path on rank 0."""
     sharded = state.sharded_state_dict()
+    tmp = _sharded_tmp(root, step, state, sharded, world)
+    try:
+        dcp.save(sharded, storage_writer=FileSystemWriter(tmp / SHARDS_DIR, sync_files=True))
+    except BaseException:
+        _remove_on_main(tmp, world)
+        raise
+    return _publish_sharded(root, step, tmp, meta, keep_last, world, before_meta)
+
+
+class PendingSave(NamedTuple):
+    """A sharded checkpoint whose shards a background thread is still writing (trainer.ckpt_async)."""
+    step: int
+    tmp: Path
+    written: Future  # dcp.async_save's: done on a rank once every rank's shards and .metadata are written
+
+
+def start_sharded_checkpoint(root: Path, step: int, state: TrainState, world: World, group: Any) -> PendingSave:
+    """save_sharded_checkpoint's first half, returning once this rank's shards are copied to memory: a
+    background thread writes them (dcp.async_save, its collectives over `group`, a gloo group that the
+    training thread never uses, so the two never interleave on one group). Publish with finish_sharded_checkpoint."""
+    sharded = state.sharded_state_dict()
+    tmp = _sharded_tmp(root, step, state, sharded, world)
+    try:
+        written = dcp.async_save(sharded, storage_writer=FileSystemWriter(tmp / SHARDS_DIR, sync_files=True),
+                                 process_group=group)
+    except BaseException:
+        _remove_on_main(tmp, world)
+        raise
+    return PendingSave(step, tmp, written)
+
+
+def finish_sharded_checkpoint(pending: PendingSave, root: Path, meta: dict[str, Any], keep_last: int, world: World,
+                              before_meta: Optional[Callable[[], None]] = None) -> Optional[Path]:
+    """Every rank calls it: wait for the shards, then rank 0 publishes as save_sharded_checkpoint does.
+    A failed write (on any rank: torch.distributed.checkpoint reports it to all) removes the temporary
+    directory and raises, naming the checkpoint; earlier checkpoints stay as they were."""
+    try:
+        pending.written.result()
+    except BaseException as e:
+        _remove_on_main(pending.tmp, world)
+        if not isinstance(e, CheckpointException):
+            raise
+        errors = [error for error, _ in e.failures.values()]
+        if isinstance(errors[0], OSError):  # e.g. disk full: the caller reports it as a run-dir write error
+            raise errors[0] from e
+        raise CheckpointError(f"writing the checkpoint of step {pending.step} ({root / f'step_{pending.step:08d}'}) "
+                              f"failed ({type(errors[0]).__name__}: {errors[0]}); the earlier checkpoints are "
+                              "intact, resume from the newest") from e
+    return _publish_sharded(root, pending.step, pending.tmp, meta, keep_last, world, before_meta)
+
+
+def _sharded_tmp(root: Path, step: int, state: TrainState, sharded: dict[str, Any], world: World) -> Path:
+    """Rank 0 checks the free space for all ranks' shards (one host), makes the temporary directory and
+    writes run_state.pt into it; every rank gets its path, or rank 0's error (none waits on the others)."""
+    final, tmp, error = root / f"step_{step:08d}", None, None
     if world.is_main:
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -223,19 +286,27 @@ def save_sharded_checkpoint(root: Path, step: int, state: TrainState, meta: dict
             _check_free_space(root, int(tensor_bytes(sharded) * world.world_size * 1.01) + 2**20)
             tmp = root / f".tmp-{final.name}-{os.getpid()}"
             tmp.mkdir()
+            with open(tmp / RUN_STATE_FILE, "wb") as f:
+                torch.save(state.run_state_dict(), f)
+                f.flush()
+                os.fsync(f.fileno())
         except OSError as e:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
             error = e
-    tmp, error = from_main((tmp, error), world)  # every rank stops on rank 0's error, none waits on the others
+    tmp, error = from_main((tmp, error), world)
     if error is not None:
         raise error
+    return tmp
+
+
+def _publish_sharded(root: Path, step: int, tmp: Path, meta: dict[str, Any], keep_last: int, world: World,
+                     before_meta: Optional[Callable[[], None]]) -> Optional[Path]:
+    """On rank 0, once every rank's shards are written: meta.json (every file's sha256), rename, prune."""
+    if not world.is_main:
+        return None
+    final = root / f"step_{step:08d}"
     try:
-        dcp.save(sharded, storage_writer=FileSystemWriter(tmp / SHARDS_DIR, sync_files=True))
-        if not world.is_main:
-            return None
-        with open(tmp / RUN_STATE_FILE, "wb") as f:
-            torch.save(state.run_state_dict(), f)
-            f.flush()
-            os.fsync(f.fileno())
         if before_meta is not None:
             before_meta()
         fsync_dir(tmp / SHARDS_DIR)
@@ -244,12 +315,16 @@ def save_sharded_checkpoint(root: Path, step: int, state: TrainState, meta: dict
         _publish(tmp, final, {"format": FORMAT_VERSION, "step": step, "files": files, "processes": world.world_size,
                               **meta})
     except BaseException:
-        if world.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
     fsync_dir(root)
     prune(root, keep_last)
     return final
+
+
+def _remove_on_main(tmp: Path, world: World) -> None:
+    if world.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def restore(state: TrainState, checkpoint: Checkpoint) -> None:
@@ -355,31 +430,51 @@ def check_same_model(checkpoint: Checkpoint, model: LlamaConfig) -> None:
                               "(or trainer.resume=never in an empty dir) to start fresh; nothing was deleted")
 
 
+def check_ckpt_async(ckpt_async: bool, parallel: str) -> None:
+    """trainer.ckpt_async writes FSDP2's sharded checkpoints in the background; state.pt is written in place."""
+    if ckpt_async and parallel != "fsdp":
+        run = "is one process" if parallel == "none" else "uses trainer.parallel=ddp"
+        raise ConfigError(f"trainer.ckpt_async=true writes FSDP2's sharded checkpoints in the background, and this run "
+                          f"{run}, whose rank 0 writes state.pt in place: set trainer.ckpt_async=false, or run "
+                          "several processes under torchrun with trainer.parallel=fsdp")
+
+
 @dataclass
 class Checkpointer:
     """Saves a run's TrainState as <root>/step_XXXXXXXX with `meta` (what describes the run beside the
-    state: model fields, impl, config), keeping the newest keep_last."""
+    state: model fields, impl, config), keeping the newest keep_last. With ckpt_async (FSDP2 only) a
+    save returns once the shards are in memory and is published by poll, finish or the next save."""
     root: Path
     keep_last: int
     meta: dict[str, Any]
     resumed_from: Optional[Checkpoint] = None
     kill_mid_write_at_step: Optional[int] = None  # test hook: SIGKILL between state.pt and meta.json
     disk_full_at_step: Optional[int] = None  # test hook: that step's state.pt fails with ENOSPC halfway
+    ckpt_async: bool = False
 
     def __post_init__(self) -> None:
         self.saved: Optional[tuple[int, Path]] = (self.resumed_from.step, self.resumed_from.path) if self.resumed_from else None
+        self.pending: Optional[PendingSave] = None  # one asynchronous save at a time
+        self._async_group = None  # gloo, for the background writer's collectives; made by the first async save
 
     def save(self, state: TrainState, world: World = World()) -> Optional[Path]:
         """Checkpoint state.step, once: a step already saved (or resumed from) returns its path. Every
-        rank calls it: under FSDP2 each writes its shards; otherwise rank 0 writes state.pt alone."""
+        rank calls it: under FSDP2 each writes its shards; otherwise rank 0 writes state.pt alone. An
+        asynchronous save returns the path (on rank 0) that finish will publish it under."""
         if self.saved is not None and self.saved[0] == state.step:
             return self.saved[1]
-        crash = None
-        if self.kill_mid_write_at_step == state.step:
-            crash = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
+        self.finish(world)
+        crash = self._crash_hook(state.step)
+        final = self.root / f"step_{state.step:08d}"
+        if isinstance(state.model, FSDPModule) and self.ckpt_async:
+            if self._async_group is None:
+                self._async_group = dist.new_group(backend="gloo")
+            self.pending = start_sharded_checkpoint(self.root, state.step, state, world, self._async_group)
+            self.saved = (state.step, final)
+            return final if world.is_main else None
         if isinstance(state.model, FSDPModule):
             path = save_sharded_checkpoint(self.root, state.step, state, self.meta, self.keep_last, world, crash)
-            self.saved = (state.step, path or self.root / f"step_{state.step:08d}")
+            self.saved = (state.step, final)
             return path
         if not world.is_main:
             return None
@@ -388,3 +483,23 @@ class Checkpointer:
         path = save_checkpoint(self.root, state.step, state_dict, self.meta, self.keep_last, crash, full_after)
         self.saved = (state.step, path)
         return path
+
+    def finish(self, world: World = World()) -> Optional[Path]:
+        """Wait for the pending asynchronous save and publish it (rank 0); every rank calls it, and a
+        failed write raises here on every rank. No-op without one."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        return finish_sharded_checkpoint(pending, self.root, self.meta, self.keep_last, world,
+                                         self._crash_hook(pending.step))
+
+    def written(self, world: World = World()) -> bool:
+        """On rank 0: the pending save's shards are all written, so it can be published now (and a crash
+        before the next save keeps it). A failed write is left to finish, which every rank calls at once."""
+        done = world.is_main and self.pending is not None and self.pending.written.done()
+        return done and self.pending.written.exception() is None
+
+    def _crash_hook(self, step: int) -> Optional[Callable[[], None]]:
+        if self.kill_mid_write_at_step != step:
+            return None
+        return lambda: os.kill(os.getpid(), signal.SIGKILL)

@@ -24,8 +24,8 @@ from coda_train.model.liger import require_liger
 
 from .build import (build_loader, build_train_state, check_compute, check_model_before_data, data_config,
                     prepare_data, resolve_model)
-from .checkpoint import (CHECKPOINTS_DIR, CheckpointError, Checkpointer, check_same_model, find_resume_checkpoint,
-                         list_checkpoints, restore, set_aside_newer)
+from .checkpoint import (CHECKPOINTS_DIR, CheckpointError, Checkpointer, check_ckpt_async, check_same_model,
+                         find_resume_checkpoint, list_checkpoints, restore, set_aside_newer)
 from .device import pick_compute_dtype, pick_device
 from .distributed import (World, any_rank, barrier, check_fsdp_options, close_world, data_parallel, from_main, init_world,
                           process_device, resolve_parallel)
@@ -88,6 +88,7 @@ def train(cfg: Config, run_dir: Path) -> Optional[dict[str, Any]]:
             held.callback(close_world, world)
             parallel = resolve_parallel(cfg.trainer.parallel, world)
             check_fsdp_options(parallel, cfg.trainer.fsdp_reshard_after_forward)
+            check_ckpt_async(cfg.trainer.ckpt_async, parallel)
             cuda_graphs = use_cuda_graphs(cfg.trainer.cuda_graphs, cfg.model.impl, device, parallel)
             run_dir = from_main(run_dir, world)
             held.enter_context(hold_run_dir(run_dir, world))  # before anything reads or writes the run dir
@@ -121,7 +122,8 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
     config["trainer"]["run_dir"] = str(run_dir)  # this job's dir (a multirun gives each job its own)
     meta = {"model": dataclasses.asdict(llama), "impl": cfg.model.impl, "config": config}
     checkpointer = Checkpointer(run_dir / CHECKPOINTS_DIR, t.keep_last, meta, resume_from,
-                                cfg.debug.sigkill_in_checkpoint_at_step, cfg.debug.disk_full_in_checkpoint_at_step)
+                                cfg.debug.sigkill_in_checkpoint_at_step, cfg.debug.disk_full_in_checkpoint_at_step,
+                                t.ckpt_async)
     metrics_logger = None
     if world.is_main:  # the first writes, after every check
         with writing("the run's config.yaml and metrics.jsonl", run_dir, run_dir):
@@ -183,14 +185,19 @@ def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, train_step: TrainS
                 os.kill(os.getpid(), signal.SIGKILL)
             if debug.sigterm_after_step == state.step:
                 os.kill(os.getpid(), signal.SIGTERM)
+            if checkpointer.written(world):  # an asynchronous save, published as soon as it can be
+                _finish(checkpointer, world)
         if state.step < t.max_steps:  # a rank received SIGTERM/SIGINT
             train_step.check()  # never save a state that a non-finite step reached
             path = _save(checkpointer, state, world)
+            _finish(checkpointer, world)  # published before the message says so
             if world.is_main:
                 log.info("received %s: saved %s and stopped; run again with the same trainer.run_dir to continue",
                          signal.Signals(stop.received).name if stop.received else "a stop signal", path)
+        _finish(checkpointer, world)  # the last step's checkpoint, written in the background
     except NonFiniteError as e:
         exit_code = EXIT_NON_FINITE
+        _finish(checkpointer, world)  # a save in flight holds a finite state (each save reads its step first)
         raise _non_finite_stop(e, state.step, checkpointer) from None
     finally:
         stop.restore()
@@ -210,7 +217,17 @@ def _non_finite_stop(error: NonFiniteError, step: int, checkpointer: Checkpointe
 
 
 def _save(checkpointer: Checkpointer, state: TrainState, world: World) -> Optional[Path]:
-    """Rank 0 writes the state (every rank its own shards under FSDP2); the loader state is the same on every rank."""
+    """Rank 0 writes the state (every rank its own shards under FSDP2); the loader state is the same on every rank.
+    A pending asynchronous save is published first (one at a time)."""
+    _finish(checkpointer, world)
     with writing(f"the checkpoint of step {state.step}", checkpointer.root / f"step_{state.step:08d}",
                  checkpointer.root.parent):
         return checkpointer.save(state, world)
+
+
+def _finish(checkpointer: Checkpointer, world: World) -> None:
+    """Publish the pending asynchronous save, if any; a failed write is reported under its own step."""
+    if checkpointer.pending is not None:
+        step = checkpointer.pending.step
+        with writing(f"the checkpoint of step {step}", checkpointer.root / f"step_{step:08d}", checkpointer.root.parent):
+            checkpointer.finish(world)
