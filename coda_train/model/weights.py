@@ -109,14 +109,14 @@ class LlamaWeights(nn.Module):
             torch._foreach_copy_(stale, sources)
 
     def compute_copy(self, p: Tensor) -> Tensor:
-        """Parameter p in the compute dtype: p's data, or its copy (made at the first read, kept up to
-        date by refresh_compute_copies). Never differentiable: a Function returns no gradient for it,
+        """Parameter p in the compute dtype, after refresh_compute_copies (which drops copies of moved or
+        resized parameters): p's data, or its copy (made at the first read). Never differentiable: a Function returns no gradient for it,
         and were it p itself, p's gradient would wait for that Function's backward, after the
         reduce-scatter of p's FSDP2 unit (the entry and block l-1 read block l's attn_norm)."""
         if p.dtype == self.compute_dtype:
             return p.detach()
         held = self._copies.get(id(p))
-        if held is None or held[0] is not p or held[2].device != p.device or held[2].shape != p.shape:
+        if held is None or held[0] is not p:
             with torch.no_grad():
                 held = (p, (p._version, p.data_ptr()), p.detach().to(self.compute_dtype, copy=True))
             self._copies[id(p)] = held
