@@ -17,7 +17,10 @@ Variants (bf16 compute, fp32 master weights, fused AdamW):
                         coda_train/trainer/graphs.py, trainer.cuda_graphs=on)
   floor                 the step's GEMMs alone (every projection's forward, dgrad and wgrad, the
                         three LM-head GEMMs), each at the best of cuBLAS and quack for its shape,
-                        plus FlashAttention 4 forward + backward: what a perfect fusion would cost
+                        plus FlashAttention 4 forward + backward: what a perfect fusion would cost.
+                        Timed per kernel (the sum is the floor) and also back to back in a
+                        step's order like a model step (the same work at a sustained step's
+                        clocks; reported next to it, with the SM clock of every timing)
 For each model variant: forward+backward ms (median, min, max over --iters after --warmup), a full
 training step (forward, backward, grad clip, AdamW, zero_grad: what train.py's step is compared with)
 ms, tokens/s, MFU (model FLOPs with
@@ -31,6 +34,7 @@ A variant that fails is recorded with its error; the run goes on. Writes <out>/b
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import math
@@ -97,6 +101,43 @@ def allocated_memory() -> int:
 def peak_memory() -> int:
     """Peak bytes allocated on the GPU since the last reset (0 on CPU: not measured there)."""
     return torch.cuda.max_memory_allocated() if DEVICE.type == "cuda" else 0
+
+
+class GpuClocks:
+    """Samples the GPU's SM clock, power draw and temperature (nvidia-smi, every 100 ms) while the
+    block runs: a sustained step runs at the clock its power draw allows, so two timings are only
+    comparable at similar clocks. `.result` is None on CPU or without nvidia-smi."""
+
+    QUERY = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu", "--format=csv,noheader,nounits",
+             "-lms", "100"]
+
+    def __enter__(self) -> "GpuClocks":
+        import shutil
+        import subprocess
+
+        self.proc, self.result = None, None
+        if DEVICE.type == "cuda" and shutil.which("nvidia-smi"):
+            uuid = getattr(torch.cuda.get_device_properties(DEVICE), "uuid", None)
+            target = ["-i", f"GPU-{uuid}"] if uuid else []
+            self.proc = subprocess.Popen(self.QUERY + target, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                         text=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        out, _ = self.proc.communicate(timeout=10)
+        samples = []
+        for line in out.splitlines():
+            try:
+                samples.append([float(x) for x in line.split(",")])
+            except ValueError:  # "[N/A]" fields, a partial last line
+                continue
+        if samples:
+            sm, power, temp = zip(*samples)
+            self.result = {"sm_mhz_mean": statistics.mean(sm), "sm_mhz_min": min(sm), "sm_mhz_max": max(sm),
+                           "power_w_mean": statistics.mean(power), "temp_c_max": max(temp), "samples": len(samples)}
 
 
 def model_config(shape: Shape):
@@ -217,7 +258,8 @@ def bench_model(variant: str, cfg, state: dict, batch, iters: int, warmup: int) 
     sync()
     setup_s = time.perf_counter() - t0
     reset_peak()
-    fb = step_times(fwd_bwd, iters, warmup)
+    with GpuClocks() as clocks:
+        fb = step_times(fwd_bwd, iters, warmup)
     peak_fb = peak_memory() - base
 
     from coda_train.config import OptimConfig
@@ -235,7 +277,7 @@ def bench_model(variant: str, cfg, state: dict, batch, iters: int, warmup: int) 
     peak_step = peak_memory() - base
     n_tokens = tokens.numel()
     result = {
-        "variant": variant, "setup_s": setup_s, "fwd_bwd": summary(fb), "step": summary(step),
+        "variant": variant, "setup_s": setup_s, "fwd_bwd": summary(fb), "clocks": clocks.result, "step": summary(step),
         "tokens_per_s": n_tokens / statistics.median(step) * 1e3,
         "peak_fwd_bwd_gib": peak_fb / 2**30 if peak_fb else None,
         "peak_above_weights_gib": (peak_fb - weight_bytes) / 2**30 if peak_fb else None,
@@ -271,8 +313,20 @@ def gemm_operands(m: int, n: int, k: int, layout: str):
     return rn(k, m).t(), rn(k, n)
 
 
-def bench_floor(cfg, shape: Shape) -> dict:
-    """Sum over the step's GEMMs of the faster of cuBLAS and quack, plus FA4 forward + backward."""
+def bench_floor(cfg, shape: Shape, iters: int, warmup: int) -> dict:
+    """Sum over the step's GEMMs of the faster of cuBLAS and quack, plus FA4 forward + backward,
+    each timed alone (the floor); then the same kernels back to back in the step's order, timed as
+    the model variants' steps are (the floor at a sustained step's clocks)."""
+    with GpuClocks() as clocks:
+        floor = _floor_per_kernel(cfg, shape)
+    floor["clocks"] = clocks.result
+    with GpuClocks() as clocks:
+        floor["back_to_back"] = summary(step_times(_floor_sequence(cfg, shape, floor), iters, warmup))
+    floor["back_to_back"]["clocks"] = clocks.result
+    return floor
+
+
+def _floor_per_kernel(cfg, shape: Shape) -> dict:
     from coda_train.kernels import op_set
 
     M = shape.batch * shape.seq
@@ -302,6 +356,41 @@ def bench_floor(cfg, shape: Shape) -> dict:
     attention = cfg.n_layers * (attn_fwd + attn_bwd)
     return {"variant": "floor", "fwd_bwd": {"median_ms": total + attention}, "gemm_ms": total,
             "attention_ms": attention, "attention_fwd_ms": attn_fwd, "attention_bwd_ms": attn_bwd, "gemms": rows}
+
+
+def _floor_sequence(cfg, shape: Shape, floor: dict) -> Callable[[], None]:
+    """One call = the floor's kernels in a step's order (every layer's forward GEMMs and attention,
+    the LM head, every layer's backward in reverse), each GEMM on the backend that won it alone."""
+    from coda_train.kernels import op_set
+
+    M = shape.batch * shape.seq
+    best = {g["gemm"]: g["best"] for g in floor["gemms"]}
+    gemms = {}
+    for name, m, n, k, layout, _ in step_gemms(cfg, M):
+        a, b = gemm_operands(m, n, k, layout)
+        if best[name] == "quack":
+            from quack.gemm_interface import gemm as quack_gemm
+
+            gemms[name] = functools.partial(quack_gemm, a, b, tuned=False)
+        else:
+            gemms[name] = functools.partial(torch.matmul, a, b)
+    ops = op_set("cute" if DEVICE.type == "cuda" else "reference")
+    H, G, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    qkv = torch.randn(M, (H + 2 * G) * hd, device=DEVICE, dtype=COMPUTE_DTYPE)
+    o, lse = ops.attention(qkv, H, G, shape.seq)
+    g_o = torch.randn_like(o)
+    gemms["attention fwd"] = lambda: ops.attention(qkv, H, G, shape.seq)
+    gemms["attention bwd"] = lambda: ops.attention_backward(g_o, qkv, o, lse, H, G, shape.seq)
+    forward = ["qkv fwd", "attention fwd", "o fwd", "gate_up fwd", "down fwd"]
+    head = ["lm_head fwd", "lm_head dgrad", "lm_head wgrad"]
+    backward = ["down dgrad", "down wgrad", "gate_up dgrad", "gate_up wgrad", "o dgrad", "o wgrad", "attention bwd",
+                "qkv dgrad", "qkv wgrad"]
+    order = [gemms[n] for n in forward] * cfg.n_layers + [gemms[n] for n in head] + [gemms[n] for n in backward] * cfg.n_layers
+
+    def step() -> None:
+        for fn in order:
+            fn()
+    return step
 
 
 # ---- where a coda step's time goes ---------------------------------------------------------
@@ -441,7 +530,8 @@ def run(shape_name: str, variants: list[str], iters: int, warmup: int, profile_s
     for variant in variants:
         t0 = time.perf_counter()
         try:
-            row = bench_floor(cfg, shape) if variant == "floor" else bench_model(variant, cfg, state, batch, iters, warmup)
+            row = (bench_floor(cfg, shape, iters, warmup) if variant == "floor"
+                   else bench_model(variant, cfg, state, batch, iters, warmup))
             result["variants"][variant] = row
             print(f"  {variant:22s} fwd+bwd {row['fwd_bwd']['median_ms']:8.2f} ms  ({time.perf_counter() - t0:5.0f} s)",
                   flush=True)
@@ -467,6 +557,7 @@ def add_ratios(result: dict) -> None:
     peak = result["gemm_peak_tflops"]["peak"]
     coda = v.get("coda", {}).get("fwd_bwd", {}).get("median_ms")
     floor = v.get("floor", {}).get("fwd_bwd", {}).get("median_ms")
+    floor_b2b = v.get("floor", {}).get("back_to_back", {}).get("median_ms")
     for row in v.values():
         ms = row["fwd_bwd"]["median_ms"]
         row["mfu_fwd_bwd"] = result["flops_per_step"] / (ms * 1e-3) / (peak * 1e12)
@@ -474,6 +565,7 @@ def add_ratios(result: dict) -> None:
             row["mfu_step"] = result["flops_per_step"] / (row["step"]["median_ms"] * 1e-3) / (peak * 1e12)
         row["over_coda"] = ms / coda if coda else None
         row["over_floor"] = ms / floor if floor else None
+        row["over_floor_back_to_back"] = ms / floor_b2b if floor_b2b else None
 
 
 def environment() -> dict:
@@ -495,7 +587,7 @@ def print_table(result: dict) -> None:
     print(f"\n{result['shape']}: {result['preset']} {result['n_layers']} layers, {result['batch']} x {result['seq']} on "
           f"{result['environment']['gpu']} ({result['environment']['date']})")
     print(f"{'variant':22s}{'fwd+bwd ms':>11s}{'min':>8s}{'max':>8s}{'step ms':>9s}{'tok/s':>10s}{'MFU':>6s}"
-          f"{'peak GiB':>9s}{'/coda':>7s}{'/floor':>7s}")
+          f"{'peak GiB':>9s}{'/coda':>7s}{'/floor':>7s}{'SM MHz':>8s}")
     for name, r in result["variants"].items():
         fb, st = r["fwd_bwd"], r.get("step")
         cells = [f"{fb['median_ms']:11.2f}", f"{fb.get('min_ms', math.nan):8.2f}", f"{fb.get('max_ms', math.nan):8.2f}",
@@ -504,8 +596,16 @@ def print_table(result: dict) -> None:
                  f"{100 * r['mfu_fwd_bwd']:5.1f}%",
                  f"{r['peak_fwd_bwd_gib']:9.1f}" if r.get("peak_fwd_bwd_gib") else f"{'-':>9s}",
                  f"{r['over_coda']:7.2f}" if r["over_coda"] else f"{'-':>7s}",
-                 f"{r['over_floor']:7.2f}" if r["over_floor"] else f"{'-':>7s}"]
+                 f"{r['over_floor']:7.2f}" if r["over_floor"] else f"{'-':>7s}",
+                 f"{r['clocks']['sm_mhz_mean']:8.0f}" if r.get("clocks") else f"{'-':>8s}"]
         print(f"{name:22s}" + "".join(cells))
+    floor = result["variants"].get("floor")
+    if floor and "back_to_back" in floor:
+        b2b, mhz = floor["back_to_back"], (floor["back_to_back"].get("clocks") or {}).get("sm_mhz_mean")
+        print(f"floor back to back (its kernels in a step's order, timed as a step): {b2b['median_ms']:.2f} ms"
+              + (f" at {mhz:.0f} MHz" if mhz else "") + "; coda variants / that: "
+              + ", ".join(f"{n} {r['over_floor_back_to_back']:.2f}" for n, r in result["variants"].items()
+                          if n.startswith("coda") and r.get("over_floor_back_to_back")))
     for name, err in result["failed"].items():
         print(f"{name:22s}FAILED: {err[:150]}")
     prof = result.get("coda_profile")

@@ -59,8 +59,8 @@ def shape_table(r: dict) -> list[str]:
     lines = [f"### {r['shape']}: {r['preset']}, {r['n_layers']} layers, {r['batch']} x {r['seq']} tokens",
              "", f"`{r['command']}` on {env['gpu']}, {env['date']}; bf16 GEMM peak measured in the same run: "
              f"{r['gemm_peak_tflops']['peak']:.0f} TFLOP/s.", "",
-             "| variant | fwd+bwd ms (median) | min | max | full step ms | tokens/s | MFU (fwd+bwd) | peak GiB | above weights GiB | / coda | / floor |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| variant | fwd+bwd ms (median) | min | max | full step ms | tokens/s | MFU (fwd+bwd) | peak GiB | above weights GiB | / coda | / floor | SM MHz (mean) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for name, row in r["variants"].items():
         fb = row["fwd_bwd"]
@@ -68,9 +68,9 @@ def shape_table(r: dict) -> list[str]:
                      f"{fmt(_ms(row, 'step'), '.2f')} | {fmt(row.get('tokens_per_s'), ',.0f')} | "
                      f"{100 * row['mfu_fwd_bwd']:.1f}% | {fmt(row.get('peak_fwd_bwd_gib'), '.1f')} | "
                      f"{fmt(row.get('peak_above_weights_gib'), '.1f')} | {fmt(row.get('over_coda'), '.2f')} | "
-                     f"{fmt(row.get('over_floor'), '.2f')} |")
+                     f"{fmt(row.get('over_floor'), '.2f')} | {fmt((row.get('clocks') or {}).get('sm_mhz_mean'), '.0f')} |")
     for name, err in r["failed"].items():
-        lines.append(f"| {name} | failed: {err.splitlines()[0][:160]} | | | | | | | | | |")
+        lines.append(f"| {name} | failed: {err.splitlines()[0][:160]} | | | | | | | | | | |")
     if r.get("not_run"):
         lines += ["", "Not run at this shape: " + "; ".join(f"{v} ({NOT_RUN_WHY[v]})" if v in NOT_RUN_WHY else v
                                                          for v in r["not_run"]) + "."]
@@ -80,6 +80,13 @@ def shape_table(r: dict) -> list[str]:
                   f"{sum(g['best'] == 'quack' for g in floor['gemms'])} of {len(floor['gemms'])} shapes on quack) "
                   f"+ FlashAttention 4 {floor['attention_ms']:.2f} ms (forward {floor['attention_fwd_ms']:.3f} + "
                   f"backward {floor['attention_bwd_ms']:.3f} ms per layer)."]
+        b2b = floor.get("back_to_back")
+        if b2b:
+            clk = lambda row: f" at {row['sm_mhz_mean']:.0f} MHz mean SM clock" if row else ""  # noqa: E731
+            lines += ["", f"The same kernels back to back in a step's order, timed as a step: {b2b['median_ms']:.2f} ms"
+                      f"{clk(b2b.get('clocks'))}" + (f" (each alone{clk(floor['clocks'])})" if floor.get("clocks") else "") + "; coda / that: "
+                      + ", ".join(f"{n} {row['over_floor_back_to_back']:.2f}" for n, row in r["variants"].items()
+                                  if n.startswith("coda") and row.get("over_floor_back_to_back")) + "."]
     prof = r.get("coda_profile")
     if prof:
         lines += ["", f"Where a coda step goes (`{prof['command']}`, {prof['date']}; coda {prof['coda_ms']:.2f} ms "

@@ -25,5 +25,8 @@ def test_bench_smoke_runs_every_cpu_variant(tmp_path):
     # the floor: 12 GEMMs per layer x 2 layers + the LM head's 3, and attention per layer
     assert sum(g["count"] for g in floor["gemms"]) == 12 * 2 + 3
     assert floor["fwd_bwd"]["median_ms"] == floor["gemm_ms"] + floor["attention_ms"]
+    # the same kernels back to back as a step, and coda's ratio to that
+    assert floor["back_to_back"]["n"] >= 1 and floor["back_to_back"]["median_ms"] > 0
+    assert coda["over_floor_back_to_back"] == coda["fwd_bwd"]["median_ms"] / floor["back_to_back"]["median_ms"]
     assert "compile-max-autotune" in result["not_run"] and "coda_profile" not in result  # profile: GPU only
     assert "smoke" in proc.stdout and "floor" in proc.stdout

@@ -159,14 +159,8 @@ def rmsnorm_backward_noresidual(acc, x, gamma, coef):
     return {"D": acc * gamma + x * coef, "g_gamma": (acc, x)}
 
 
-# H'': D = C + a^T b with C and D the same fp32 buffer: the LM-head weight gradient accumulated in place over
-# chunks of rows.
-@gemm_epilogue()
-def accumulate(acc, c):
-    return {"D": acc + c}
-
-
-# matmul / matmul_tn on quack: D = acc (stored in D's dtype: bf16, or fp32 for weight gradients).
+# matmul / matmul_tn on quack: D = acc (stored in D's dtype: bf16, or fp32 for weight gradients); with
+# add_to_output, matmul_tn_add's D += acc (the TMA reduce-add store).
 @gemm_epilogue()
 def plain(acc):
     return {"D": acc}

@@ -108,10 +108,11 @@ def sink_rows(M: int, N: int, cfg: Cfg, device) -> Tensor:
 
 
 def gemm(mod, A: Tensor, B: Tensor, D: Optional[Tensor], C: Optional[Tensor] = None, *, epi: dict,
-         cfg: Cfg, concat: tuple = ()):
-    """D = epilogue(A @ B^T) with A (M, K), B (N, K) in any majors (views are fine)."""
+         cfg: Cfg, concat: tuple = (), add_to_output: bool = False):
+    """D = epilogue(A @ B^T) with A (M, K), B (N, K) in any majors (views are fine); with
+    add_to_output, D += epilogue(A @ B^T) through the TMA reduce-add store (no C load)."""
     return mod.gemm(
-        A, B, D, C, epi_args=epi,
+        A, B, D, C, epi_args=epi, add_to_output=add_to_output,
         tile_M=cfg.tile_M, tile_N=cfg.tile_N, cluster_M=cfg.cluster_M, cluster_N=cfg.cluster_N,
         pingpong=cfg.pingpong, persistent=True, concat_layout=concat or None,
         _launch=not _compile_only,

@@ -1,0 +1,92 @@
+"""Where the dSwiGLU epilogue's time goes: `gemm_dswiglu_rowscale_stat` (B1) against the same GEMM
+and tile config with parts of its epilogue removed, at the bench shapes' widths, on one Hopper GPU.
+
+    python scripts/epilogue_ablation.py [--shapes 125m,1b,8b] [--out DIR]
+
+Rows, each the model's g_a = g_out W_down (M x ffn_dim, K = dim) on the op's tuned tile config:
+  bare        D = acc (one bf16 store): the GEMM alone
+  3 stores    D, g_gate, g_up = acc (the op's three bf16 stores, no loads)
+  2 loads     D = acc * gate + up (the op's two tile loads, one store)
+  no stat     the op's epilogue without the per-row partial sums
+  op          the op as the model calls it (ops.gemm_dswiglu_rowscale_stat)
+Median of triton.testing.do_bench; prints a table and writes epilogue_ablation.json under --out.
+The programs below are module globals so quack's kernel cache can key them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+from quack.epilogue.frontend import gemm_epilogue
+from quack.epilogue.ops import ColVecLoad
+
+from coda_train.kernels import op_set
+from coda_train.kernels.cute import _epilogues as E
+from coda_train.kernels.cute._launch import cfg_for, colvec, gemm
+
+SHAPES = {"125m": (16384, 2048, 768), "1b": (16384, 8192, 2048), "8b": (8192, 14336, 4096)}  # M, ffn_dim, dim
+
+
+@gemm_epilogue(outputs=("g_gate", "g_up"))
+def three_stores(acc):
+    return {"D": acc, "g_gate": acc, "g_up": acc}
+
+
+@gemm_epilogue()
+def two_loads(acc, gate, up):
+    return {"D": acc * gate + up}
+
+
+@gemm_epilogue(outputs=("g_gate", "g_up"), ops={"r": ColVecLoad("r")})
+def dswiglu_rowscale(acc, gate, up, r):
+    dg, du, a = E.dswiglu(gate, up, acc)
+    return {"D": a, "g_gate": dg * r, "g_up": du * r}
+
+
+def ablate(M: int, F: int, d: int) -> dict:
+    from triton.testing import do_bench
+
+    dev = torch.device("cuda")
+    rn = lambda *s: torch.randn(*s, device=dev, dtype=torch.bfloat16)  # noqa: E731
+    g_out, w_down, gu, r = rn(M, d), rn(d, F), rn(M, 2 * F), torch.rand(M, device=dev) + 0.5
+    cfg = cfg_for("gemm_dswiglu_rowscale_stat", M, F, d)
+    a, g_gu = torch.empty(M, F, device=dev, dtype=torch.bfloat16), torch.empty(M, 2 * F, device=dev, dtype=torch.bfloat16)
+    gate, up = gu[:, :F], gu[:, F:]
+    ops = op_set("cute")
+    runs = {
+        "bare": lambda: gemm(E.plain, g_out, w_down.mT, a, cfg=cfg, epi={}),
+        "3 stores": lambda: gemm(three_stores, g_out, w_down.mT, a, cfg=cfg, epi={"g_gate": g_gu[:, :F], "g_up": g_gu[:, F:]}),
+        "2 loads": lambda: gemm(two_loads, g_out, w_down.mT, a, cfg=cfg, epi={"gate": gate, "up": up}),
+        "no stat": lambda: gemm(dswiglu_rowscale, g_out, w_down.mT, a, cfg=cfg,
+                                epi={"gate": gate, "up": up, "r": colvec(r), "g_gate": g_gu[:, :F], "g_up": g_gu[:, F:]}),
+        "op": lambda: ops.gemm_dswiglu_rowscale_stat(g_out, w_down, gu, r),
+    }
+    row = {"M": M, "ffn_dim": F, "dim": d, "config": str(cfg), "ms": {}}
+    for name, fn in runs.items():
+        fn()
+        row["ms"][name] = do_bench(fn, warmup=10, rep=100, return_mode="median")
+    row["gemm_tflops"] = 2 * M * F * d / row["ms"]["bare"] / 1e9
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="125m,1b,8b")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/ablation")))
+    args = p.parse_args()
+    rows = {s: ablate(*SHAPES[s]) for s in args.shapes.split(",")}
+    names = list(next(iter(rows.values()))["ms"])
+    print(f"{'shape':6s}{'config':26s}" + "".join(f"{n:>10s}" for n in names) + "   (ms; op / bare)")
+    for s, row in rows.items():
+        print(f"{s:6s}{row['config']:26s}" + "".join(f"{row['ms'][n]:10.3f}" for n in names)
+              + f"   {row['ms']['op'] / row['ms']['bare']:.2f}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "epilogue_ablation.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
