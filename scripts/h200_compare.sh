@@ -6,7 +6,8 @@
 # BACKENDS=cute,reference runs each impl with both kernel backends (4 runs, eager/cute first and the
 # reference of every |delta|): eager ignores the backend, so its second run is the run-to-run noise
 # floor, and coda/reference is the same hand-written schedule on plain torch ops (the four runs took
-# over 330 s on an H200 on 2026-11-30: give the call the whole 600 s).
+# over 330 s on an H200 on 2026-11-30: give the call the whole 600 s, or a 2-GPU host, where eager and coda
+# run side by side, one GPU each).
 # Everything lands in $OUT (default runs/h200): at most 8 files, as the device tool returns them.
 set -uo pipefail
 STEPS=${1:-1000}
@@ -14,14 +15,23 @@ BACKENDS=${BACKENDS:-cute}
 OUT=${OUT:-runs/h200}
 RUNS=/tmp/coda-runs/compare
 mkdir -p "$OUT"
-rm -rf "$RUNS"
-timeout "${TRAIN_TIMEOUT:-1200}" python3 train.py -m model=llama3_125m model.impl=eager,coda kernels.backend="$BACKENDS" \
-  trainer.max_steps="$STEPS" trainer.batch_size=16 trainer.seq_len=1024 trainer.log_every=1 \
-  trainer.eval_every=100 trainer.eval_batches=4 trainer.ckpt_every=0 trainer.progress_bar=false \
-  optim.lr=1e-3 optim.warmup_steps=100 data.cache_dir=/tmp/coda-data trainer.run_dir="$RUNS" \
-  > "$RUNS.log" 2>&1
+rm -rf "$RUNS" && mkdir -p "$RUNS"
+NGPU=${NGPU:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
+MODEL=${MODEL:-llama3_125m}
+multirun() {  # IMPLS RUN_DIR [GPU]; two at once share the data cache (preparation takes turns on a lock)
+  CUDA_VISIBLE_DEVICES=${3:-0} timeout "${TRAIN_TIMEOUT:-1200}" python3 train.py -m model="$MODEL" model.impl="$1" ${EXTRA:-} \
+    kernels.backend="$BACKENDS" trainer.max_steps="$STEPS" trainer.batch_size=16 trainer.seq_len=1024 trainer.log_every=1 \
+    trainer.eval_every=100 trainer.eval_batches=4 trainer.ckpt_every=0 trainer.progress_bar=false \
+    optim.lr=1e-3 optim.warmup_steps=100 data.cache_dir=/tmp/coda-data trainer.run_dir="$2" > "$2.log" 2>&1; }
+if [ "$NGPU" -gt 1 ]; then  # one multirun per impl, each on its own GPU
+  multirun eager "$RUNS/eager" 0 & multirun coda "$RUNS/coda" 1; wait
+  JOBS=$(ls -d "$RUNS"/eager/[0-9]* | sort -V; ls -d "$RUNS"/coda/[0-9]* | sort -V)
+  cat "$RUNS"/eager.log "$RUNS"/coda.log > "$RUNS.log"
+else
+  multirun eager,coda "$RUNS"
+  JOBS=$(ls -d "$RUNS"/[0-9]* | sort -V)  # (the multirun's log is $RUNS.log)
+fi
 grep -v "^{" "$RUNS.log" | tail -n 40 > "$OUT/train.log"
-JOBS=$(ls -d "$RUNS"/[0-9]* | sort -V)
 for job in $JOBS; do  # <impl>_<backend>_metrics.jsonl
   name=$(python3 -c "import yaml, sys; c = yaml.safe_load(open(sys.argv[1])); print(c['model']['impl'] + '_' + c['kernels']['backend'])" "$job/config.yaml")
   cp "$job/metrics.jsonl" "$OUT/${name}_metrics.jsonl"
