@@ -411,8 +411,8 @@ def test_seq_len_limit():
 def test_bf16_compute_copies_are_cast_once_per_update_and_gradients_stay_fp32(monkeypatch, tied):
     """The CODA model reads bf16 copies of its fp32 weights, made at the first read and then
     rewritten by one fused copy only after the weights changed; the embedding table is gathered from
-    the fp32 weights (an untied one has no copy); its weight gradients arrive in fp32 straight from
-    the ops (never rounded to bf16 on the way)."""
+    the fp32 weights and the LM head casts its weight at its one read per step (neither table has a kept
+    copy); its weight gradients arrive in fp32 straight from the ops (never rounded to bf16 on the way)."""
     cfg = preset("tiny", **SMALL, n_layers=2, tie_embeddings=tied)
     _, coda = make_pair(cfg, torch.float32, compute_dtype=torch.bfloat16)
     copies = []
@@ -424,7 +424,7 @@ def test_bf16_compute_copies_are_cast_once_per_update_and_gradients_stay_fp32(mo
     loss = coda(tokens, targets)
     loss.backward()
     params = list(coda.parameters())
-    copied = {id(p) for p in params} - ({id(coda.tok_emb)} if not tied else set())
+    copied = {id(p) for p in params} - {id(coda.tok_emb), id(coda.lm_weight)}
     assert set(coda._copies) == copied and copies == []  # every weight read in bf16 cast once, at its first read
     for p in params:
         if id(p) in copied:

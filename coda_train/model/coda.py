@@ -229,15 +229,20 @@ class CodaLlama(LlamaWeights):
         """Mean next-token cross-entropy of targets given tokens, both (B, T)."""
         self._check_batch(tokens, targets)
         x, h, r = self._blocks(tokens)
-        cp = self.compute_copy
-        return lm_head_loss(x, h, r, self.norm, self.lm_weight, cp(self.norm), cp(self.lm_weight),
+        return lm_head_loss(x, h, r, self.norm, self.lm_weight, self.compute_copy(self.norm), self._lm_weight_c(),
                             targets.reshape(-1), self.ops)
 
     @torch.no_grad()
     def logits(self, tokens: Tensor) -> Tensor:
         """Next-token logits (B, T, vocab_size) in the compute dtype: r_f * (h_f W_lm^T) (L)."""
         x, h, r = self._blocks(tokens)
-        return self.ops.gemm_rowscale(h, r, self.compute_copy(self.lm_weight)).view(*tokens.shape, -1)
+        return self.ops.gemm_rowscale(h, r, self._lm_weight_c()).view(*tokens.shape, -1)
+
+    def _lm_weight_c(self) -> Tensor:
+        """The LM-head weight in the compute dtype, cast at this read and not kept as a compute copy: a
+        step reads it only in the forward (H, H', H'' all run there), so a kept copy would only add its
+        size to the peak at the end of the backward. Same cast count as a kept copy (one per step)."""
+        return self.lm_weight.detach().to(self.compute_dtype)
 
     def _blocks(self, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The entry and every block: the last triple (x, h, r). The Functions receive each
