@@ -83,10 +83,11 @@ def shape_table(r: dict) -> list[str]:
         b2b = floor.get("back_to_back")
         if b2b:
             clk = lambda row: f" at {row['sm_mhz_mean']:.0f} MHz mean SM clock" if row else ""  # noqa: E731
+            ratios = [f"{n} {row['over_floor_back_to_back']:.2f}" for n, row in r["variants"].items()
+                      if n.startswith("coda") and row.get("over_floor_back_to_back")]
             lines += ["", f"The same kernels back to back in a step's order, timed as a step: {b2b['median_ms']:.2f} ms"
-                      f"{clk(b2b.get('clocks'))}" + (f" (each alone{clk(floor['clocks'])})" if floor.get("clocks") else "") + "; coda / that: "
-                      + ", ".join(f"{n} {row['over_floor_back_to_back']:.2f}" for n, row in r["variants"].items()
-                                  if n.startswith("coda") and row.get("over_floor_back_to_back")) + "."]
+                      f"{clk(b2b.get('clocks'))}" + (f" (each alone{clk(floor['clocks'])})" if floor.get("clocks") else "")
+                      + (f"; coda / that: {', '.join(ratios)}" if ratios else "") + "."]
     prof = r.get("coda_profile")
     if prof:
         lines += ["", f"Where a coda step goes (`{prof['command']}`, {prof['date']}; coda {prof['coda_ms']:.2f} ms "
@@ -141,20 +142,22 @@ def gap_table(r: dict) -> list[str]:
 def summary_table(results: list[dict]) -> list[str]:
     """coda is the faster of the eager-launched and the CUDA-graph CODA step (train.py's default on
     one GPU is the graph), against the fastest peer and the floor."""
-    lines = ["| shape | coda variant | coda ms | best peer | best peer ms | coda / best peer | floor ms | coda / floor | coda peak above weights GiB | lowest peer GiB |",
-             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| shape | coda variant | coda ms | best peer | best peer ms | coda / best peer | floor ms | coda / floor "
+             "| floor back to back ms | coda / that | coda peak above weights GiB | lowest peer GiB |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         v = r["variants"]
         ours = {n: _ms(v[n]) for n in ("coda", "coda-graphs") if n in v and _ms(v[n])}
         name = min(ours, key=ours.get) if ours else "coda"
         coda, floor = ours.get(name), _ms(v.get("floor", {}))
+        b2b = v.get("floor", {}).get("back_to_back", {}).get("median_ms")
         peers = {n: _ms(v[n]) for n in PEERS if n in v}
         best = min(peers, key=peers.get) if peers else None
         mem = [v[n]["peak_above_weights_gib"] for n in PEERS if n in v]
         cell = lambda x, f=".2f": "-" if x is None else format(x, f)  # noqa: E731
         lines.append(f"| {r['shape']} | {name} | {cell(coda)} | {best or '-'} | {cell(peers.get(best))} | "
                      f"{cell(coda / peers[best] if coda and best else None)} | {cell(floor)} | "
-                     f"{cell(coda / floor if coda and floor else None)} | "
+                     f"{cell(coda / floor if coda and floor else None)} | {cell(b2b)} | {cell(coda / b2b if coda and b2b else None)} | "
                      f"{cell(v.get(name, {}).get('peak_above_weights_gib'), '.1f')} | {cell(min(mem) if mem else None, '.1f')} |")
     return lines
 
@@ -208,7 +211,9 @@ def main() -> None:
              f"Machine: one {env['gpu']} (CUDA {env['cuda']}); packages: {pkgs}. Every variant of a shape was timed in "
              "one process on the same weights and batch: bf16 compute, fp32 master weights, fused AdamW in the full "
              "step. MFU counts model FLOPs (causal attention as half) against the bf16 GEMM peak measured in the same "
-             "run. The floor is the step's GEMMs at the best of cuBLAS and quack plus FlashAttention 4, nothing else.",
+             "run. The floor is the step's GEMMs at the best of cuBLAS and quack plus FlashAttention 4, nothing else, each "
+             "timed alone; 'floor back to back' runs the same kernels in a step's order and times them as a step, at the "
+             "clocks a sustained step gets (an H200 running these steps draws ~600-690 W and lowers its SM clock).",
              "", f"![forward+backward time per variant, floor as a line]({args.png.name})", "",
              "## Summary: coda against the best peer and the floor (forward + backward)", "", *summary_table(results), "",
              *memory_caveat(results), "## Per shape", ""]

@@ -46,14 +46,17 @@ def test_report_writes_tables_summary_and_chart(tmp_path):
     text = md.read_text()
     assert text.index("### 125m") < text.index("### 1b-4x4096")  # shapes in size order, not argument order
     # summary: coda 40 ms vs best peer compile 31 ms and floor 25 ms
-    assert "| 125m | coda | 40.00 | compile | 31.00 | 1.29 | 25.00 | 1.60 | 3.0 | 4.0 |" in text
+    assert "| 125m | coda | 40.00 | compile | 31.00 | 1.29 | 25.00 | 1.60 | - | - | 3.0 | 4.0 |" in text  # no back-to-back floor in this JSON
     # the faster of coda and coda-graphs speaks for CODA (train.py replays the graph on one GPU)
     graphed = _result("125m")
     graphed["variants"]["coda-graphs"] = dict(graphed["variants"]["coda"], fwd_bwd={"median_ms": 30.0})
+    graphed["variants"]["floor"]["back_to_back"] = {"median_ms": 27.0, "clocks": {"sm_mhz_mean": 1500.0}}
     paths[1].write_text(json.dumps(graphed))
     subprocess.run([sys.executable, str(ROOT / "scripts/bench_report.py"), *map(str, paths), "--md", str(md),
                     "--png", str(png)], check=True, cwd=tmp_path)
-    assert "| 125m | coda-graphs | 30.00 | compile | 31.00 | 0.97 | 25.00 | 1.20 | 3.0 | 4.0 |" in md.read_text()
+    text_graphed = md.read_text()
+    assert "| 125m | coda-graphs | 30.00 | compile | 31.00 | 0.97 | 25.00 | 1.20 | 27.00 | 1.11 | 3.0 | 4.0 |" in text_graphed
+    assert "timed as a step: 27.00 ms at 1500 MHz mean SM clock." in text_graphed
     assert "| liger | failed: RuntimeError: no liger here" in text
     assert "Not run at this shape: compile-max-autotune (opt-in: its GEMM autotuning" in text
     assert "1 of 2 shapes on quack" in text and "| [copies / casts] | 2.000 |" in text
