@@ -2,9 +2,12 @@
 table coda_train/kernels/tile_configs.py reads (format: docs/kernels.md).
 
   python scripts/tune_gemm.py [--shapes 125m,1b-4x4096,1b-2x8192,8b-slice] [--ops OP,...] [--budget-s 290] [--out DIR]
+  python scripts/tune_gemm.py --launches RUN_DIR/untuned_gemms.json --out DIR   # a run's shapes the table lacks
   QUACK_ARCH=90 CUTE_DSL_ARCH=sm_90a python scripts/tune_gemm.py --compile-only [--workers 2]   # CPU: compile them all
 
-For each bench.py shape (batch x seq of a preset) the launches are the model's (model/coda.py):
+train.py writes RUN_DIR/untuned_gemms.json (and logs this command) when the table has no entry for some of
+its GEMM shapes on its GPU; then `CODA_TILE_CONFIGS=DIR/tile_configs.json python train.py ...` runs them tuned.
+For each bench.py shape (batch x seq of a preset) the launches are the model's (model/coda.py step_gemm_shapes):
 every fused GEMM op, the v-column launch of the RoPE op (keyed `gemm_rowscale`, its program), the
 o-projection dgrad `matmul` and the five weight gradients `matmul_tn`; identical shape classes
 (tile_configs.shape_class) across shapes are tuned once. Candidates per op: the default first, then a pruned set of
@@ -28,6 +31,7 @@ candidate, and what was measured is written.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -46,7 +50,7 @@ from bench import SHAPES  # noqa: E402  (the benchmark's shapes: the ones the ta
 from coda_train.kernels import Dims, Example  # noqa: E402
 from coda_train.kernels.tile_configs import (  # noqa: E402
     CUBLAS, PLAIN_GEMMS, SHIPPED_TABLE, Cfg, config_errors, default_cfg, gpu_key, shape_class)
-from coda_train.model.coda import logits_chunk_rows  # noqa: E402
+from coda_train.model.coda import logits_chunk_rows, step_gemm_shapes  # noqa: E402
 from coda_train.model.config import PRESETS  # noqa: E402
 
 TUNED_SHAPES = ("125m", "1b-4x4096", "1b-2x8192", "8b-slice")
@@ -69,56 +73,66 @@ def candidates(op: str) -> list[Optional[Cfg]]:
 
 def model_gemms(d: Dims) -> list[tuple[str, tuple[int, int, int], Callable[[Example], dict]]]:
     """(op, (m, n, k), inputs) of every GEMM launch of one CODA training step at sizes d, in model
-    order; inputs(x) builds the op's kwargs from an Example of the same dims."""
-    M, D, F, V, hd, qkv = d.rows, d.dim, d.ffn_dim, d.vocab_size, d.head_dim, d.qkv_dim
-    C = min(M, logits_chunk_rows(V, 2))  # bf16 logits
-    attn, kv, rope = d.n_heads * hd, d.n_kv_heads * hd, d.n_rope_cols
+    order (model/coda.py step_gemm_shapes); inputs(x) builds the op's kwargs from an Example of the same dims."""
+    M, D, F, V, qkv = d.rows, d.dim, d.ffn_dim, d.vocab_size, d.qkv_dim
+    C = min(M, logits_chunk_rows(V, 2))
+    kv, rope = d.n_kv_heads * d.head_dim, d.n_rope_cols
 
-    def rms_bwd(n_in: int, residual: bool):
-        return lambda x: dict(g_y_scaled=x.act(M, n_in), w=x.weight(n_in, D), residual_grad=x.act(M, D) if residual else None,
-                              x=x.act(M, D), gamma=x.gamma(D), c=x.stat(M, scale=0.01))
+    def rms_bwd(n_in: int, rows: int, residual: bool):
+        return lambda x: dict(g_y_scaled=x.act(rows, n_in), w=x.weight(n_in, D), residual_grad=x.act(M, D) if residual else None,
+                              x=x.act(rows, D), gamma=x.gamma(D), c=x.stat(rows, scale=0.01))
 
-    gemms = [
-        ("gemm_rowscale_rope", (M, rope, D), lambda x: dict(h=x.act(M, D), r=x.rowscale(), w=x.weight(qkv, D), rope=x.rope(),
-                                                             n_rope_cols=rope)),
-        ("gemm_rowscale", (M, kv, D), lambda x: dict(h=x.act(M, D), r=x.rowscale(), w=x.weight(kv, D))),
-        ("gemm_residual_rmsnorm_partial", (M, D, attn), lambda x: dict(a=x.act(M, attn), w=x.weight(D, attn),
-                                                                        residual=x.act(M, D), gamma=x.gamma(D))),
-        ("gemm_rowscale_swiglu", (M, 2 * F, D), lambda x: dict(h=x.act(M, D), r=x.rowscale(), w_gate_up=x.weight(2 * F, D))),
-        ("gemm_residual_rmsnorm_partial", (M, D, F), lambda x: dict(a=x.act(M, F), w=x.weight(D, F), residual=x.act(M, D),
-                                                                     gamma=x.gamma(D))),
-        # the LM head runs chunk by chunk of C rows (model/coda.py logits_chunk_rows): logits, dgrad, wgrad
-        ("gemm_rowscale_logits_cross_entropy", (C, V, D), lambda x: dict(h=x.act(C, D), r=x.rowscale()[:C],
-                                                                          w_lm=x.weight(V, D, scale=4.0), targets=x.tokens()[:C])),
-        ("gemm_rmsnorm_backward", (C, D, V), lambda x: dict(g_y_scaled=x.act(C, V), w=x.weight(V, D), residual_grad=None,
-                                                              x=x.act(C, D), gamma=x.gamma(D), c=x.stat(C, scale=0.01))),
-        ("matmul_tn_add", (V, D, C), lambda x: dict(acc=x.stat(V, D), a=x.act(C, V), b=x.act(C, D))),
-        ("gemm_dswiglu_rowscale_stat", (M, F, D), lambda x: dict(g_out=x.act(M, D), w_down=x.weight(D, F), gu=x.act(M, 2 * F),
-                                                                  r=x.rowscale())),
-        ("gemm_rmsnorm_backward", (M, D, 2 * F), rms_bwd(2 * F, residual=True)),
-        ("matmul", (M, attn, D), lambda x: dict(a=x.act(M, D), b=x.weight(D, attn))),
-        ("gemm_rmsnorm_backward", (M, D, qkv), rms_bwd(qkv, residual=True)),
-    ]
-    for p, q, k in ((D, F, M), (2 * F, D, M), (D, attn, M), (qkv, D, M), (V, D, C)):  # wgrad: down, gate_up, o, qkv, lm_head
-        gemms.append(("matmul_tn", (p, q, k), lambda x, p=p, q=q, k=k: dict(a=x.act(k, p), b=x.act(k, q))))
-    return gemms
+    def inputs(op: str, m: int, n: int, k: int) -> Callable[[Example], dict]:
+        if op == "gemm_rowscale_rope":
+            return lambda x: dict(h=x.act(M, D), r=x.rowscale(), w=x.weight(qkv, D), rope=x.rope(), n_rope_cols=rope)
+        if op == "gemm_rowscale":
+            return lambda x: dict(h=x.act(M, D), r=x.rowscale(), w=x.weight(kv, D))
+        if op == "gemm_residual_rmsnorm_partial":
+            return lambda x: dict(a=x.act(M, k), w=x.weight(D, k), residual=x.act(M, D), gamma=x.gamma(D))
+        if op == "gemm_rowscale_swiglu":
+            return lambda x: dict(h=x.act(M, D), r=x.rowscale(), w_gate_up=x.weight(2 * F, D))
+        if op == "gemm_rowscale_logits_cross_entropy":
+            return lambda x: dict(h=x.act(C, D), r=x.rowscale()[:C], w_lm=x.weight(V, D, scale=4.0), targets=x.tokens()[:C])
+        if op == "gemm_rmsnorm_backward":  # the LM head's (no residual, C rows) or a block's
+            return rms_bwd(V, C, residual=False) if k == V and m == C and n == D else rms_bwd(k, M, residual=True)
+        if op == "matmul_tn_add":
+            return lambda x: dict(acc=x.stat(V, D), a=x.act(C, V), b=x.act(C, D))
+        if op == "gemm_dswiglu_rowscale_stat":
+            return lambda x: dict(g_out=x.act(M, D), w_down=x.weight(D, F), gu=x.act(M, 2 * F), r=x.rowscale())
+        if op == "matmul":
+            return lambda x: dict(a=x.act(M, D), b=x.weight(D, n))
+        if op == "matmul_tn":
+            return lambda x: dict(a=x.act(k, m), b=x.act(k, n))
+        raise ValueError(f"no tuning inputs for {op}")
+
+    return [(op, (m, n, k), inputs(op, m, n, k)) for op, (m, n, k) in step_gemm_shapes(d)]
 
 
-def launches(shapes: list[str], ops: Optional[list[str]]) -> list[dict]:
-    """The distinct launches to tune: {op, m, n, k, shapes, index, preset, rows, seq}; index is
-    the position in model_gemms (the same at every row count)."""
+def sizes(shapes: list[str], launches_file: Optional[str]) -> list[tuple[str, Dims]]:
+    """(label, kernel sizes of one training step) of each bench.py shape, or of the run whose
+    untuned_gemms.json (written by train.py) is --launches."""
+    if launches_file:
+        return [(Path(launches_file).parent.name or "run", Dims(**json.loads(Path(launches_file).read_text())["dims"]))]
+    return [(name, PRESETS[SHAPES[name].preset].kernel_dims(SHAPES[name].batch * SHAPES[name].seq, SHAPES[name].seq))
+            for name in shapes]
+
+
+def launches(shapes: list[str], ops: Optional[list[str]], launches_file: Optional[str] = None) -> list[dict]:
+    """The distinct launches to tune: {op, m, n, k, shapes, index, dims}; index is the position in
+    model_gemms (the same at every row count). With launches_file, only the launches it lists."""
+    wanted = None
+    if launches_file:
+        wanted = {shape_class(e["op"], e["m"], e["n"], e["k"]) for e in json.loads(Path(launches_file).read_text())["launches"]}
     found = {}
-    for name in shapes:
-        s = SHAPES[name]
-        dims = PRESETS[s.preset].kernel_dims(s.batch * s.seq, s.seq)
+    for name, dims in sizes(shapes, launches_file):
         for i, (op, (m, n, k), _) in enumerate(model_gemms(dims)):
-            if ops and op not in ops:
-                continue
             key = shape_class(op, m, n, k)
+            if (ops and op not in ops) or (wanted is not None and key not in wanted):
+                continue
             if key in found:
                 found[key]["shapes"].append(name)
             else:
-                found[key] = dict(op=op, m=m, n=n, k=k, shapes=[name], index=i, preset=s.preset, rows=s.batch * s.seq, seq=s.seq)
+                found[key] = dict(op=op, m=m, n=n, k=k, shapes=[name], index=i, dims=dataclasses.asdict(dims))
     return list(found.values())
 
 
@@ -145,23 +159,24 @@ def compile_worker(todo: list[dict], shard: int, n_shards: int) -> int:
             launch = todo[i]
             if (launch["op"], str(cfg)) not in mine:
                 continue
-            dims = PRESETS[launch["preset"]].kernel_dims(COMPILE_ROWS, COMPILE_ROWS)
+            dims = dataclasses.replace(Dims(**launch["dims"]), rows=COMPILE_ROWS, seq_len=COMPILE_ROWS)
             op, _, inputs = model_gemms(dims)[launch["index"]]
             t0 = time.time()
             try:
                 with forced({op: cfg}):
                     CUTE_IMPLS[op].kernel(**inputs(Example(dims, torch.bfloat16, "cpu", None)))
-                print(f"compiled {op:32s} {str(cfg):26s} {launch['preset']:12s} {time.time() - t0:6.1f}s", flush=True)
+                print(f"compiled {op:32s} {str(cfg):26s} {launch['shapes'][0]:12s} {time.time() - t0:6.1f}s", flush=True)
             except Exception as e:  # reported, and the GPU phase discards the candidate
                 failures += 1
-                print(f"FAILED   {op:32s} {str(cfg):26s} {launch['preset']:12s} {type(e).__name__}: {str(e)[:300]}", flush=True)
+                print(f"FAILED   {op:32s} {str(cfg):26s} {launch['shapes'][0]:12s} {type(e).__name__}: {str(e)[:300]}", flush=True)
     return failures
 
 
 def compile_all(args, deadline: float) -> tuple[int, int, float]:
     """Run --workers compile workers until done or the deadline; (compiled, failed, seconds)."""
     env = dict(os.environ, QUACK_ARCH="90", CUTE_DSL_ARCH="sm_90a", CUDA_VISIBLE_DEVICES="")
-    base = [sys.executable, os.path.abspath(__file__), "--shapes", args.shapes, "--ops", args.ops]
+    base = [sys.executable, os.path.abspath(__file__), "--shapes", args.shapes, "--ops", args.ops,
+            *(["--launches", args.launches] if args.launches else [])]
     t0 = time.time()
     with tempfile.TemporaryDirectory() as logs:
         procs = []
@@ -207,7 +222,7 @@ def time_launch(launch: dict, deadline: float, bench: Callable) -> dict:
     from coda_train.kernels.tile_configs import forced
 
     op = launch["op"]
-    dims = PRESETS[launch["preset"]].kernel_dims(launch["rows"], launch["seq"])
+    dims = Dims(**launch["dims"])
     kwargs = model_gemms(dims)[launch["index"]][2](Example(dims, torch.bfloat16, "cuda", torch.Generator("cuda").manual_seed(0)))
     impl, want, results = CUTE_IMPLS[op].kernel, None, []
     # the timed calls update their own copy of what the op mutates: every candidate's check starts from the same inputs
@@ -280,6 +295,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default=",".join(TUNED_SHAPES), help=f"bench.py shapes, of {sorted(SHAPES)}")
     ap.add_argument("--ops", default="", help="op names to tune (default: every GEMM op)")
+    ap.add_argument("--launches", default="", help="a run's untuned_gemms.json (train.py writes it into the run dir): "
+                    "tune the GEMM shapes of that run the table lacks, instead of --shapes")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="wall-clock budget of the whole run (default 290 s; --compile-only: none)")
     ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="compile processes")
@@ -295,7 +312,9 @@ def main() -> int:
     known = {op for op, _, _ in model_gemms(PRESETS["tiny"].kernel_dims(8, 8))}
     if set(ops) - known:
         ap.error(f"unknown ops {sorted(set(ops) - known)}; the model's GEMM ops are {sorted(known)}")
-    todo = launches(shapes, ops or None)
+    if args.launches and not Path(args.launches).is_file():
+        ap.error(f"--launches {args.launches}: no such file (train.py writes untuned_gemms.json into the run dir)")
+    todo = launches(shapes, ops or None, args.launches or None)
     if args.compile_worker:
         shard, n = map(int, args.compile_worker.split("/"))
         return 1 if compile_worker(todo, shard, n) else 0

@@ -253,7 +253,7 @@ from coda_train.kernels.tile_configs import Cfg, forced
 from coda_train.model.config import PRESETS
 
 seen = []
-def stub(mod, A, B, D, C=None, *, epi, cfg, concat=()):
+def stub(mod, A, B, D, C=None, *, epi, cfg, concat=(), add_to_output=False):
     seen.append(cfg)
     for v in epi.values():  # the sinks: what the kernel would write
         if isinstance(v, torch.Tensor) and v.dtype == torch.float32 and v.dim() == 2 and v._base is not None:
@@ -313,3 +313,30 @@ def test_table_configs_pass_the_accuracy_check():
                 rows = check_case(op_, case, kwargs, getattr(cute, op))
             bad += [(case, str(cfg), r["out"], r["err_cute"], r["err_base"]) for r in rows if not r["ok"]]
     assert not bad, bad
+
+
+def test_a_run_reports_the_gemm_shapes_the_table_lacks_and_the_tuner_tunes_exactly_those(tmp_path, caplog, user_table):
+    """train.py's check (trainer/build.py): the shapes of the run's CODA step with no table entry for its
+    GPU are logged with the tuning command and written to the run dir, which tune_gemm.py --launches reads."""
+    from coda_train.config import TrainerConfig
+    from coda_train.trainer.build import UNTUNED_FILE, report_untuned_gemms
+
+    path = tmp_path / UNTUNED_FILE
+    # llama3_1b at 4 x 4096 on the H200: the shipped table has every shape (16384 rows; 8 x 2048 is the same class)
+    for batch, seq in ((4, 4096), (8, 2048)):
+        assert report_untuned_gemms(PRESETS["llama3_1b"], TrainerConfig(batch_size=batch, seq_len=seq), "H200", tmp_path) == []
+    assert not path.exists()
+    t = TrainerConfig(batch_size=2, seq_len=64)
+    with caplog.at_level("WARNING"):
+        missing = report_untuned_gemms(PRESETS["tiny"], t, "H200", tmp_path)
+    assert len(missing) == len({T.shape_class(op, *mnk) for op, mnk in tune.step_gemm_shapes(PRESETS["tiny"].kernel_dims(128, 64))})
+    assert f"python scripts/tune_gemm.py --launches {path}" in caplog.text and "CODA_TILE_CONFIGS" in caplog.text
+    todo = tune.launches([], None, str(path))
+    assert sorted(T.shape_class(l["op"], l["m"], l["n"], l["k"]) for l in todo) == sorted(missing)
+    dims = tune.Dims(**todo[0]["dims"])
+    assert (dims.rows, dims.seq_len) == (128, 64)  # the run's batch x seq
+    assert all(tune.model_gemms(dims)[l["index"]][1] == (l["m"], l["n"], l["k"]) for l in todo)
+    # once they are tuned ($CODA_TILE_CONFIGS names the tuner's table), the run reports nothing and the file goes
+    user_table([dict(op=op, m=m, n=n, k=k, config="cublas" if op in T.PLAIN_GEMMS else str(T.default_cfg(op)))
+                for op, m, n, k in missing])
+    assert report_untuned_gemms(PRESETS["tiny"], t, "H200", tmp_path) == [] and not path.exists()

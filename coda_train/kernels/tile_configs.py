@@ -195,3 +195,11 @@ def lookup(op: str, m: int, n: int, k: int, gpu: Optional[str]) -> Optional[Cfg]
         return _forced[op]
     table = tables().get(gpu, {}) if gpu is not None else {}
     return table.get(shape_class(op, m, n, k), default_cfg(op))
+
+
+def untuned(shapes: list[tuple[str, tuple[int, int, int]]], gpu: str) -> list[Key]:
+    """The distinct shape classes of `shapes` ((op, (m, n, k)) launches) that the table has no entry
+    for on `gpu`: they run default_cfg(op) (quack's default, or cuBLAS for the plain GEMMs)."""
+    table = tables().get(gpu, {})
+    keys = dict.fromkeys(shape_class(op, m, n, k) for op, (m, n, k) in shapes)
+    return [key for key in keys if key not in table]

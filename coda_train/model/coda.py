@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.autograd import Function
 
 from ..errors import ConfigError
-from ..kernels import OpSet, op_set
+from ..kernels import Dims, OpSet, op_set
 from .config import LlamaConfig
 from .weights import LayerWeights, LlamaWeights, gathered
 
@@ -147,6 +147,30 @@ def logits_chunk_rows(vocab_size: int, itemsize: int) -> int:
     a multiple of the 128-row GEMM tile where there are that many (at least one row)."""
     rows = max(1, LOGITS_CHUNK_BYTES // (vocab_size * itemsize))
     return rows - rows % 128 if rows >= 128 else rows
+
+
+def step_gemm_shapes(d: Dims) -> list[tuple[str, tuple[int, int, int]]]:
+    """(op, (m, n, k)) of every GEMM launch of one training step at kernel sizes d, in model order:
+    the shapes the tile config table is keyed by (kernels/tile_configs.py; scripts/tune_gemm.py tunes
+    them). The LM head runs chunk by chunk of C rows; the RoPE op's v-column launch is `gemm_rowscale`."""
+    M, D, F, V = d.rows, d.dim, d.ffn_dim, d.vocab_size
+    C = min(M, logits_chunk_rows(V, 2))  # bf16 logits
+    attn, kv, qkv, rope = d.n_heads * d.head_dim, d.n_kv_heads * d.head_dim, d.qkv_dim, d.n_rope_cols
+    return [
+        ("gemm_rowscale_rope", (M, rope, D)), ("gemm_rowscale", (M, kv, D)),                        # F1
+        ("gemm_residual_rmsnorm_partial", (M, D, attn)),                                            # F3
+        ("gemm_rowscale_swiglu", (M, 2 * F, D)),                                                    # F5
+        ("gemm_residual_rmsnorm_partial", (M, D, F)),                                               # F6
+        ("gemm_rowscale_logits_cross_entropy", (C, V, D)), ("gemm_rmsnorm_backward", (C, D, V)),    # H, H''
+        ("matmul_tn_add", (V, D, C)),
+        ("gemm_dswiglu_rowscale_stat", (M, F, D)),                                                  # B1
+        ("gemm_rmsnorm_backward", (M, D, 2 * F)),                                                   # B3
+        ("matmul", (M, attn, D)),                                                                   # B4
+        ("gemm_rmsnorm_backward", (M, D, qkv)),                                                     # B6b
+        # weight gradients: down, gate_up, o, qkv, the LM head's first chunk
+        ("matmul_tn", (D, F, M)), ("matmul_tn", (2 * F, D, M)), ("matmul_tn", (D, attn, M)), ("matmul_tn", (qkv, D, M)),
+        ("matmul_tn", (V, D, C)),
+    ]
 
 
 def lm_head_loss(x: Tensor, h: Tensor, r: Tensor, norm: Tensor, w_lm: Tensor, norm_c: Tensor, w_lm_c: Tensor,

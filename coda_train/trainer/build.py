@@ -4,6 +4,9 @@ pieces the loop drives (data, train state, validation loader). No step runs here
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
+from pathlib import Path
 
 import torch
 
@@ -15,6 +18,9 @@ from coda_train.model import LlamaConfig, build_model, kernel_shape_errors
 from .distributed import World, barrier, shard_model
 from .optim import build_optimizer, build_scheduler
 from .state import TrainState, seed_all
+
+log = logging.getLogger(__name__)
+UNTUNED_FILE = "untuned_gemms.json"  # in the run dir: the input of scripts/tune_gemm.py --launches
 
 
 def check_compute(cfg: Config, backend: str, compute_dtype: torch.dtype) -> None:
@@ -90,3 +96,26 @@ def build_train_state(cfg: Config, llama: LlamaConfig, data: PreparedData, backe
     optimizer = build_optimizer(model, cfg.optim, device)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.max_steps)
     return TrainState(model, optimizer, scheduler, build_loader(data, "train", cfg.trainer, world))
+
+
+def report_untuned_gemms(llama: LlamaConfig, t: TrainerConfig, gpu: str, run_dir: Path) -> list:
+    """The GEMM shapes of this run's CODA step that the tile config table has no entry for on `gpu`
+    (they run quack's default config): logged with the command that tunes them, and written to the
+    run dir as that command's input. Returns them ([] when the table covers the run)."""
+    from coda_train.kernels.tile_configs import TABLE_ENV, untuned
+    from coda_train.model.coda import step_gemm_shapes
+
+    dims = llama.kernel_dims(t.batch_size * t.seq_len, t.seq_len)
+    missing = untuned(step_gemm_shapes(dims), gpu)
+    path = run_dir / UNTUNED_FILE
+    if not missing:
+        path.unlink(missing_ok=True)  # a resumed run whose shapes were tuned since
+        return []
+    path.write_text(json.dumps({"gpu": gpu, "dims": dataclasses.asdict(dims),
+                                "launches": [dict(op=op, m=m, n=n, k=k) for op, m, n, k in missing]}, indent=1))
+    log.warning("%d GEMM shape(s) of this run have no entry for %s in the tile config table (%s): they run quack's "
+                "default tile config (on the 51 shapes tuned for the H200, the default was up to 37%% slower than the best; "
+                "on 27 of them it was the best). To tune "
+                "them once on this GPU: python scripts/tune_gemm.py --launches %s --out DIR, then set %s=DIR/tile_configs.json",
+                len(missing), gpu, ", ".join(f"{op} {m}x{n}x{k}" for op, m, n, k in missing), path, TABLE_ENV)
+    return missing

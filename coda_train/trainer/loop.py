@@ -19,11 +19,12 @@ from coda_train.data import DataError, TokenLoader
 from coda_train.durable import LockHeldError
 from coda_train.errors import ConfigError
 from coda_train.kernels import resolve_backend
+from coda_train.kernels.tile_configs import gpu_key
 from coda_train.model import LlamaConfig
 from coda_train.model.liger import require_liger
 
 from .build import (build_loader, build_train_state, check_compute, check_model_before_data, data_config,
-                    prepare_data, resolve_model)
+                    prepare_data, report_untuned_gemms, resolve_model)
 from .checkpoint import (CHECKPOINTS_DIR, CheckpointError, Checkpointer, check_ckpt_async, check_same_model,
                          find_resume_checkpoint, list_checkpoints, restore, set_aside_newer)
 from .device import pick_compute_dtype, pick_device
@@ -131,6 +132,8 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
                 set_aside_newer(checkpointer.root, resume_from.step)
             rewind_metrics(run_dir / METRICS_FILE, state.step)
             (run_dir / "config.yaml").write_text(OmegaConf.to_yaml({**config, "resolved_model": meta["model"]}))
+            if cfg.model.impl == "coda" and backend == "cute":  # the cute backend means a Hopper GPU here
+                report_untuned_gemms(llama, t, gpu_key(torch.cuda.get_device_name(device)), run_dir)
             metrics_logger = MetricsLogger(run_dir, cfg.logger, config, resume_from is not None,
                                            t.progress_bar, state.step, t.max_steps)
         tokens_per_step = t.batch_size * t.seq_len * t.grad_accum_steps * world.world_size
