@@ -9,6 +9,8 @@ Rows, each the model's g_a = g_out W_down (M x ffn_dim, K = dim) on the op's tun
   2 loads     D = acc * gate + up (the op's two tile loads, one store)
   no stat     the op's epilogue without the per-row partial sums
   op          the op as the model calls it (ops.gemm_dswiglu_rowscale_stat)
+  op (tanh)   the op's epilogue with quack's dswiglu_tanh (sigmoid from one tanh: one MUFU op instead of
+              exp2 + rcp), a candidate, timed only
 Median of triton.testing.do_bench; prints a table and writes epilogue_ablation.json under --out.
 The programs below are module globals so quack's kernel cache can key them.
 """
@@ -22,11 +24,12 @@ from pathlib import Path
 
 import torch
 from quack.epilogue.frontend import gemm_epilogue
-from quack.epilogue.ops import ColVecLoad
+from quack.activation import dswiglu_tanh as _dswiglu_tanh
+from quack.epilogue.ops import ColVecLoad, ColVecReduce
 
 from coda_train.kernels import op_set
 from coda_train.kernels.cute import _epilogues as E
-from coda_train.kernels.cute._launch import cfg_for, colvec, gemm
+from coda_train.kernels.cute._launch import cfg_for, colvec, gemm, stat_cols
 
 SHAPES = {"125m": (16384, 2048, 768), "1b": (16384, 8192, 2048), "8b": (8192, 14336, 4096)}  # M, ffn_dim, dim
 
@@ -47,7 +50,16 @@ def dswiglu_rowscale(acc, gate, up, r):
     return {"D": a, "g_gate": dg * r, "g_up": du * r}
 
 
-def ablate(M: int, F: int, d: int) -> dict:
+dswiglu_tanh = E._Library(_dswiglu_tanh)
+
+
+@gemm_epilogue(outputs=("g_gate", "g_up"), ops={"r": ColVecLoad("r")}, reduces={"stat": ColVecReduce("stat")})
+def dswiglu_tanh_rowscale_stat(acc, gate, up, r):
+    dg, du, a = dswiglu_tanh(gate, up, acc)
+    return {"D": a, "g_gate": dg * r, "g_up": du * r, "stat": dg * gate + du * up}
+
+
+def ablate(M: int, F: int, d: int, rows: list[str]) -> dict:
     from triton.testing import do_bench
 
     dev = torch.device("cuda")
@@ -64,26 +76,40 @@ def ablate(M: int, F: int, d: int) -> dict:
         "no stat": lambda: gemm(dswiglu_rowscale, g_out, w_down.mT, a, cfg=cfg,
                                 epi={"gate": gate, "up": up, "r": colvec(r), "g_gate": g_gu[:, :F], "g_up": g_gu[:, F:]}),
         "op": lambda: ops.gemm_dswiglu_rowscale_stat(g_out, w_down, gu, r),
+        "op (tanh)": lambda: gemm(dswiglu_tanh_rowscale_stat, g_out, w_down.mT, a, cfg=cfg,
+                                  epi={"gate": gate, "up": up, "r": colvec(r), "g_gate": g_gu[:, :F], "g_up": g_gu[:, F:],
+                                       "stat": stat_cols(M, F, cfg, dev)[1]}),
     }
+    runs = {name: fn for name, fn in runs.items() if name in rows}
     row = {"M": M, "ffn_dim": F, "dim": d, "config": str(cfg), "ms": {}}
     for name, fn in runs.items():
         fn()
         row["ms"][name] = do_bench(fn, warmup=10, rep=100, return_mode="median")
-    row["gemm_tflops"] = 2 * M * F * d / row["ms"]["bare"] / 1e9
+    if {"op", "op (tanh)"} <= set(runs):  # how far the tanh candidate's outputs are from the op's
+        g_gu_op, a_op, _ = runs["op"]()
+        runs["op (tanh)"]()
+        rel = lambda x, y: float((x.float() - y.float()).norm() / y.float().norm())  # noqa: E731
+        row["tanh_rel_err"] = {"a": rel(a, a_op), "g_gu": rel(g_gu, g_gu_op)}
+    if "bare" in row["ms"]:
+        row["gemm_tflops"] = 2 * M * F * d / row["ms"]["bare"] / 1e9
     return row
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="125m,1b,8b")
+    p.add_argument("--rows", default="bare,3 stores,2 loads,no stat,op,op (tanh)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/ablation")))
     args = p.parse_args()
-    rows = {s: ablate(*SHAPES[s]) for s in args.shapes.split(",")}
+    rows = {s: ablate(*SHAPES[s], args.rows.split(",")) for s in args.shapes.split(",")}
     names = list(next(iter(rows.values()))["ms"])
     print(f"{'shape':6s}{'config':26s}" + "".join(f"{n:>10s}" for n in names) + "   (ms; op / bare)")
     for s, row in rows.items():
         print(f"{s:6s}{row['config']:26s}" + "".join(f"{row['ms'][n]:10.3f}" for n in names)
-              + f"   {row['ms']['op'] / row['ms']['bare']:.2f}")
+              + (f"   {row['ms']['op'] / row['ms']['bare']:.2f}" if {"op", "bare"} <= set(row["ms"]) else ""))
+    for s, row in rows.items():
+        if "tanh_rel_err" in row:
+            print(f"{s}: op (tanh) vs op, relative error: a {row['tanh_rel_err']['a']:.2e}, g_gu {row['tanh_rel_err']['g_gu']:.2e}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "epilogue_ablation.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
 
