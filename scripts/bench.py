@@ -579,8 +579,25 @@ def environment() -> dict:
             versions[pkg] = None
     versions["torch"] = torch.__version__
     gpu = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "CPU (smoke run: not a measurement)"
-    return {"gpu": gpu, "cuda": torch.version.cuda, "packages": versions,
+    return {"gpu": gpu, "cuda": torch.version.cuda, "packages": versions, "code": code_version(),
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def code_version() -> dict:
+    """Which code ran: the git commit where there is a checkout, and always a sha256 over the package's
+    and this script's sources (the device machine gets a copy of the tree without .git)."""
+    import hashlib
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted([*root.glob("coda_train/**/*.py"), *root.glob("coda_train/**/*.json"), Path(__file__).resolve()]):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return {"git_commit": commit or None, "sources_sha256": digest.hexdigest()[:16]}
 
 
 def print_table(result: dict) -> None:

@@ -54,10 +54,17 @@ def _ms(row: dict, key: str = "fwd_bwd") -> float | None:
     return row.get(key, {}).get("median_ms")
 
 
+def _code(env: dict) -> str:
+    """', code <commit or source hash>' where the run recorded which code ran."""
+    code = env.get("code") or {}
+    ident = (code.get("git_commit") or "")[:10] or (f"sources {code['sources_sha256']}" if code.get("sources_sha256") else "")
+    return f", code {ident}" if ident else ""
+
+
 def shape_table(r: dict) -> list[str]:
     env = r["environment"]
     lines = [f"### {r['shape']}: {r['preset']}, {r['n_layers']} layers, {r['batch']} x {r['seq']} tokens",
-             "", f"`{r['command']}` on {env['gpu']}, {env['date']}; bf16 GEMM peak measured in the same run: "
+             "", f"`{r['command']}` on {env['gpu']}, {env['date']}{_code(env)}; bf16 GEMM peak measured in the same run: "
              f"{r['gemm_peak_tflops']['peak']:.0f} TFLOP/s.", "",
              "| variant | fwd+bwd ms (median) | min | max | full step ms | tokens/s | MFU (fwd+bwd) | peak GiB | above weights GiB | / coda | / floor | SM MHz (mean) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

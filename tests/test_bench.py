@@ -25,6 +25,8 @@ def test_bench_smoke_runs_every_cpu_variant(tmp_path):
     # the floor: 12 GEMMs per layer x 2 layers + the LM head's 3, and attention per layer
     assert sum(g["count"] for g in floor["gemms"]) == 12 * 2 + 3
     assert floor["fwd_bwd"]["median_ms"] == floor["gemm_ms"] + floor["attention_ms"]
+    code = result["environment"]["code"]  # which code ran
+    assert len(code["sources_sha256"]) == 16 and (code["git_commit"] is None or len(code["git_commit"]) == 40)
     # the same kernels back to back as a step, and coda's ratio to that
     assert floor["back_to_back"]["n"] >= 1 and floor["back_to_back"]["median_ms"] > 0
     assert coda["over_floor_back_to_back"] == coda["fwd_bwd"]["median_ms"] / floor["back_to_back"]["median_ms"]
