@@ -113,9 +113,8 @@ def report_untuned_gemms(llama: LlamaConfig, t: TrainerConfig, gpu: str, run_dir
         return []
     path.write_text(json.dumps({"gpu": gpu, "dims": dataclasses.asdict(dims),
                                 "launches": [dict(op=op, m=m, n=n, k=k) for op, m, n, k in missing]}, indent=1))
-    log.warning("%d GEMM shape(s) of this run have no entry for %s in the tile config table (%s): they run quack's "
-                "default tile config (on the 51 shapes tuned for the H200, the default was up to 37%% slower than the best; "
-                "on 27 of them it was the best). To tune "
-                "them once on this GPU: python scripts/tune_gemm.py --launches %s --out DIR, then set %s=DIR/tile_configs.json",
+    log.warning("%d GEMM shape(s) of this run have no entry for %s in the tile config table (%s): they run the default "
+                "tile config, which can be well behind a tuned one (docs/kernels.md). To tune them once on this GPU: "
+                "python scripts/tune_gemm.py --launches %s --out DIR, then set %s=DIR/tile_configs.json",
                 len(missing), gpu, ", ".join(f"{op} {m}x{n}x{k}" for op, m, n, k in missing), path, TABLE_ENV)
     return missing
