@@ -313,6 +313,20 @@ def gemm_operands(m: int, n: int, k: int, layout: str):
     return rn(k, m).t(), rn(k, n)
 
 
+def attention_calls(cfg, shape: Shape) -> tuple[Callable[[], None], Callable[[], None]]:
+    """One layer's FlashAttention 4 forward and backward (the cute ops; the reference on CPU) on
+    random fused qkv rows of the shape's batch."""
+    from coda_train.kernels import op_set
+
+    ops = op_set("cute" if DEVICE.type == "cuda" else "reference")
+    H, G, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    qkv = torch.randn(shape.batch * shape.seq, (H + 2 * G) * hd, device=DEVICE, dtype=COMPUTE_DTYPE)
+    o, lse = ops.attention(qkv, H, G, shape.seq)
+    g_o = torch.randn_like(o)
+    return (lambda: ops.attention(qkv, H, G, shape.seq),
+            lambda: ops.attention_backward(g_o, qkv, o, lse, H, G, shape.seq))
+
+
 def bench_floor(cfg, shape: Shape, iters: int, warmup: int) -> dict:
     """Sum over the step's GEMMs of the faster of cuBLAS and quack, plus FA4 forward + backward,
     each timed alone (the floor); then the same kernels back to back in the step's order, timed as
@@ -327,8 +341,6 @@ def bench_floor(cfg, shape: Shape, iters: int, warmup: int) -> dict:
 
 
 def _floor_per_kernel(cfg, shape: Shape) -> dict:
-    from coda_train.kernels import op_set
-
     M = shape.batch * shape.seq
     rows, total = [], 0.0
     for name, m, n, k, layout, count in step_gemms(cfg, M):
@@ -346,13 +358,8 @@ def _floor_per_kernel(cfg, shape: Shape) -> dict:
         total += count * row["best_ms"]
         rows.append(row)
         del a, b
-    ops = op_set("cute" if DEVICE.type == "cuda" else "reference")
-    H, G, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    qkv = torch.randn(M, (H + 2 * G) * hd, device=DEVICE, dtype=COMPUTE_DTYPE)
-    o, lse = ops.attention(qkv, H, G, shape.seq)
-    g_o = torch.randn_like(o)
-    attn_fwd = do_bench(lambda: ops.attention(qkv, H, G, shape.seq))
-    attn_bwd = do_bench(lambda: ops.attention_backward(g_o, qkv, o, lse, H, G, shape.seq))
+    fwd, bwd = attention_calls(cfg, shape)
+    attn_fwd, attn_bwd = do_bench(fwd), do_bench(bwd)
     attention = cfg.n_layers * (attn_fwd + attn_bwd)
     return {"variant": "floor", "fwd_bwd": {"median_ms": total + attention}, "gemm_ms": total,
             "attention_ms": attention, "attention_fwd_ms": attn_fwd, "attention_bwd_ms": attn_bwd, "gemms": rows}
@@ -361,8 +368,6 @@ def _floor_per_kernel(cfg, shape: Shape) -> dict:
 def _floor_sequence(cfg, shape: Shape, floor: dict) -> Callable[[], None]:
     """One call = the floor's kernels in a step's order (every layer's forward GEMMs and attention,
     the LM head, every layer's backward in reverse), each GEMM on the backend that won it alone."""
-    from coda_train.kernels import op_set
-
     M = shape.batch * shape.seq
     best = {g["gemm"]: g["best"] for g in floor["gemms"]}
     gemms = {}
@@ -374,13 +379,7 @@ def _floor_sequence(cfg, shape: Shape, floor: dict) -> Callable[[], None]:
             gemms[name] = functools.partial(quack_gemm, a, b, tuned=False)
         else:
             gemms[name] = functools.partial(torch.matmul, a, b)
-    ops = op_set("cute" if DEVICE.type == "cuda" else "reference")
-    H, G, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    qkv = torch.randn(M, (H + 2 * G) * hd, device=DEVICE, dtype=COMPUTE_DTYPE)
-    o, lse = ops.attention(qkv, H, G, shape.seq)
-    g_o = torch.randn_like(o)
-    gemms["attention fwd"] = lambda: ops.attention(qkv, H, G, shape.seq)
-    gemms["attention bwd"] = lambda: ops.attention_backward(g_o, qkv, o, lse, H, G, shape.seq)
+    gemms["attention fwd"], gemms["attention bwd"] = attention_calls(cfg, shape)
     forward = ["qkv fwd", "attention fwd", "o fwd", "gate_up fwd", "down fwd"]
     head = ["lm_head fwd", "lm_head dgrad", "lm_head wgrad"]
     backward = ["down dgrad", "down wgrad", "gate_up dgrad", "gate_up wgrad", "o dgrad", "o wgrad", "attention bwd",
