@@ -108,23 +108,20 @@ def model_gemms(d: Dims) -> list[tuple[str, tuple[int, int, int], Callable[[Exam
     return [(op, (m, n, k), inputs(op, m, n, k)) for op, (m, n, k) in step_gemm_shapes(d)]
 
 
-def sizes(shapes: list[str], launches_file: Optional[str]) -> list[tuple[str, Dims]]:
-    """(label, kernel sizes of one training step) of each bench.py shape, or of the run whose
-    untuned_gemms.json (written by train.py) is --launches."""
-    if launches_file:
-        return [(Path(launches_file).parent.name or "run", Dims(**json.loads(Path(launches_file).read_text())["dims"]))]
-    return [(name, PRESETS[SHAPES[name].preset].kernel_dims(SHAPES[name].batch * SHAPES[name].seq, SHAPES[name].seq))
-            for name in shapes]
-
-
 def launches(shapes: list[str], ops: Optional[list[str]], launches_file: Optional[str] = None) -> list[dict]:
     """The distinct launches to tune: {op, m, n, k, shapes, index, dims}; index is the position in
-    model_gemms (the same at every row count). With launches_file, only the launches it lists."""
+    model_gemms (the same at every row count). With launches_file (a run's untuned_gemms.json, written
+    by train.py), the launches it lists at that run's sizes instead of the bench shapes'."""
     wanted = None
     if launches_file:
-        wanted = {shape_class(e["op"], e["m"], e["n"], e["k"]) for e in json.loads(Path(launches_file).read_text())["launches"]}
+        spec = json.loads(Path(launches_file).read_text())
+        wanted = {shape_class(e["op"], e["m"], e["n"], e["k"]) for e in spec["launches"]}
+        sizes = [(Path(launches_file).parent.name or "run", Dims(**spec["dims"]))]
+    else:
+        sizes = [(name, PRESETS[SHAPES[name].preset].kernel_dims(SHAPES[name].batch * SHAPES[name].seq, SHAPES[name].seq))
+                 for name in shapes]
     found = {}
-    for name, dims in sizes(shapes, launches_file):
+    for name, dims in sizes:
         for i, (op, (m, n, k), _) in enumerate(model_gemms(dims)):
             key = shape_class(op, m, n, k)
             if (ops and op not in ops) or (wanted is not None and key not in wanted):
