@@ -220,7 +220,7 @@ def main() -> None:
              "step. MFU counts model FLOPs (causal attention as half) against the bf16 GEMM peak measured in the same "
              "run. The floor is the step's GEMMs at the best of cuBLAS and quack plus FlashAttention 4, nothing else, each "
              "timed alone; 'floor back to back' runs the same kernels in a step's order and times them as a step, at the "
-             "clocks a sustained step gets (an H200 running these steps draws ~600-690 W and lowers its SM clock).",
+             "clocks a sustained step gets (an H200 running these steps back to back nears its 700 W limit and lowers its SM clock).",
              "", f"![forward+backward time per variant, floor as a line]({args.png.name})", "",
              "## Summary: coda against the best peer and the floor (forward + backward)", "", *summary_table(results), "",
              *memory_caveat(results), "## Per shape", ""]
