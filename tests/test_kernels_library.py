@@ -16,7 +16,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from coda_train.kernels import OPS, Dims, Example
 from coda_train.kernels import library as L
 
-# An odd row count M = B*T (3 sequences of 5 tokens); V and ffn_dim over one 192-column stat tile,
+# An odd row count M = B*T (3 sequences of 5 tokens); V and ffn_dim over one 128-column stat tile,
 # so the LM-head GEMMs and the dSwiGLU partials span several stat tiles.
 SMALL = Dims(rows=15, seq_len=5, dim=16, n_heads=2, n_kv_heads=1, ffn_dim=200, vocab_size=200)
 
@@ -149,7 +149,7 @@ def test_check_harness_compares_the_mutated_inputs():
 
 
 def test_partial_widths_follow_the_stat_tile():
-    """The contract's widths: one column per 192-wide N tile (one for the elementwise passes)."""
+    """The contract's widths: one column per 128-wide N tile (one for the elementwise passes)."""
     widths = {case: {i: op.partials[i](**kw) for i in op.partials} for op, case, kw in cases(torch.float64)}
     assert widths["gemm_residual_rmsnorm_partial"] == {2: 1}
     assert widths["gemm_residual_rmsnorm_partial(wide)"] == {2: 2}  # N = V = 200

@@ -70,10 +70,10 @@ def test_config_rules():
     assert "not an SM90 tile" in T.config_errors("gemm_rowscale", Cfg(256, 256, 2, 1, False))[0]
     assert "pingpong" in T.config_errors("gemm_rowscale", Cfg(256, 128, 2, 1, True))[0]  # 256-row pingpong: no
     assert "cluster 2x2" in T.config_errors("gemm_rowscale", Cfg(128, 192, 2, 2, True))[0]
-    # declared partial sums: one column per 192 output columns, so no narrower N tile
+    # declared partial sums: one column per 128 output columns, so no narrower N tile (none in quack's SM90 list)
+    assert T.STAT_TILE_N == 128 == min(n for _, n, _ in T.SM90_TILES)
     for op in ("gemm_residual_rmsnorm_partial", "gemm_dswiglu_rowscale_stat"):
-        assert ">= 192" in T.config_errors(op, Cfg(128, 128))[0]
-        assert T.config_errors(op, Cfg(128, 256, 1, 2, False)) == []
+        assert T.config_errors(op, Cfg(128, 128)) == [] and T.config_errors(op, Cfg(128, 256, 1, 2, False)) == []
     assert T.config_errors("gemm_rmsnorm_backward", Cfg(256, 128, 2, 1, False)) == []  # its sums fold in the op
     assert "multiple of 128" in T.config_errors("gemm_rowscale_rope", CFG_DEFAULT)[0]
     assert "multiple of 32" in T.config_errors("gemm_rowscale_swiglu", Cfg(128, 208))[0]
@@ -107,8 +107,8 @@ def test_lookup_table_then_defaults(user_table):
         assert T.lookup("gemm_dswiglu_rowscale_stat", 16384, 8192, 2048, "H200") == Cfg(256, 192, 2, 1, False)
         assert T.lookup("gemm_rowscale", 16384, 8192, 2048, "H200") == CFG_DEFAULT
     assert T.lookup("gemm_dswiglu_rowscale_stat", 16384, 8192, 2048, "H200") == tuned
-    with pytest.raises(ConfigError, match=">= 192"):
-        with T.forced({"gemm_dswiglu_rowscale_stat": Cfg(128, 128)}):
+    with pytest.raises(ConfigError, match="not an SM90 tile"):
+        with T.forced({"gemm_dswiglu_rowscale_stat": Cfg(128, 96)}):
             pass
 
 
@@ -127,7 +127,7 @@ def test_user_table_overrides_the_shipped_one_entry_by_entry(user_table):
     ([{"op": "gemm_rowscale", "m": 1, "n": 8, "k": -8, "config": "128x192 c2x1 pingpong"}], "positive integers"),
     ([{"op": "gemm_rowscale", "m": 1, "n": 8, "k": 8, "config": "big"}], "is not a tile config like"),
     ([{"op": "gemm_rowscale", "m": 1, "n": 8, "k": 8, "config": "cublas"}], "only a config of"),
-    ([{"op": "gemm_dswiglu_rowscale_stat", "m": 1, "n": 8, "k": 8, "config": "128x128 c2x1 pingpong"}], ">= 192"),
+    ([{"op": "gemm_dswiglu_rowscale_stat", "m": 1, "n": 8, "k": 8, "config": "128x96 c2x1 pingpong"}], "not an SM90 tile"),
     ([{"op": "softmax", "m": 1, "n": 8, "k": 8, "config": "128x128 c2x1 pingpong"}], "not a declared GEMM op"),
 ])
 def test_bad_tables_name_the_entry_and_the_fix(user_table, entries, words):
@@ -166,8 +166,8 @@ def test_tuner_candidates_are_pruned_to_what_each_op_runs():
         assert cands[0] == T.default_cfg(op) and len(set(cands)) == len(cands), op
         assert all(T.config_errors(op, c) == [] for c in cands), op
         assert (None in cands) == (op in T.PLAIN_GEMMS), op
-    assert len(tune.candidates("gemm_rowscale")) == 10 and len(tune.candidates("matmul_tn")) == 11
-    assert {c.tile_N for c in tune.candidates("gemm_dswiglu_rowscale_stat")} == {192, 256}
+    assert len(tune.candidates("gemm_rowscale")) == 12 and len(tune.candidates("matmul_tn")) == 13
+    assert {c.tile_N for c in tune.candidates("gemm_dswiglu_rowscale_stat")} == {128, 160, 192, 256}
     assert {c.tile_N for c in tune.candidates("gemm_rowscale_rope")} == {128, 256}
     # the compile phase: one kernel per (launch, quack config), grouped by (op, config)
     launches = tune.launches(list(tune.TUNED_SHAPES), None)
@@ -267,10 +267,10 @@ with _launch.compile_only():
             with forced({op: cfg}):
                 out = CUTE_IMPLS[op].kernel(**inputs(Example(dims, torch.bfloat16, "cpu", None)))
             assert seen[:1] == ([cfg] if cfg else []), (op, cfg, seen)  # rope: its rope launch first
-    _, _, inputs = tune.model_gemms(dims)[8]  # dswiglu at ffn_dim 8192: 43 declared columns, 32 tiles of 256
+    _, _, inputs = tune.model_gemms(dims)[8]  # dswiglu at ffn_dim 8192: 64 declared columns, 32 tiles of 256
     with forced({"gemm_dswiglu_rowscale_stat": Cfg(128, 256, 1, 2, False)}):
         g_gu, a, stat = C.gemm_dswiglu_rowscale_stat.kernel(**inputs(Example(dims, torch.bfloat16, "cpu", None)))
-    assert stat.shape == (64, n_stat_cols(8192)) == (64, 43), stat.shape
+    assert stat.shape == (64, n_stat_cols(8192)) == (64, 64), stat.shape
     assert (stat[:, :32] == 1).all() and (stat[:, 32:] == 0).all()
     h, r, w = torch.empty(64, 256, dtype=torch.bfloat16), torch.empty(64), torch.empty(128, 256, dtype=torch.bfloat16)
 for gpu, want in (("H200", Cfg(256, 128, 1, 2, False)), (None, _launch.CFG_DEFAULT), ("A100", _launch.CFG_DEFAULT)):
@@ -284,13 +284,13 @@ print("ok")
 
 def test_tuner_compiles_candidates_gpu_blind(stack, tmp_path):
     """The tuner's compile phase in worker processes: every candidate of one op with declared
-    partial sums (tile_N 192 and 256) at the 125m widths compiles."""
+    partial sums (tile_N 128 to 256) at the 125m widths compiles."""
     run = subprocess.run([sys.executable, "scripts/tune_gemm.py", "--compile-only", "--ops", "gemm_dswiglu_rowscale_stat",
                           "--shapes", "125m", "--workers", "2"], env=dict(ENV, QUACK_CACHE_DIR=str(tmp_path / "qc")),
                          cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     compiled = [ln for ln in run.stdout.splitlines() if ln.startswith("compiled")]
-    assert len(compiled) == len(tune.candidates("gemm_dswiglu_rowscale_stat")) == 6, run.stdout
+    assert len(compiled) == len(tune.candidates("gemm_dswiglu_rowscale_stat")) == 12, run.stdout
 
 
 @pytest.mark.gpu

@@ -20,8 +20,9 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-# Width of the N tile whose per-row partial sums the cute epilogues write (cute CFG_DEFAULT.tile_N).
-STAT_TILE_N = 192
+# The narrowest N tile whose per-row partial sums the cute epilogues write: a declared partial-sum
+# output has one column per STAT_TILE_N output columns; wider tiles leave the extra columns zero.
+STAT_TILE_N = 128
 
 
 def n_stat_cols(n: int) -> int:

@@ -1,0 +1,117 @@
+"""Registers and local-memory spills of the cute GEMM kernels a CODA step launches, GPU-blind: each
+(op, tile config) is compiled on CPU tensors (QUACK_ARCH=90), its PTX kept, and `ptxas -v` reports
+what the SASS uses. A consumer warpgroup that spills its epilogue values to local memory runs the
+epilogue several times slower, which no mainloop can hide (docs/kernels.md, "Register spills").
+
+    QUACK_ARCH=90 CUTE_DSL_ARCH=sm_90a python scripts/register_audit.py [--shapes 125m,1b-4x4096,8b-slice]
+        [--gpu H200] [--configs table|candidates] [--ops OP,...] [--out DIR]
+
+--configs table: the config each launch runs on --gpu (the shipped table, else the default);
+--configs candidates: every candidate config tune_gemm.py tries for the op. Needs ptxas (CUDA 12.8+)
+on PATH. Prints a table and writes register_audit.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+# CuTeDSL reads its dump settings at import: keep every kernel's PTX in a fresh folder.
+_DUMP = tempfile.mkdtemp(prefix="register_audit_")
+os.environ.update(QUACK_ARCH="90", CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=_DUMP,
+                  QUACK_CACHE_DIR=os.path.join(_DUMP, "cache"), CUDA_VISIBLE_DEVICES="")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tune_gemm import COMPILE_ROWS, candidates, launches, model_gemms  # noqa: E402
+
+from coda_train.kernels import Dims, Example  # noqa: E402
+from coda_train.kernels.tile_configs import lookup  # noqa: E402
+
+_PTXAS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads.*?Used (\d+) registers",
+                    re.S)
+
+
+def ptxas_usage(ptx: Path) -> dict:
+    """{registers, spill_stores, spill_loads, stack} of one kernel's PTX, from `ptxas -v` for sm_90a."""
+    text = ptx.read_text()
+    # CuTeDSL may emit a newer PTX ISA version than the local ptxas reads; the sm_90a code it uses is older.
+    m = re.search(r"^\.version (\d+)\.(\d+)", text, re.M)
+    if m:
+        text = text.replace(m[0], ".version 8.7", 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp, "k.ptx")
+        src.write_text(text)
+        run = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(src), "-o", os.devnull], capture_output=True, text=True)
+    found = _PTXAS.search(run.stderr)
+    if run.returncode or not found:
+        raise RuntimeError(f"ptxas failed on {ptx.name}: {run.stderr[-600:]}")
+    stack, stores, loads, regs = map(int, found.groups())
+    return {"registers": regs, "spill_stores": stores, "spill_loads": loads, "stack": stack}
+
+
+def compile_and_audit(op: str, cfg, dims: Dims, index: int) -> list[dict]:
+    """Compile one launch with `cfg` and audit every kernel that compile produced (the RoPE op is two)."""
+    from coda_train.kernels.cute._launch import compile_only
+    from coda_train.kernels.library import CUTE_IMPLS
+    from coda_train.kernels.tile_configs import forced
+
+    for old in Path(_DUMP).glob("*.ptx"):  # dump names omit the config: a later compile would overwrite
+        old.unlink()
+    small = dataclasses.replace(dims, rows=COMPILE_ROWS, seq_len=COMPILE_ROWS)
+    _, _, inputs = model_gemms(small)[index]
+    with compile_only(), forced({op: cfg}):
+        CUTE_IMPLS[op].kernel(**inputs(Example(small, torch.bfloat16, "cpu", None)))
+    return [ptxas_usage(p) for p in sorted(Path(_DUMP).glob("*.ptx"))]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="125m,1b-4x4096,8b-slice")
+    p.add_argument("--gpu", default="H200", help="the tile table's GPU whose configs --configs table audits")
+    p.add_argument("--configs", choices=("table", "candidates"), default="table")
+    p.add_argument("--ops", default="", help="comma-separated op names (default: all)")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/register_audit")))
+    args = p.parse_args()
+    if shutil.which("ptxas") is None:
+        sys.exit("register_audit.py needs ptxas (CUDA 12.8 or newer) on PATH")
+
+    rows, seen = [], {}
+    for launch in launches(args.shapes.split(","), [o for o in args.ops.split(",") if o] or None):
+        op, (m, n, k), dims = launch["op"], (launch["m"], launch["n"], launch["k"]), Dims(**launch["dims"])
+        cfgs = candidates(op) if args.configs == "candidates" else [lookup(op, m, n, k, args.gpu)]
+        for cfg in cfgs:
+            if cfg is None:  # cuBLAS
+                continue
+            key = (op, str(cfg), dims.dim if op == "gemm_rowscale_rope" else 0)
+            if key not in seen:  # kernels compile per (program, config), not per shape
+                try:
+                    seen[key] = compile_and_audit(op, cfg, dims, launch["index"])
+                except Exception as e:  # reported, not fatal: the audit covers the rest
+                    seen[key] = [{"error": f"{type(e).__name__}: {str(e)[:200]}"}]
+            for usage in seen[key]:
+                rows.append(dict(op=op, m=m, n=n, k=k, shapes=launch["shapes"], config=str(cfg), **usage))
+                u = usage
+                print(f"{op:34s} {m:>6d}x{n:<6d}x{k:<6d} {str(cfg):26s} " +
+                      (u["error"] if "error" in u else
+                       f"{u['registers']:4d} regs  spill {u['spill_stores']:5d} B stored {u['spill_loads']:5d} B loaded"),
+                      flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "register_audit.json").write_text(json.dumps({"gpu": args.gpu, "configs": args.configs, "rows": rows}, indent=1))
+    spilling = sorted({(r["op"], r["config"]) for r in rows if r.get("spill_stores")})
+    print(f"\n{len(spilling)} of {len({(r['op'], r['config']) for r in rows})} (op, config) kernels spill: "
+          + ", ".join(f"{o} [{c}]" for o, c in spilling))
+    shutil.rmtree(_DUMP, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
