@@ -583,8 +583,8 @@ def environment() -> dict:
 
 
 def code_version() -> dict:
-    """Which code ran: the git commit where there is a checkout, and always a sha256 over the package's
-    and this script's sources (the device machine gets a copy of the tree without .git)."""
+    """Which code ran: a sha256 over the package's and this script's sources, always, and the git
+    commit where there is a checkout, with whether those sources differ from it (git_dirty)."""
     import hashlib
     import subprocess
 
@@ -592,11 +592,13 @@ def code_version() -> dict:
     digest = hashlib.sha256()
     for path in sorted([*root.glob("coda_train/**/*.py"), *root.glob("coda_train/**/*.json"), Path(__file__).resolve()]):
         digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    git = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()  # noqa: E731
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+        commit = git("rev-parse", "HEAD")
+        dirty = bool(commit and git("status", "--porcelain", "--untracked-files=no", "--", "coda_train", "scripts/bench.py"))
     except (OSError, subprocess.SubprocessError):
-        commit = ""
-    return {"git_commit": commit or None, "sources_sha256": digest.hexdigest()[:16]}
+        commit, dirty = "", False
+    return {"git_commit": commit or None, "git_dirty": dirty, "sources_sha256": digest.hexdigest()[:16]}
 
 
 def print_table(result: dict) -> None:

@@ -17,13 +17,13 @@ from pathlib import Path
 
 PEERS = ("eager", "compile", "compile-graphs", "compile-max-autotune", "liger")
 NOT_RUN_WHY = {  # why bench.py leaves a variant out unless asked (--variants)
-    "compile-max-autotune": "opt-in: its GEMM autotuning compiles and times many configs per shape, minutes of "
-                            "device time per shape that the 2026-11-30 runs (30 minutes of device time for "
-                            "everything) did not have; not attempted, so its time is unknown",
-    "eager": "not rerun in the 2026-11-30 speed call (device time); the slowest peer in every earlier run "
+    "compile-max-autotune": "opt-in: its GEMM autotuning takes 5-6 minutes of device time per shape (310-340 s at "
+                            "125m and 8b-slice on 2026-12-01), run only where the session's device time allowed it",
+    "eager": "not rerun in the speed calls since 2026-11-30 (device time); the slowest peer in every earlier run "
              "(docs/bench/before-speed)",
-    "compile": "not rerun in the 2026-11-30 speed call (device time); within 1% of compile-graphs or slower in every "
+    "compile": "not rerun in the speed calls since 2026-11-30 (device time); within 1% of compile-graphs or slower in every "
                "earlier run (docs/bench/before-speed)",
+    "liger": "not rerun on 2026-12-01 (device time); slower than compile-graphs in every earlier run",
 }
 SHAPE_ORDER = ("125m", "1b-4x4096", "1b-2x8192", "8b-slice")
 
@@ -32,22 +32,51 @@ PROFILE_VERSION = 2  # bench.py's coda breakdown before version 2 counted profil
 
 
 def load(paths: list[Path]) -> list[dict]:
-    """One result per shape: the run with the most variants; its coda breakdown is the newest
-    valid one among that shape's runs (a `--variants coda --tag=-profile` run can supply it)."""
+    """One result per shape: its newest untagged run with a floor (ties: the one with most variants); its
+    coda breakdown is the newest valid one among that shape's runs (a `--variants coda --tag=-profile`
+    run can supply it), and its other runs that timed a peer next to a coda variant are kept as
+    `peer_runs` (e.g. a `--variants compile-max-autotune,coda` run: each compared within its own run)."""
     by_shape: dict[str, list[dict]] = {}
     for path in paths:
         r = json.loads(path.read_text())
         by_shape.setdefault(r["shape"], []).append(r)
     results = []
     for runs in by_shape.values():
-        main = max(runs, key=lambda r: len(r["variants"]))
+        # untagged runs with a floor first (a --tag marks a supplement: a profile-only or an opt-in peer's run)
+        main = max(runs, key=lambda r: ("floor" in r["variants"], "--tag" not in r["command"], r["environment"]["date"],
+                                        len(r["variants"])))
         profiled = [r for r in runs if r.get("coda_profile", {}).get("version", 1) >= PROFILE_VERSION]
         src = max(profiled, key=lambda r: r["environment"]["date"]) if profiled else None
         main["coda_profile"] = None if src is None else {
             **src["coda_profile"], "command": src["command"], "date": src["environment"]["date"],
             "coda_ms": src["variants"]["coda"]["fwd_bwd"]["median_ms"]}
+        main["peer_runs"] = [r for r in runs if r is not main and _best_coda(r)[0] and any(n in r["variants"] for n in PEERS)]
         results.append(main)
     return sorted(results, key=lambda r: SHAPE_ORDER.index(r["shape"]) if r["shape"] in SHAPE_ORDER else 99)
+
+
+def _best_coda(r: dict) -> tuple[str | None, float | None]:
+    """The faster of the eager-launched and the CUDA-graph CODA step of one run (train.py's default
+    on one GPU is the graph): (variant, ms), or (None, None)."""
+    ours = {n: _ms(r["variants"][n]) for n in ("coda", "coda-graphs") if n in r["variants"] and _ms(r["variants"][n])}
+    name = min(ours, key=ours.get) if ours else None
+    return name, ours.get(name)
+
+
+def _peers(r: dict) -> list[dict]:
+    """Every peer timing of a shape, each with the CODA time of its own run (name, ms, coda_ms, peak
+    above weights, separate): the main run's peers, then each peer it lacks from the newest of its
+    peer_runs that timed it."""
+    rows, seen = [], set()
+    others = sorted(r.get("peer_runs", []), key=lambda o: o["environment"]["date"], reverse=True)
+    for run, separate in [(r, False)] + [(o, True) for o in others]:
+        coda = _best_coda(run)[1]
+        for n in PEERS:
+            if n in run["variants"] and n not in seen:
+                seen.add(n)
+                rows.append(dict(name=n, ms=_ms(run["variants"][n]), coda_ms=coda, separate=separate, run=run,
+                                 mem=run["variants"][n].get("peak_above_weights_gib")))
+    return rows
 
 
 def _ms(row: dict, key: str = "fwd_bwd") -> float | None:
@@ -55,10 +84,13 @@ def _ms(row: dict, key: str = "fwd_bwd") -> float | None:
 
 
 def _code(env: dict) -> str:
-    """', code <commit or source hash>' where the run recorded which code ran."""
+    """', code <commit> (sources <hash>)' where the run recorded which code ran; the sources hash is
+    what identifies it (a run from a checkout with uncommitted changes names the commit they are on)."""
     code = env.get("code") or {}
-    ident = (code.get("git_commit") or "")[:10] or (f"sources {code['sources_sha256']}" if code.get("sources_sha256") else "")
-    return f", code {ident}" if ident else ""
+    commit = (code.get("git_commit") or "")[:10]
+    parts = [commit + (" with uncommitted changes" if code.get("git_dirty") else "")] if commit else []
+    parts += [f"sources {code['sources_sha256']}"] if code.get("sources_sha256") else []
+    return f", code {parts[0]}" + (f" ({parts[1]})" if len(parts) > 1 else "") if parts else ""
 
 
 def shape_table(r: dict) -> list[str]:
@@ -78,9 +110,20 @@ def shape_table(r: dict) -> list[str]:
                      f"{fmt(row.get('over_floor'), '.2f')} | {fmt((row.get('clocks') or {}).get('sm_mhz_mean'), '.0f')} |")
     for name, err in r["failed"].items():
         lines.append(f"| {name} | failed: {err.splitlines()[0][:160]} | | | | | | | | | | |")
-    if r.get("not_run"):
+    separate = [p for p in _peers(r) if p["separate"]]
+    not_run = [v for v in r.get("not_run", []) if v not in {p["name"] for p in separate}]
+    if not_run:
         lines += ["", "Not run at this shape: " + "; ".join(f"{v} ({NOT_RUN_WHY[v]})" if v in NOT_RUN_WHY else v
-                                                         for v in r["not_run"]) + "."]
+                                                         for v in not_run) + "."]
+    if separate:
+        lines += ["", "Peers timed in separate runs of this shape, each against the CODA step of its own run:", ""]
+        for p in separate:
+            run, env = p["run"], p["run"]["environment"]
+            coda_name = _best_coda(run)[0]
+            lines.append(f"- {p['name']} {p['ms']:.2f} ms, {coda_name} {p['coda_ms']:.2f} ms in the same run "
+                         f"(coda / {p['name']} {p['coda_ms'] / p['ms']:.2f}; peak above weights "
+                         f"{'-' if p['mem'] is None else format(p['mem'], '.1f')} GiB): `{run['command']}`, {env['date']}"
+                         f"{_code(env)}, SM clock {(run['variants'][p['name']].get('clocks') or {}).get('sm_mhz_mean', float('nan')):.0f} MHz.")
     floor = r["variants"].get("floor")
     if floor:
         lines += ["", f"Floor: GEMMs {floor['gemm_ms']:.2f} ms (each at the faster of cuBLAS and quack: "
@@ -147,23 +190,25 @@ def gap_table(r: dict) -> list[str]:
 
 
 def summary_table(results: list[dict]) -> list[str]:
-    """coda is the faster of the eager-launched and the CUDA-graph CODA step (train.py's default on
-    one GPU is the graph), against the fastest peer and the floor."""
-    lines = ["| shape | coda variant | coda ms | best peer | best peer ms | coda / best peer | floor ms | coda / floor "
+    """CODA (the faster of its two steps) against its closest peer and the floor; a peer timed in a
+    separate run is compared with the CODA step of that run, and the closest peer is the one with the
+    highest coda / peer ratio."""
+    lines = ["| shape | coda variant | coda ms | closest peer | its ms | coda / closest peer | floor ms | coda / floor "
              "| floor back to back ms | coda / that | coda peak above weights GiB | lowest peer GiB |",
              "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         v = r["variants"]
-        ours = {n: _ms(v[n]) for n in ("coda", "coda-graphs") if n in v and _ms(v[n])}
-        name = min(ours, key=ours.get) if ours else "coda"
-        coda, floor = ours.get(name), _ms(v.get("floor", {}))
+        name, coda = _best_coda(r)
+        name = name or "coda"
+        floor = _ms(v.get("floor", {}))
         b2b = v.get("floor", {}).get("back_to_back", {}).get("median_ms")
-        peers = {n: _ms(v[n]) for n in PEERS if n in v}
-        best = min(peers, key=peers.get) if peers else None
-        mem = [v[n]["peak_above_weights_gib"] for n in PEERS if n in v]
+        peers = [p for p in _peers(r) if p["ms"] and p["coda_ms"]]
+        best = max(peers, key=lambda p: p["coda_ms"] / p["ms"]) if peers else None
+        mem = [p["mem"] for p in _peers(r) if p["mem"] is not None]
         cell = lambda x, f=".2f": "-" if x is None else format(x, f)  # noqa: E731
-        lines.append(f"| {r['shape']} | {name} | {cell(coda)} | {best or '-'} | {cell(peers.get(best))} | "
-                     f"{cell(coda / peers[best] if coda and best else None)} | {cell(floor)} | "
+        label = "-" if best is None else best["name"] + (" (separate run)" if best["separate"] else "")
+        lines.append(f"| {r['shape']} | {name} | {cell(coda)} | {label} | {cell(best and best['ms'])} | "
+                     f"{cell(best['coda_ms'] / best['ms'] if best else None)} | {cell(floor)} | "
                      f"{cell(coda / floor if coda and floor else None)} | {cell(b2b)} | {cell(coda / b2b if coda and b2b else None)} | "
                      f"{cell(v.get(name, {}).get('peak_above_weights_gib'), '.1f')} | {cell(min(mem) if mem else None, '.1f')} |")
     return lines
@@ -222,7 +267,7 @@ def main() -> None:
              "timed alone; 'floor back to back' runs the same kernels in a step's order and times them as a step, at the "
              "clocks a sustained step gets (an H200 running these steps back to back nears its 700 W limit and lowers its SM clock).",
              "", f"![forward+backward time per variant, floor as a line]({args.png.name})", "",
-             "## Summary: coda against the best peer and the floor (forward + backward)", "", *summary_table(results), "",
+             "## Summary: coda against its closest peer and the floor (forward + backward)", "", *summary_table(results), "",
              *memory_caveat(results), "## Per shape", ""]
     for r in results:
         lines += shape_table(r)

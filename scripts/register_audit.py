@@ -14,6 +14,7 @@ on PATH. Prints a table and writes register_audit.json under --out.
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import json
 import os
@@ -26,6 +27,7 @@ from pathlib import Path
 
 # CuTeDSL reads its dump settings at import: keep every kernel's PTX in a fresh folder.
 _DUMP = tempfile.mkdtemp(prefix="register_audit_")
+atexit.register(shutil.rmtree, _DUMP, ignore_errors=True)
 os.environ.update(QUACK_ARCH="90", CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=_DUMP,
                   QUACK_CACHE_DIR=os.path.join(_DUMP, "cache"), CUDA_VISIBLE_DEVICES="")
 
@@ -110,7 +112,6 @@ def main() -> None:
     spilling = sorted({(r["op"], r["config"]) for r in rows if r.get("spill_stores")})
     print(f"\n{len(spilling)} of {len({(r['op'], r['config']) for r in rows})} (op, config) kernels spill: "
           + ", ".join(f"{o} [{c}]" for o, c in spilling))
-    shutil.rmtree(_DUMP, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -87,3 +87,41 @@ def test_profile_from_a_profile_only_run_and_old_profiles_ignored(tmp_path):
     text = md.read_text()
     assert text.count("### 125m") == 1 and "| compile | 31.00 |" in text  # the variants of the full run
     assert "--tag=-profile" in text and "| rope_backward_rowscale_stat | 9.500 |" in text and "| gemm_rowscale_rope | 7.000 |" not in text
+
+
+def test_peers_from_separate_runs_compare_within_their_own_run(tmp_path):
+    """A newer run with a floor is the shape's main run; a separate `--variants compile-max-autotune,coda`
+    run (and an older full run with Liger) add their peers, each against the CODA step of its own run."""
+    old, main, extra = _result("125m"), _result("125m"), _result("125m")
+    old["variants"]["liger"] = dict(old["variants"]["compile"], fwd_bwd={"median_ms": 60.0}, peak_above_weights_gib=2.5)
+    old["variants"]["coda"] = dict(old["variants"]["coda"], fwd_bwd={"median_ms": 45.0})
+    main["environment"] = dict(main["environment"], date="2026-12-01 01:00 UTC", code={"git_commit": "abc" * 10,
+                                                                                        "git_dirty": True, "sources_sha256": "f00d"})
+    main["not_run"] = ["compile-max-autotune", "liger"]
+    extra["environment"] = dict(extra["environment"], date="2026-12-01 02:00 UTC")
+    extra["command"] = "scripts/bench.py --shape 125m --variants compile-max-autotune,coda --tag=-max-autotune"
+    extra["variants"] = {"compile-max-autotune": dict(main["variants"]["compile"], fwd_bwd={"median_ms": 36.0}),
+                         "coda": dict(main["variants"]["coda"], fwd_bwd={"median_ms": 38.0})}
+    paths = []
+    for name, r in (("old.json", old), ("main.json", main), ("extra.json", extra)):
+        paths.append(tmp_path / name)
+        paths[-1].write_text(json.dumps(r))
+    md = tmp_path / "b.md"
+    subprocess.run([sys.executable, str(ROOT / "scripts/bench_report.py"), *map(str, paths), "--md", str(md),
+                    "--png", str(tmp_path / "b.png")], check=True, cwd=tmp_path)
+    text = md.read_text()
+    assert text.count("### 125m") == 1 and "2026-12-01 01:00 UTC, code abcabcabca with uncommitted changes (sources f00d)" in text
+    # the main run's compile (40 / 31 = 1.29) is closer than max-autotune (38 / 36 = 1.06 in its own run); the old
+    # run's compile is not shown (the main run timed compile), its liger is (the main run did not)
+    assert "| 125m | coda | 40.00 | compile | 31.00 | 1.29 |" in text
+    assert "- compile-max-autotune 36.00 ms, coda 38.00 ms in the same run (coda / compile-max-autotune 1.06" in text
+    assert "- liger 60.00 ms, coda 45.00 ms in the same run (coda / liger 0.75; peak above weights 2.5 GiB)" in text
+    assert "- compile 31.00 ms" not in text
+    assert "| 2.5 |" in text.split("## Per shape")[0]  # the lowest peer memory counts the separate runs' peers
+    assert "Not run at this shape:" not in text  # both not-run peers were timed in separate runs
+    # a peer of a separate run that is the closest is named as such
+    extra["variants"]["compile-max-autotune"]["fwd_bwd"] = {"median_ms": 28.0}
+    paths[2].write_text(json.dumps(extra))
+    subprocess.run([sys.executable, str(ROOT / "scripts/bench_report.py"), *map(str, paths), "--md", str(md),
+                    "--png", str(tmp_path / "b.png")], check=True, cwd=tmp_path)
+    assert "| 125m | coda | 40.00 | compile-max-autotune (separate run) | 28.00 | 1.36 |" in md.read_text()  # 38 / 28

@@ -340,3 +340,29 @@ def test_a_run_reports_the_gemm_shapes_the_table_lacks_and_the_tuner_tunes_exact
     user_table([dict(op=op, m=m, n=n, k=k, config="cublas" if op in T.PLAIN_GEMMS else str(T.default_cfg(op)))
                 for op, m, n, k in missing])
     assert report_untuned_gemms(PRESETS["tiny"], t, "H200", tmp_path) == [] and not path.exists()
+
+
+def test_register_audit_reads_spills_gpu_blind(stack, tmp_path):
+    """scripts/register_audit.py on the dSwiGLU op at the 125m widths: the 128x192 pingpong tile spills
+    its epilogue (192 accumulator registers a thread leave too few), the 128x128 one does not
+    (docs/kernels.md, "Register spills"); a quack or ptxas upgrade that changes this shows up here."""
+    import shutil
+    if shutil.which("ptxas") is None:
+        pytest.skip("no ptxas on PATH")
+    tune = load_tuner()
+    (i, launch), = [(i, l) for i, l in enumerate(tune.launches(["125m"], ["gemm_dswiglu_rowscale_stat"]))]
+    out = _run(f'''
+import json, sys
+sys.path.insert(0, "scripts")
+import register_audit as A
+from coda_train.kernels import Dims
+from coda_train.kernels.tile_configs import Cfg
+launch = json.loads({json.dumps(json.dumps(launch))})
+dims = Dims(**launch["dims"])
+for cfg in (Cfg(128, 192), Cfg(128, 128)):
+    (usage,) = A.compile_and_audit("gemm_dswiglu_rowscale_stat", cfg, dims, launch["index"])
+    print(cfg, json.dumps(usage))
+''', env=dict(ENV, QUACK_CACHE_DIR=str(tmp_path / "qc")))
+    usage = {line.split(" {")[0]: json.loads("{" + line.split(" {", 1)[1]) for line in out.splitlines() if " {" in line}
+    assert usage["128x192 c2x1 pingpong"]["spill_stores"] > 0, usage
+    assert usage["128x128 c2x1 pingpong"]["spill_stores"] == 0 and usage["128x128 c2x1 pingpong"]["registers"] > 0, usage
