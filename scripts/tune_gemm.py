@@ -54,8 +54,9 @@ from coda_train.model.coda import logits_chunk_rows, step_gemm_shapes  # noqa: E
 from coda_train.model.config import PRESETS  # noqa: E402
 
 TUNED_SHAPES = ("125m", "1b-4x4096", "1b-2x8192", "8b-slice")
-# (tile_M, tile_N, pingpong): quack's default, its 128-wide pingpong, and the cooperative tiles
-# that often win on large GEMMs; each in two cluster shapes (TMA multicast along M or along N).
+# (tile_M, tile_N, pingpong): quack's default, the narrower pingpong tiles whose heavy epilogues fit
+# in registers (docs/kernels.md, "Register spills"), and the cooperative tiles that often win on
+# large GEMMs; each in two cluster shapes (TMA multicast along M or along N).
 CANDIDATE_TILES = ((128, 192, True), (128, 160, True), (128, 128, True), (256, 128, False), (256, 192, False), (128, 256, False))
 CANDIDATE_CLUSTERS = ((2, 1), (1, 2))
 TOLERANCE = 1e-2  # relative error vs the default config's output; wrong tiles show up as NaN or O(1)
