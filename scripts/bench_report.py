@@ -64,17 +64,17 @@ def _best_coda(r: dict) -> tuple[str | None, float | None]:
 
 
 def _peers(r: dict) -> list[dict]:
-    """Every peer timing of a shape, each with the CODA time of its own run (name, ms, coda_ms, peak
-    above weights, separate): the main run's peers, then each peer it lacks from the newest of its
-    peer_runs that timed it."""
+    """Every peer timing of a shape, each with the CODA step of its own run (name, ms, coda, coda_ms,
+    peak above weights, separate): the main run's peers, then each peer it lacks from the newest of
+    its peer_runs that timed it."""
     rows, seen = [], set()
     others = sorted(r.get("peer_runs", []), key=lambda o: o["environment"]["date"], reverse=True)
     for run, separate in [(r, False)] + [(o, True) for o in others]:
-        coda = _best_coda(run)[1]
+        coda, coda_ms = _best_coda(run)
         for n in PEERS:
             if n in run["variants"] and n not in seen:
                 seen.add(n)
-                rows.append(dict(name=n, ms=_ms(run["variants"][n]), coda_ms=coda, separate=separate, run=run,
+                rows.append(dict(name=n, ms=_ms(run["variants"][n]), coda=coda, coda_ms=coda_ms, separate=separate, run=run,
                                  mem=run["variants"][n].get("peak_above_weights_gib")))
     return rows
 
@@ -119,8 +119,7 @@ def shape_table(r: dict) -> list[str]:
         lines += ["", "Peers timed in separate runs of this shape, each against the CODA step of its own run:", ""]
         for p in separate:
             run, env = p["run"], p["run"]["environment"]
-            coda_name = _best_coda(run)[0]
-            lines.append(f"- {p['name']} {p['ms']:.2f} ms, {coda_name} {p['coda_ms']:.2f} ms in the same run "
+            lines.append(f"- {p['name']} {p['ms']:.2f} ms, {p['coda']} {p['coda_ms']:.2f} ms in the same run "
                          f"(coda / {p['name']} {p['coda_ms'] / p['ms']:.2f}; peak above weights "
                          f"{'-' if p['mem'] is None else format(p['mem'], '.1f')} GiB): `{run['command']}`, {env['date']}"
                          f"{_code(env)}, SM clock {(run['variants'][p['name']].get('clocks') or {}).get('sm_mhz_mean', float('nan')):.0f} MHz.")
@@ -202,9 +201,10 @@ def summary_table(results: list[dict]) -> list[str]:
         name = name or "coda"
         floor = _ms(v.get("floor", {}))
         b2b = v.get("floor", {}).get("back_to_back", {}).get("median_ms")
-        peers = [p for p in _peers(r) if p["ms"] and p["coda_ms"]]
-        best = max(peers, key=lambda p: p["coda_ms"] / p["ms"]) if peers else None
-        mem = [p["mem"] for p in _peers(r) if p["mem"] is not None]
+        peers = _peers(r)
+        timed = [p for p in peers if p["ms"] and p["coda_ms"]]
+        best = max(timed, key=lambda p: p["coda_ms"] / p["ms"]) if timed else None
+        mem = [p["mem"] for p in peers if p["mem"] is not None]
         cell = lambda x, f=".2f": "-" if x is None else format(x, f)  # noqa: E731
         label = "-" if best is None else best["name"] + (" (separate run)" if best["separate"] else "")
         lines.append(f"| {r['shape']} | {name} | {cell(coda)} | {label} | {cell(best and best['ms'])} | "

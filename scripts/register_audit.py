@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import dataclasses
 import json
 import os
 import re
@@ -34,9 +33,8 @@ os.environ.update(QUACK_ARCH="90", CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", 
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tune_gemm import COMPILE_ROWS, candidates, launches, model_gemms  # noqa: E402
+from tune_gemm import candidates, compile_launch, launches  # noqa: E402
 
-from coda_train.kernels import Dims, Example  # noqa: E402
 from coda_train.kernels.tile_configs import lookup  # noqa: E402
 
 _PTXAS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads.*?Used (\d+) registers",
@@ -61,18 +59,14 @@ def ptxas_usage(ptx: Path) -> dict:
     return {"registers": regs, "spill_stores": stores, "spill_loads": loads, "stack": stack}
 
 
-def compile_and_audit(op: str, cfg, dims: Dims, index: int) -> list[dict]:
+def compile_and_audit(launch: dict, cfg) -> list[dict]:
     """Compile one launch with `cfg` and audit every kernel that compile produced (the RoPE op is two)."""
     from coda_train.kernels.cute._launch import compile_only
-    from coda_train.kernels.library import CUTE_IMPLS
-    from coda_train.kernels.tile_configs import forced
 
     for old in Path(_DUMP).glob("*.ptx"):  # dump names omit the config: a later compile would overwrite
         old.unlink()
-    small = dataclasses.replace(dims, rows=COMPILE_ROWS, seq_len=COMPILE_ROWS)
-    _, _, inputs = model_gemms(small)[index]
-    with compile_only(), forced({op: cfg}):
-        CUTE_IMPLS[op].kernel(**inputs(Example(small, torch.bfloat16, "cpu", None)))
+    with compile_only():
+        compile_launch(launch, cfg)
     return [ptxas_usage(p) for p in sorted(Path(_DUMP).glob("*.ptx"))]
 
 
@@ -89,15 +83,15 @@ def main() -> None:
 
     rows, seen = [], {}
     for launch in launches(args.shapes.split(","), [o for o in args.ops.split(",") if o] or None):
-        op, (m, n, k), dims = launch["op"], (launch["m"], launch["n"], launch["k"]), Dims(**launch["dims"])
+        op, (m, n, k) = launch["op"], (launch["m"], launch["n"], launch["k"])
         cfgs = candidates(op) if args.configs == "candidates" else [lookup(op, m, n, k, args.gpu)]
         for cfg in cfgs:
             if cfg is None:  # cuBLAS
                 continue
-            key = (op, str(cfg), dims.dim if op == "gemm_rowscale_rope" else 0)
+            key = (op, str(cfg))
             if key not in seen:  # kernels compile per (program, config), not per shape
                 try:
-                    seen[key] = compile_and_audit(op, cfg, dims, launch["index"])
+                    seen[key] = compile_and_audit(launch, cfg)
                 except Exception as e:  # reported, not fatal: the audit covers the rest
                     seen[key] = [{"error": f"{type(e).__name__}: {str(e)[:200]}"}]
             for usage in seen[key]:

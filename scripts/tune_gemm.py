@@ -142,11 +142,20 @@ def compile_jobs(todo: list[dict]) -> list[tuple[int, Cfg]]:
     return sorted(jobs, key=lambda j: (todo[j[0]]["op"], str(j[1]), j[0]))
 
 
+def compile_launch(launch: dict, cfg: Cfg) -> None:
+    """Compile `launch`'s kernel(s) with `cfg` on CPU tensors of COMPILE_ROWS token rows; inside compile_only()."""
+    from coda_train.kernels.library import CUTE_IMPLS
+    from coda_train.kernels.tile_configs import forced
+
+    dims = dataclasses.replace(Dims(**launch["dims"]), rows=COMPILE_ROWS, seq_len=COMPILE_ROWS)
+    op, _, inputs = model_gemms(dims)[launch["index"]]
+    with forced({op: cfg}):
+        CUTE_IMPLS[op].kernel(**inputs(Example(dims, torch.bfloat16, "cpu", None)))
+
+
 def compile_worker(todo: list[dict], shard: int, n_shards: int) -> int:
     """Compile this shard's (op, config) groups on CPU tensors; one line per compile; returns the failure count."""
     from coda_train.kernels.cute._launch import compile_only
-    from coda_train.kernels.library import CUTE_IMPLS
-    from coda_train.kernels.tile_configs import forced
 
     jobs = compile_jobs(todo)
     groups = sorted({(todo[i]["op"], str(c)) for i, c in jobs})
@@ -154,15 +163,12 @@ def compile_worker(todo: list[dict], shard: int, n_shards: int) -> int:
     failures = 0
     with compile_only():
         for i, cfg in jobs:
-            launch = todo[i]
-            if (launch["op"], str(cfg)) not in mine:
+            launch, op = todo[i], todo[i]["op"]
+            if (op, str(cfg)) not in mine:
                 continue
-            dims = dataclasses.replace(Dims(**launch["dims"]), rows=COMPILE_ROWS, seq_len=COMPILE_ROWS)
-            op, _, inputs = model_gemms(dims)[launch["index"]]
             t0 = time.time()
             try:
-                with forced({op: cfg}):
-                    CUTE_IMPLS[op].kernel(**inputs(Example(dims, torch.bfloat16, "cpu", None)))
+                compile_launch(launch, cfg)
                 print(f"compiled {op:32s} {str(cfg):26s} {launch['shapes'][0]:12s} {time.time() - t0:6.1f}s", flush=True)
             except Exception as e:  # reported, and the GPU phase discards the candidate
                 failures += 1

@@ -350,19 +350,17 @@ def test_register_audit_reads_spills_gpu_blind(stack, tmp_path):
     if shutil.which("ptxas") is None:
         pytest.skip("no ptxas on PATH")
     tune = load_tuner()
-    (i, launch), = [(i, l) for i, l in enumerate(tune.launches(["125m"], ["gemm_dswiglu_rowscale_stat"]))]
+    (launch,) = tune.launches(["125m"], ["gemm_dswiglu_rowscale_stat"])
     out = _run(f'''
 import json, sys
 sys.path.insert(0, "scripts")
 import register_audit as A
-from coda_train.kernels import Dims
 from coda_train.kernels.tile_configs import Cfg
 launch = json.loads({json.dumps(json.dumps(launch))})
-dims = Dims(**launch["dims"])
 for cfg in (Cfg(128, 192), Cfg(128, 128)):
-    (usage,) = A.compile_and_audit("gemm_dswiglu_rowscale_stat", cfg, dims, launch["index"])
-    print(cfg, json.dumps(usage))
+    (usage,) = A.compile_and_audit(launch, cfg)
+    print(json.dumps([str(cfg), usage]))
 ''', env=dict(ENV, QUACK_CACHE_DIR=str(tmp_path / "qc")))
-    usage = {line.split(" {")[0]: json.loads("{" + line.split(" {", 1)[1]) for line in out.splitlines() if " {" in line}
+    usage = dict(json.loads(line) for line in out.splitlines() if line.startswith("["))
     assert usage["128x192 c2x1 pingpong"]["spill_stores"] > 0, usage
     assert usage["128x128 c2x1 pingpong"]["spill_stores"] == 0 and usage["128x128 c2x1 pingpong"]["registers"] > 0, usage
