@@ -71,8 +71,9 @@ def test_coda_matches_eager_float64(name, batch, seq):
 
 @pytest.mark.parametrize("chunk_rows", [4, 128])
 def test_lm_head_in_chunks_matches_eager_float64(chunk_rows, monkeypatch):
-    """The LM head computes its gradient during the forward, chunk by chunk of rows: with 21 rows in
-    chunks of 4 (the last one ragged) the loss and every gradient still equal eager's (float64),
+    """The LM head computes its gradient during the forward, chunk by chunk of rows (the last chunk's
+    weight gradient in the backward): with 21 rows in chunks of 4 (the last one ragged) the loss and
+    every gradient still equal eager's (float64),
     also for an incoming loss gradient other than 1; no chunk of logits exceeds chunk_rows rows."""
     cfg = preset("tiny", **SMALL, **CONFIGS["gqa_tied_3layers"])
     monkeypatch.setattr(coda_module, "LOGITS_CHUNK_BYTES", chunk_rows * cfg.vocab_size * 8)
@@ -91,8 +92,10 @@ def test_lm_head_in_chunks_matches_eager_float64(chunk_rows, monkeypatch):
         (2.5 * loss).backward()
         grads[name] = loss.detach(), {n: p.grad for n, p in model.named_parameters()}
     assert logits_rows == ([4, 4, 4, 4, 4, 1] if chunk_rows == 4 else [21])
-    # CODA holds no logits-shaped tensor until backward (eager does); the LM head holds its gradients
-    assert (("coda", (21, cfg.vocab_size)) not in saved) and ("eager", (21, cfg.vocab_size)) in saved
+    # CODA holds one chunk of logit gradients until backward, the last (its weight-gradient GEMM runs there),
+    # never the whole (21, V) logits unless that is one chunk (eager holds them); the LM head holds its gradients
+    coda_logit_rows = [shape[0] for n, shape in saved if n == "coda" and shape[1:] == (cfg.vocab_size,)]
+    assert coda_logit_rows == ([1] if chunk_rows == 4 else [21]) and ("eager", (21, cfg.vocab_size)) in saved
     assert ("coda", (cfg.vocab_size, cfg.dim)) in saved and ("coda", (21, cfg.dim)) in saved
     (loss_c, grads_c), (loss_e, grads_e) = grads["coda"], grads["eager"]
     assert abs(loss_c - loss_e).item() / loss_e.item() < 1e-12
@@ -194,23 +197,29 @@ def test_lm_head_backward_gradcheck(chunk_rows, monkeypatch):
 
 
 def test_lm_head_backward_is_exact_when_retained_and_scales_in_place_when_freed():
-    """LMHeadLoss.backward: with the graph retained, each call gives the saved gradients (those of
-    g_loss = 1) times its own g_loss, exactly (0 included), and leaves them as saved; the last call
-    (graph freed) scales the saved tensors themselves, which become the .grad (no second V x d buffer)."""
+    """LMHeadLoss.backward: with the graph retained, each call gives the gradients of g_loss = 1 times
+    its own g_loss, exactly (0 included), and leaves the saved tensors as they were; the last call
+    (graph freed) works in the saved tensors themselves, which become the .grad (no second V x d
+    buffer). Two chunks of rows: the first chunk's weight gradient is saved, the second's GEMM runs
+    in the backward and applies g_loss to both."""
     g = torch.Generator().manual_seed(5)
     M, d, V = 7, 6, 13
     x = torch.randn(M, d, generator=g, dtype=torch.float64, requires_grad=True)
     norm = (torch.rand(d, generator=g, dtype=torch.float64) + 0.5).requires_grad_()
     w = torch.randn(V, d, generator=g, dtype=torch.float64, requires_grad=True)
     r = torch.rsqrt(x.detach().pow(2).mean(-1) + 1e-5)
-    loss = LMHeadLoss.apply(x, (x * norm).detach(), r, norm, w, norm.detach(), w.detach(),
-                            torch.randint(0, V, (M,), generator=g), K.op_set("reference"))
-    unit = [t.clone() for t in loss.grad_fn.saved_tensors]  # g_x, g_norm, g_w
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(coda_module, "LOGITS_CHUNK_BYTES", 4 * V * 8)  # chunks of 4 rows: 4 + 3
+        loss = LMHeadLoss.apply(x, (x * norm).detach(), r, norm, w, norm.detach(), w.detach(),
+                                torch.randint(0, V, (M,), generator=g), K.op_set("reference"))
+    saved = [t.clone() for t in loss.grad_fn.saved_tensors]  # g_x, g_norm, first chunk's g_w, g_y, h of the last
+    assert saved[3].shape == (3, V) and saved[4].shape == (3, d)
+    unit = torch.autograd.grad(loss, (x, norm, w), retain_graph=True)
     for scale in (2.5, 0.0, -1.25):
         got = torch.autograd.grad(loss, (x, norm, w), torch.tensor(scale, dtype=torch.float64), retain_graph=True)
         assert all(torch.equal(a, b * scale) for a, b in zip(got, unit)), scale
-        assert all(torch.equal(a, b) for a, b in zip(loss.grad_fn.saved_tensors, unit)), scale
-    ptrs = [t.data_ptr() for t in loss.grad_fn.saved_tensors]
+        assert all(torch.equal(a, b) for a, b in zip(loss.grad_fn.saved_tensors, saved)), scale
+    ptrs = [t.data_ptr() for t in loss.grad_fn.saved_tensors[:3]]
     (3.0 * loss).backward()
     for p, u, ptr in zip((x, norm, w), unit, ptrs):
         assert torch.equal(p.grad, u * 3.0) and p.grad.data_ptr() == ptr
@@ -384,7 +393,7 @@ def test_coda_logits_match_eager_loss_float64(name):
         with torch.no_grad():
             assert abs(ce - eager(tokens, targets)).item() < 1e-12 * ce.item()
     # per row: the fused CE op's lse and target logit are the logits' logsumexp and target entry
-    x, h, r = coda._blocks(tokens)
+    x, h, r, _ = coda._blocks(tokens)
     lse, target_logit = coda.ops.gemm_rowscale_cross_entropy(h, r, coda.lm_weight, targets.flatten())
     assert rel(logits.flatten(0, 1).logsumexp(-1), lse) < 1e-14
     assert rel(logits.flatten(0, 1).gather(1, targets.reshape(-1, 1)).squeeze(1), target_logit) < 1e-14

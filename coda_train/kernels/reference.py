@@ -330,25 +330,33 @@ def matmul_tn(a: Tensor, b: Tensor) -> Tensor:
     return _f(a).t() @ _f(b)
 
 
-@declare(fake=lambda acc, a, b: None,
+@declare(fake=lambda acc, a, b, scale=None: None,
          examples=lambda x: {"": dict(acc=x.stat(x.dims.vocab_size, x.dims.dim, scale=x.dims.rows ** 0.5),
-                                      a=x.act(x.dims.rows, x.dims.vocab_size), b=x.act(x.dims.rows, x.dims.dim))},
+                                      a=x.act(x.dims.rows, x.dims.vocab_size), b=x.act(x.dims.rows, x.dims.dim)),
+                             "scaled": dict(acc=x.stat(x.dims.vocab_size, x.dims.dim, scale=x.dims.rows ** 0.5),
+                                            a=x.act(x.dims.rows, x.dims.vocab_size), b=x.act(x.dims.rows, x.dims.dim),
+                                            scale=x.stat(1).reshape(()))},
          mutates=("acc",),
-         gemm=lambda acc, a, b: (a.shape[1], b.shape[1], a.shape[0]))
-def matmul_tn_add(acc: Tensor, a: Tensor, b: Tensor) -> None:
+         gemm=lambda acc, a, b, scale=None: (a.shape[1], b.shape[1], a.shape[0]))
+def matmul_tn_add(acc: Tensor, a: Tensor, b: Tensor, scale: Optional[Tensor] = None) -> None:
     """(H'') acc += a^T @ b in place, acc (a.shape[1], b.shape[1]) fp32 (fp64 stays fp64): a weight
     gradient accumulated over chunks of tokens in one buffer, the products summed in fp32 without
-    rounding to a's dtype."""
+    rounding to a's dtype. With `scale` (a 0-dim tensor, read on the device) the sum is then scaled:
+    acc = scale * (acc + a^T @ b), the LM head's incoming loss gradient applied by its last GEMM."""
     acc += _f(a).t() @ _f(b)
+    if scale is not None:
+        acc *= scale.to(acc.dtype)
 
 
-@declare(fake=lambda tokens, g_x, vocab_size: _new(g_x, vocab_size, g_x.shape[1], stat=True),
-         examples=lambda x: {"": dict(tokens=x.tokens(), g_x=x.act(x.dims.rows, x.dims.dim), vocab_size=x.dims.vocab_size)})
-def embedding_backward(tokens: Tensor, g_x: Tensor, vocab_size: int) -> Tensor:
-    """(E') scatter-add of the row gradients into a (vocab_size, d) table, accumulated and
-    returned in fp32 (the master weights' dtype; fp64 stays fp64)."""
-    g = torch.zeros(vocab_size, g_x.shape[1], dtype=_f(g_x).dtype, device=g_x.device)
-    return g.index_add_(0, tokens.reshape(-1), _f(g_x))
+@declare(fake=lambda acc, tokens, g_x: None,
+         examples=lambda x: {"": dict(acc=x.stat(x.dims.vocab_size, x.dims.dim),
+                                      tokens=x.tokens(), g_x=x.act(x.dims.rows, x.dims.dim))},
+         mutates=("acc",))
+def embedding_backward(acc: Tensor, tokens: Tensor, g_x: Tensor) -> None:
+    """(E') scatter-add of the row gradients into the (vocab_size, d) gradient `acc` in place, fp32
+    (the master weights' dtype; fp64 stays fp64): zeros, or with tied embeddings the LM head's
+    gradient of the same table, so the two gradients are summed without a second table-sized buffer."""
+    acc.index_add_(0, tokens.reshape(-1), _f(g_x).to(acc.dtype))
 
 
 # ---- helpers ------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ models on different backends coexist in one process.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -35,27 +35,34 @@ class BlockShape(NamedTuple):
 
 
 class EmbeddingEntry(Function):
-    """(E) x = emb[tokens], h = x*gamma, r = rstd(x): the first block's input triple."""
+    """(E) x = emb[tokens], h = x*gamma, r = rstd(x): the first block's input triple. With tied
+    embeddings also the table itself, as the LM head's weight: its gradient then flows back through
+    this Function, whose backward scatters the entry's row gradients into it (E'), so the table gets
+    one gradient, not two table-sized ones summed by autograd."""
 
     @staticmethod
-    def forward(ctx, tokens: Tensor, emb: Tensor, gamma_c: Tensor, dtype: torch.dtype, eps: float, ops: OpSet):
+    def forward(ctx, tokens: Tensor, emb: Tensor, gamma_c: Tensor, dtype: torch.dtype, eps: float, ops: OpSet,
+                tied: bool):
         # emb: the parameter, whose rows the op gathers and rounds to the compute dtype (no copy of the
         # whole table); gamma_c: a compute copy (CodaLlama._blocks)
         x, h, sumsq = ops.embedding_rmsnorm_partial(tokens, emb.detach(), gamma_c, dtype)
         r = ops.rstd_from_partials(sumsq, emb.shape[1], eps)
         ctx.save_for_backward(tokens)
-        ctx.vocab_size, ctx.ops = emb.shape[0], ops
+        ctx.table_shape, ctx.ops = emb.shape, ops
         ctx.mark_non_differentiable(h, r)
         ctx.set_materialize_grads(False)
-        return x, h, r
+        return x, h, r, (emb.view_as(emb) if tied else None)
 
     @staticmethod
-    def backward(ctx, g_x: Tensor, _g_h: None, _g_r: None):
-        if g_x is None:
-            return (None,) * 6
+    def backward(ctx, g_x: Tensor, _g_h: None, _g_r: None, g_table: Optional[Tensor]):
         (tokens,) = ctx.saved_tensors
+        if g_x is not None:
+            if g_table is None:
+                g_table = g_x.new_zeros(ctx.table_shape, dtype=torch.float64 if g_x.dtype == torch.float64 else torch.float32)
+            # in place into the LM head's gradient: LMHeadLoss.backward made it for this call alone
+            ctx.ops.embedding_backward(g_table, tokens, g_x)
         # gamma's gradient comes from block 0, which owns this RMSNorm.
-        return None, ctx.ops.embedding_backward(tokens, g_x, ctx.vocab_size), None, None, None, None
+        return None, g_table, None, None, None, None, None
 
 
 class BlockWeights(NamedTuple):
@@ -188,7 +195,11 @@ class LMHeadLoss(Function):
     """(H, H', H'') mean cross-entropy of logits = r * (h @ w_lm^T); owns the final RMSNorm. The loss
     ends the graph, so its gradient is known during the forward up to the incoming scalar: the
     forward computes it chunk by chunk of rows (three vocab-sized GEMMs, logits never recomputed,
-    one chunk of logits alive at a time) and the backward only scales it by that scalar."""
+    one chunk of logits alive at a time) and the backward applies that scalar. The last chunk's
+    weight-gradient GEMM waits for the backward, where its epilogue applies the scalar to the whole
+    V x d gradient (matmul_tn_add's scale): no pass of its own over the table. Its chunk of logit
+    gradients stays alive until then, which adds nothing to the peak: the forward's last chunk
+    already held it next to everything the backward starts with."""
 
     @staticmethod
     def forward(ctx, x: Tensor, h: Tensor, r: Tensor, norm: Tensor, w_lm: Tensor, norm_c: Tensor, w_lm_c: Tensor,
@@ -201,40 +212,45 @@ class LMHeadLoss(Function):
         losses, g_xs, g_norm, g_w = [], [], None, None
         for i in range(0, M, step):
             rows = slice(i, i + step)
-            loss_c, g_x_c, g_norm_c, g_w = LMHeadLoss._chunk(x[rows], h[rows], r[rows], norm, w_lm, targets[rows],
-                                                             grad_scale, g_w, ops)
+            loss_c, g_x_c, g_norm_c, g_y = LMHeadLoss._chunk(x[rows], h[rows], r[rows], norm, w_lm, targets[rows],
+                                                             grad_scale, ops)
+            if i + step < M:  # every chunk's weight gradient but the last: into one fp32 buffer
+                if g_w is None:
+                    g_w = ops.matmul_tn(g_y, h[rows])
+                else:
+                    ops.matmul_tn_add(g_w, g_y, h[rows])  # in place: one vocab x dim gradient buffer
             losses.append(loss_c)
             g_xs.append(g_x_c)
             g_norm = g_norm_c if g_norm is None else g_norm + g_norm_c
-        ctx.save_for_backward(torch.cat(g_xs), g_norm, g_w)
+        if g_w is None:  # one chunk: the backward's GEMM adds into zeros
+            g_w = torch.zeros(w_lm.shape, dtype=g_norm.dtype, device=h.device)
+        ctx.save_for_backward(torch.cat(g_xs), g_norm, g_w, g_y, h[rows])
+        ctx.ops = ops
         return torch.cat(losses).mean()
 
     @staticmethod
-    def _chunk(x, h, r, norm, w_lm, targets, grad_scale, g_w, ops: OpSet):
-        """H, H', H'' on one chunk of rows: its per-row losses, g_x, partial g_norm, and g_w with
-        this chunk's contribution added (fp32; in place after the first chunk)."""
+    def _chunk(x, h, r, norm, w_lm, targets, grad_scale, ops: OpSet):
+        """H, H', H'' (dgrad) on one chunk of rows: its per-row losses, g_x, partial g_norm and r*g_y,
+        the logit gradient its weight-gradient GEMM reads."""
         logits, lse, target_logit = ops.gemm_rowscale_logits_cross_entropy(h, r, w_lm, targets)   # H
         stat = ops.cross_entropy_backward_rowscale_stat(logits, r, targets, lse, grad_scale)       # H'
         g_y = logits  # H' wrote r*g_y over the logits: one chunk-sized buffer
         c = ops.rmsnorm_backward_coeff(stat, r, x.shape[1])
         g_x, g_norm = ops.gemm_rmsnorm_backward(g_y, w_lm, None, x, norm, c)                       # H''
-        if g_w is None:
-            g_w = ops.matmul_tn(g_y, h)
-        else:
-            ops.matmul_tn_add(g_w, g_y, h)  # in place: one vocab x dim gradient buffer
-        return lse - target_logit, g_x, g_norm, g_w
+        return lse - target_logit, g_x, g_norm, g_y
 
     @staticmethod
     def backward(ctx, g_loss: Tensor):
-        saved = ctx.saved_tensors  # g_x, g_norm, g_w for an incoming gradient of 1; g_loss: 0-dim, on device
-        # Scaled in place when autograd frees the graph after this call: no second V x d g_w, and with the saved
-        # reference released AccumulateGrad adopts it as .grad without a copy. Out of place when the graph is
-        # retained (a host flag: no sync), so every later call scales the unscaled originals again: exact for any g_loss.
+        # g_x, g_norm and the earlier chunks' g_w for an incoming gradient of 1; the last chunk's r*g_y
+        # and h. g_loss: 0-dim, on the device (never read on the host: no sync).
+        g_x, g_norm, g_w, g_y, h = ctx.saved_tensors
+        # In place when autograd frees the graph after this call: no second V x d g_w, and with the saved
+        # reference released the gradient is adopted as .grad without a copy. On a copy when the graph is
+        # retained (a host flag: no sync), so every later call starts from the unscaled originals again.
         if torch._C._autograd._get_current_graph_task_keep_graph():
-            g_x, g_norm, g_w = (t * g_loss for t in saved)
-        else:
-            g_x, g_norm, g_w = (t.mul_(g_loss) for t in saved)
-        return g_x, None, None, g_norm, g_w, None, None, None, None
+            g_x, g_norm, g_w = (t.clone() for t in (g_x, g_norm, g_w))
+        ctx.ops.matmul_tn_add(g_w, g_y, h, g_loss)  # g_w = g_loss * (g_w + g_y^T h)
+        return g_x.mul_(g_loss), None, None, g_norm.mul_(g_loss), g_w, None, None, None, None
 
 
 RECOMPUTE = ("none", "block")  # block: each block's backward recomputes its forward from (x, h, r)
@@ -252,14 +268,14 @@ class CodaLlama(LlamaWeights):
     def forward(self, tokens: Tensor, targets: Tensor) -> Tensor:
         """Mean next-token cross-entropy of targets given tokens, both (B, T)."""
         self._check_batch(tokens, targets)
-        x, h, r = self._blocks(tokens)
-        return lm_head_loss(x, h, r, self.norm, self.lm_weight, self.compute_copy(self.norm), self._lm_weight_c(),
+        x, h, r, w_lm = self._blocks(tokens)
+        return lm_head_loss(x, h, r, self.norm, w_lm, self.compute_copy(self.norm), self._lm_weight_c(),
                             targets.reshape(-1), self.ops)
 
     @torch.no_grad()
     def logits(self, tokens: Tensor) -> Tensor:
         """Next-token logits (B, T, vocab_size) in the compute dtype: r_f * (h_f W_lm^T) (L)."""
-        x, h, r = self._blocks(tokens)
+        x, h, r, _ = self._blocks(tokens)
         return self.ops.gemm_rowscale(h, r, self._lm_weight_c()).view(*tokens.shape, -1)
 
     def _lm_weight_c(self) -> Tensor:
@@ -268,8 +284,10 @@ class CodaLlama(LlamaWeights):
         size to the peak at the end of the backward. Same cast count as a kept copy (one per step)."""
         return self.lm_weight.detach().to(self.compute_dtype)
 
-    def _blocks(self, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """The entry and every block: the last triple (x, h, r). The Functions receive each
+    def _blocks(self, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The entry and every block: the last triple (x, h, r), and the LM-head weight as the loss
+        takes it (with tied embeddings the entry's output, so its gradient reaches the table through
+        the entry: EmbeddingEntry; otherwise the lm_head parameter). The Functions receive each
         parameter (for its gradient) and its compute copy (for the kernels). Each block runs inside
         its weights module's call, which under FSDP2 gathers that unit around the block's forward
         and backward (docs/design.md)."""
@@ -281,12 +299,13 @@ class CodaLlama(LlamaWeights):
         cp = self.compute_copy
         # The entry and F6 of block i write h for the RMSNorm after them, so that norm's weight (block
         # i+1's attn_norm, or the final norm) is gathered before they run; they read its compute copy only.
-        x, h, r = EmbeddingEntry.apply(tokens, self.tok_emb, cp(gathered(layers[0]).attn_norm), self.compute_dtype,
-                                       cfg.norm_eps, self.ops)
+        tied = self.lm_head is None
+        x, h, r, table = EmbeddingEntry.apply(tokens, self.tok_emb, cp(gathered(layers[0]).attn_norm),
+                                              self.compute_dtype, cfg.norm_eps, self.ops, tied)
         for i, layer in enumerate(layers):
             next_norm = gathered(layers[i + 1]).attn_norm if i + 1 < len(layers) else self.norm
             x, h, r = layer(self._block, x, h, r, cp(next_norm), rope, shape)
-        return x, h, r
+        return x, h, r, (table if tied else self.lm_head)
 
     def _block(self, layer: LayerWeights, x: Tensor, h: Tensor, r: Tensor, next_norm: Tensor, rope: Tensor,
                shape: BlockShape) -> tuple[Tensor, Tensor, Tensor]:

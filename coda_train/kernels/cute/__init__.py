@@ -227,9 +227,9 @@ def gemm_rmsnorm_backward(g_y_scaled: Tensor, w: Tensor, residual_grad: Optional
 
 
 @cute_impl("matmul_tn_add", gpu_blind_compile=True)
-def matmul_tn_add(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """(H'') acc += a^T b in place: the GEMM reads a and b through transposed views (M-major A,
-    N-major B) and reduce-adds its product into acc, its D output."""
+def matmul_tn_add(acc: Tensor, a: Tensor, b: Tensor, scale: Optional[Tensor] = None) -> None:
+    """(H'') acc += a^T b in place (then * scale): the GEMM reads a and b through transposed views
+    (M-major A, N-major B) and adds its product into acc, its D output."""
     K, N = a.shape
     P = b.shape[1]
     need_bf16("matmul_tn_add", a=a, b=b)
@@ -238,9 +238,17 @@ def matmul_tn_add(acc: Tensor, a: Tensor, b: Tensor) -> None:
          f"matmul_tn_add: acc (updated in place) must be a contiguous float32 (a.shape[1], b.shape[1]) = ({N}, {P}) "
          f"tensor, got {tuple(acc.shape)} {acc.dtype}{'' if acc.is_contiguous() else ' non-contiguous'}")
     need(compiling_only() or acc.device == a.device, f"matmul_tn_add: acc must be on {a.device}, got {acc.device}")
-    # The TMA reduce-add store adds each tile's product to acc in L2 (one CTA per tile, so each element
-    # gets exactly one fp32 add): no C load, half the fp32 traffic of reading acc as the C operand.
-    gemm(E.plain, a.mT, b.mT, acc, cfg=cfg_for("matmul_tn_add", N, P, K), epi={}, add_to_output=True)
+    cfg = cfg_for("matmul_tn_add", N, P, K)
+    if scale is None:
+        # The TMA reduce-add store adds each tile's product to acc in L2 (one CTA per tile, so each element
+        # gets exactly one fp32 add): no C load, half the fp32 traffic of reading acc as the C operand.
+        gemm(E.plain, a.mT, b.mT, acc, cfg=cfg, epi={}, add_to_output=True)
+    else:
+        # acc read as the C operand and written as D, tile by tile by the same CTA (in place, as quack's
+        # gemm_add_inplace): the scale costs no pass of its own over acc.
+        need(scale.numel() == 1, f"matmul_tn_add: scale must have one element, got shape {tuple(scale.shape)}")
+        s = scale.detach().reshape(1).to(torch.float32)
+        gemm(E.scaled_sum, a.mT, b.mT, acc, C=acc, cfg=cfg, epi={"scale": s})
 
 
 # ---- plain GEMMs ----------------------------------------------------------------------------

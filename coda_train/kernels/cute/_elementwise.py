@@ -43,6 +43,13 @@ def _rope_bwd_kernel(g_ptr, y_ptr, r_ptr, cs_ptr, out_ptr, stat_ptr,
     tl.store(stat_ptr + row, stat)
 
 
+# Launch shapes of the two passes, swept at the model widths by scripts/bench_elementwise.py on the H200
+# (docs/kernels.md): the RoPE pass's warps (empty: 4 up to 2048 columns, else 8), the CE pass's block
+# and warps.
+ROPE_LAUNCH: dict = {}
+CE_LAUNCH = dict(BLOCK=4096, num_warps=4)
+
+
 def rope_backward_rowscale_stat(g_qkv: Tensor, qkv: Tensor, r: Tensor, rope: Tensor,
                                 n_rope_cols: int) -> tuple[Tensor, Tensor]:
     """rope: the (M, head_dim) fp32 table, (cos, sin) of pair i at columns (2i, 2i+1)."""
@@ -59,7 +66,7 @@ def rope_backward_rowscale_stat(g_qkv: Tensor, qkv: Tensor, r: Tensor, rope: Ten
     _rope_bwd_kernel[(M,)](
         g_qkv.contiguous(), qkv.contiguous(), r.float().contiguous(), rope.float().contiguous(),
         out, stat, N, half, n_rope_cols,
-        BLOCK=triton.next_power_of_2(N // 2), num_warps=4 if N <= 2048 else 8)
+        BLOCK=triton.next_power_of_2(N // 2), num_warps=ROPE_LAUNCH.get("num_warps", 4 if N <= 2048 else 8))
     return out, stat
 
 
@@ -99,5 +106,5 @@ def cross_entropy_backward_rowscale_stat(logits: Tensor, r: Tensor, targets: Ten
     _ce_bwd_kernel[(M,)](
         logits, r.float().contiguous(), targets.reshape(-1).contiguous(), lse.float().contiguous(),
         grad_scale.detach().float().reshape(1), stat, N,
-        BLOCK=min(4096, triton.next_power_of_2(N)), num_warps=8)
+        BLOCK=min(CE_LAUNCH["BLOCK"], triton.next_power_of_2(N)), num_warps=CE_LAUNCH["num_warps"])
     return stat

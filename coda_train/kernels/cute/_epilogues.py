@@ -28,6 +28,7 @@ from quack.epilogue.ops import (
     OnlineLSEReduce,
     RowVecLoad,
     RowVecReduce,
+    Scalar,
 )
 from quack.epilogue.rotary import rotary_cos_sin_load
 
@@ -164,3 +165,10 @@ def rmsnorm_backward_noresidual(acc, x, gamma, coef):
 @gemm_epilogue()
 def plain(acc):
     return {"D": acc}
+
+
+# H'' (the LM head's last chunk, in the backward): D = scale * (acc + C) with C = D, the weight
+# gradient of the earlier chunks; scale is the incoming loss gradient, a device scalar.
+@gemm_epilogue(ops={"scale": Scalar("scale")})
+def scaled_sum(acc, c, scale):
+    return {"D": (acc + c) * scale}
