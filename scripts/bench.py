@@ -106,10 +106,15 @@ def peak_memory() -> int:
 class GpuClocks:
     """Samples the GPU's SM clock, power draw and temperature (nvidia-smi, every 100 ms) while the
     block runs: a sustained step runs at the clock its power draw allows, so two timings are only
-    comparable at similar clocks. `.result` is None on CPU or without nvidia-smi."""
+    comparable at similar clocks. Where nvidia-smi reports them, also the clock event reasons
+    (what holds the clock down), as the fraction of samples each was active in. `.result` is None
+    on CPU or without nvidia-smi."""
 
-    QUERY = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu", "--format=csv,noheader,nounits",
-             "-lms", "100"]
+    FIELDS = "clocks.sm,power.draw,temperature.gpu"
+    REASONS = "clocks_event_reasons.active"
+    # bits of clocks_event_reasons.active (nvidia-smi --help-query-gpu)
+    REASON_BITS = {0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal", 0x40: "hw_thermal",
+                   0x80: "hw_power_brake"}
 
     def __enter__(self) -> "GpuClocks":
         import shutil
@@ -119,7 +124,12 @@ class GpuClocks:
         if DEVICE.type == "cuda" and shutil.which("nvidia-smi"):
             uuid = getattr(torch.cuda.get_device_properties(DEVICE), "uuid", None)
             target = ["-i", f"GPU-{uuid}"] if uuid else []
-            self.proc = subprocess.Popen(self.QUERY + target, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            probe = subprocess.run(["nvidia-smi", f"--query-gpu={self.REASONS}", "--format=csv,noheader"] + target,
+                                   capture_output=True, text=True)
+            self.with_reasons = probe.returncode == 0 and probe.stdout.strip().startswith("0x")
+            fields = self.FIELDS + ("," + self.REASONS if self.with_reasons else "")
+            self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits",
+                                          "-lms", "100"] + target, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                          text=True)
         return self
 
@@ -128,16 +138,22 @@ class GpuClocks:
             return
         self.proc.terminate()
         out, _ = self.proc.communicate(timeout=10)
-        samples = []
+        samples, reasons = [], []
         for line in out.splitlines():
+            parts = [x.strip() for x in line.split(",")]
             try:
-                samples.append([float(x) for x in line.split(",")])
-            except ValueError:  # "[N/A]" fields, a partial last line
+                samples.append([float(x) for x in parts[:3]])
+                if self.with_reasons:
+                    reasons.append(int(parts[3], 16))
+            except (ValueError, IndexError):  # "[N/A]" fields, a partial last line
                 continue
         if samples:
-            sm, power, temp = zip(*samples)
+            sm, power, temp = zip(*samples[:len(reasons)] if self.with_reasons else samples)
             self.result = {"sm_mhz_mean": statistics.mean(sm), "sm_mhz_min": min(sm), "sm_mhz_max": max(sm),
-                           "power_w_mean": statistics.mean(power), "temp_c_max": max(temp), "samples": len(samples)}
+                           "power_w_mean": statistics.mean(power), "temp_c_max": max(temp), "samples": len(sm)}
+            if reasons:
+                self.result["clock_reasons"] = {name: sum(bool(r & bit) for r in reasons) / len(reasons)
+                                                for bit, name in self.REASON_BITS.items()}
 
 
 def model_config(shape: Shape):
@@ -605,7 +621,7 @@ def print_table(result: dict) -> None:
     print(f"\n{result['shape']}: {result['preset']} {result['n_layers']} layers, {result['batch']} x {result['seq']} on "
           f"{result['environment']['gpu']} ({result['environment']['date']})")
     print(f"{'variant':22s}{'fwd+bwd ms':>11s}{'min':>8s}{'max':>8s}{'step ms':>9s}{'tok/s':>10s}{'MFU':>6s}"
-          f"{'peak GiB':>9s}{'/coda':>7s}{'/floor':>7s}{'SM MHz':>8s}")
+          f"{'peak GiB':>9s}{'/coda':>7s}{'/floor':>7s}{'SM MHz':>8s}{'W':>6s}  power-capped")
     for name, r in result["variants"].items():
         fb, st = r["fwd_bwd"], r.get("step")
         cells = [f"{fb['median_ms']:11.2f}", f"{fb.get('min_ms', math.nan):8.2f}", f"{fb.get('max_ms', math.nan):8.2f}",
@@ -615,7 +631,10 @@ def print_table(result: dict) -> None:
                  f"{r['peak_fwd_bwd_gib']:9.1f}" if r.get("peak_fwd_bwd_gib") else f"{'-':>9s}",
                  f"{r['over_coda']:7.2f}" if r["over_coda"] else f"{'-':>7s}",
                  f"{r['over_floor']:7.2f}" if r["over_floor"] else f"{'-':>7s}",
-                 f"{r['clocks']['sm_mhz_mean']:8.0f}" if r.get("clocks") else f"{'-':>8s}"]
+                 f"{r['clocks']['sm_mhz_mean']:8.0f}" if r.get("clocks") else f"{'-':>8s}",
+                 f"{r['clocks']['power_w_mean']:6.0f}" if r.get("clocks") else f"{'-':>6s}",
+                 f"  {100 * r['clocks']['clock_reasons']['sw_power_cap']:.0f}%"
+                 if "clock_reasons" in (r.get("clocks") or {}) else "  -"]
         print(f"{name:22s}" + "".join(cells))
     floor = result["variants"].get("floor")
     if floor and "back_to_back" in floor:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Optional
 
 PEERS = ("eager", "compile", "compile-graphs", "compile-max-autotune", "liger")
 NOT_RUN_WHY = {  # why bench.py leaves a variant out unless asked (--variants)
@@ -93,13 +94,27 @@ def _code(env: dict) -> str:
     return f", code {parts[0]}" + (f" ({parts[1]})" if len(parts) > 1 else "") if parts else ""
 
 
+REASON_NAMES = {"sw_power_cap": "power cap", "hw_slowdown": "HW slowdown", "sw_thermal": "SW thermal",
+                "hw_thermal": "HW thermal", "hw_power_brake": "power brake"}
+
+
+def clock_reasons(clocks: Optional[dict]) -> str:
+    """What held the SM clock down while a variant ran: each reason nvidia-smi reported in at least
+    5% of the samples, with that share ('-' where not recorded, 'nothing' where none was)."""
+    reasons = (clocks or {}).get("clock_reasons")
+    if reasons is None:
+        return "-"
+    held = [f"{REASON_NAMES.get(k, k)} {100 * v:.0f}%" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1]) if v >= 0.05]
+    return ", ".join(held) or "nothing"
+
+
 def shape_table(r: dict) -> list[str]:
     env = r["environment"]
     lines = [f"### {r['shape']}: {r['preset']}, {r['n_layers']} layers, {r['batch']} x {r['seq']} tokens",
              "", f"`{r['command']}` on {env['gpu']}, {env['date']}{_code(env)}; bf16 GEMM peak measured in the same run: "
              f"{r['gemm_peak_tflops']['peak']:.0f} TFLOP/s.", "",
-             "| variant | fwd+bwd ms (median) | min | max | full step ms | tokens/s | MFU (fwd+bwd) | peak GiB | above weights GiB | / coda | / floor | SM MHz (mean) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| variant | fwd+bwd ms (median) | min | max | full step ms | tokens/s | MFU (fwd+bwd) | peak GiB | above weights GiB | / coda | / floor | SM MHz (mean) | W (mean) | clock held by |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for name, row in r["variants"].items():
         fb = row["fwd_bwd"]
@@ -107,9 +122,10 @@ def shape_table(r: dict) -> list[str]:
                      f"{fmt(_ms(row, 'step'), '.2f')} | {fmt(row.get('tokens_per_s'), ',.0f')} | "
                      f"{100 * row['mfu_fwd_bwd']:.1f}% | {fmt(row.get('peak_fwd_bwd_gib'), '.1f')} | "
                      f"{fmt(row.get('peak_above_weights_gib'), '.1f')} | {fmt(row.get('over_coda'), '.2f')} | "
-                     f"{fmt(row.get('over_floor'), '.2f')} | {fmt((row.get('clocks') or {}).get('sm_mhz_mean'), '.0f')} |")
+                     f"{fmt(row.get('over_floor'), '.2f')} | {fmt((row.get('clocks') or {}).get('sm_mhz_mean'), '.0f')} | "
+                     f"{fmt((row.get('clocks') or {}).get('power_w_mean'), '.0f')} | {clock_reasons(row.get('clocks'))} |")
     for name, err in r["failed"].items():
-        lines.append(f"| {name} | failed: {err.splitlines()[0][:160]} | | | | | | | | | | |")
+        lines.append(f"| {name} | failed: {err.splitlines()[0][:160]} | | | | | | | | | | | | |")
     separate = [p for p in _peers(r) if p["separate"]]
     not_run = [v for v in r.get("not_run", []) if v not in {p["name"] for p in separate}]
     if not_run:
