@@ -31,6 +31,7 @@ candidate, and what was measured is written.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -45,7 +46,7 @@ from typing import Callable, Optional
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import SHAPES  # noqa: E402  (the benchmark's shapes: the ones the table is for)
+from bench import SHAPES, GpuClocks  # noqa: E402  (the benchmark's shapes: the ones the table is for)
 
 from coda_train.kernels import Dims, Example  # noqa: E402
 from coda_train.kernels.tile_configs import (  # noqa: E402
@@ -219,8 +220,9 @@ def relative_error(x: torch.Tensor, y: torch.Tensor) -> float:
     return math.sqrt(num / max(den, 1e-300))
 
 
-def time_launch(launch: dict, deadline: float, bench: Callable) -> dict:
-    """Every candidate of one launch: {op, m, n, k, shapes, results: [{config, ms | error}], ...}."""
+def time_launch(launch: dict, deadline: float, bench: Callable, clocks: bool = False) -> dict:
+    """Every candidate of one launch: {op, m, n, k, shapes, results: [{config, ms | error}], ...};
+    with `clocks`, each timing's SM clock, power and clock event reasons too (bench.GpuClocks)."""
     from coda_train.kernels import OPS, testing
     from coda_train.kernels.library import CUTE_IMPLS
     from coda_train.kernels.tile_configs import forced
@@ -247,12 +249,17 @@ def time_launch(launch: dict, deadline: float, bench: Callable) -> dict:
                     row["error"] = f"output differs from the default config's (relative error {row['err']:.2e})"
                 else:
                     want = got if want is None else want  # the default's: what the others must reproduce
-                    row["ms"] = bench(lambda: impl(**timed))
+                    with GpuClocks() if clocks else contextlib.nullcontext() as sampled:
+                        row["ms"] = bench(lambda: impl(**timed))
+                    if clocks and sampled.result:
+                        row["clocks"] = sampled.result
             del got
         except Exception as e:  # a config this shape cannot run: discarded, reason kept
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         results.append(row)
-        print(f"  {row['config']:26s} " + (f"{row['ms']:8.3f} ms" if "ms" in row else f"-- {row['error'][:100]}"), flush=True)
+        clk = row.get("clocks")
+        print(f"  {row['config']:26s} " + (f"{row['ms']:8.3f} ms" if "ms" in row else f"-- {row['error'][:100]}")
+              + (f"  {clk['sm_mhz_mean']:.0f} MHz {clk['power_w_mean']:.0f} W" if clk else ""), flush=True)
     del kwargs, timed, want
     torch.cuda.empty_cache()
     return dict(launch, results=results)
@@ -306,6 +313,9 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="compile processes")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--compile-only", action="store_true", help="compile every candidate GPU-blind and stop")
+    ap.add_argument("--sustained-s", type=float, default=0.0,
+                    help="time each candidate after this many seconds of itself back to back (the clock a sustained, "
+                         "power-capped step runs at) instead of a short burst, and record clock and power")
     ap.add_argument("--compile-worker", default="", help=argparse.SUPPRESS)  # "i/n": one shard of the compiles
     args = ap.parse_args()
     shapes = [s for s in args.shapes.split(",") if s]
@@ -341,14 +351,18 @@ def tune(todo: list[dict], args, t_start: float, deadline: float) -> int:
     assert torch.cuda.is_available(), "tune_gemm.py times GEMMs on a Hopper GPU (--compile-only runs on CPU)"
     op_set("cute")  # loads the cute implementations (and checks the GPU)
     gpu = gpu_key(torch.cuda.get_device_name())
-    bench = lambda fn: do_bench(fn, warmup=10, rep=40, return_mode="median")  # noqa: E731
+    if args.sustained_s:  # each candidate timed after seconds of itself back to back: at the clock it sustains
+        bench = lambda fn: do_bench(fn, warmup=1000 * args.sustained_s, rep=500 * args.sustained_s,  # noqa: E731
+                                    return_mode="median")
+    else:
+        bench = lambda fn: do_bench(fn, warmup=10, rep=40, return_mode="median")  # noqa: E731
     tuned = []
     for launch in todo:
         if time.time() > deadline - 15:  # keep time to write what was measured
             print(f"time budget spent: {len(todo) - len(tuned)} launches not tuned", flush=True)
             break
         print(f"{launch['op']} {launch['m']}x{launch['n']}x{launch['k']} ({','.join(launch['shapes'])})", flush=True)
-        tuned.append(time_launch(launch, deadline - 15, bench))
+        tuned.append(time_launch(launch, deadline - 15, bench, clocks=bool(args.sustained_s)))
     meta = dict(gpu=gpu, device=torch.cuda.get_device_name(), torch=torch.__version__, seconds=round(time.time() - t_start),
                 command="python scripts/tune_gemm.py " + " ".join(sys.argv[1:]), untuned=len(todo) - len(tuned))
     write_outputs(Path(args.out), gpu, tuned, meta)
