@@ -4,6 +4,7 @@ hand-written backwards against autograd of their forward formulas."""
 
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -79,9 +80,17 @@ def test_lm_head_in_chunks_matches_eager_float64(chunk_rows, monkeypatch):
     monkeypatch.setattr(coda_module, "LOGITS_CHUNK_BYTES", chunk_rows * cfg.vocab_size * 8)
     assert coda_module.logits_chunk_rows(cfg.vocab_size, 8) == chunk_rows
     eager, coda = make_pair(cfg, torch.float64)
-    logits_rows = []
+    logits_rows, chunks, most_alive = [], [], [0]
     head_op = coda.ops.gemm_rowscale_logits_cross_entropy
-    coda.ops.gemm_rowscale_logits_cross_entropy = lambda h, *a: logits_rows.append(h.shape[0]) or head_op(h, *a)
+
+    def head(h, *a):  # records each chunk's logits (weakly) and how many of them are alive when it starts
+        logits_rows.append(h.shape[0])
+        most_alive[0] = max(most_alive[0], sum(c() is not None for c in chunks))
+        out = head_op(h, *a)
+        chunks.append(weakref.ref(out[0]))
+        return out
+
+    coda.ops.gemm_rowscale_logits_cross_entropy = head
     g = torch.Generator().manual_seed(1)
     tokens, targets = (torch.randint(0, cfg.vocab_size, (3, 7), generator=g) for _ in range(2))
     grads, saved = {}, []
@@ -92,6 +101,7 @@ def test_lm_head_in_chunks_matches_eager_float64(chunk_rows, monkeypatch):
         (2.5 * loss).backward()
         grads[name] = loss.detach(), {n: p.grad for n, p in model.named_parameters()}
     assert logits_rows == ([4, 4, 4, 4, 4, 1] if chunk_rows == 4 else [21])
+    assert most_alive[0] == 0  # each chunk's logits are gone before the next chunk's exist
     # CODA holds one chunk of logit gradients until backward, the last (its weight-gradient GEMM runs there),
     # never the whole (21, V) logits unless that is one chunk (eager holds them); the LM head holds its gradients
     coda_logit_rows = [shape[0] for n, shape in saved if n == "coda" and shape[1:] == (cfg.vocab_size,)]

@@ -219,6 +219,7 @@ class LMHeadLoss(Function):
                     g_w = ops.matmul_tn(g_y, h[rows])
                 else:
                     ops.matmul_tn_add(g_w, g_y, h[rows])  # in place: one vocab x dim gradient buffer
+                del g_y  # before the next chunk's logits exist: one chunk alive at a time
             losses.append(loss_c)
             g_xs.append(g_x_c)
             g_norm = g_norm_c if g_norm is None else g_norm + g_norm_c
