@@ -23,6 +23,7 @@ from torch.autograd import Function
 
 from ..errors import ConfigError
 from ..kernels import Dims, OpSet, op_set
+from ..kernels.declare import stat_dtype
 from .config import LlamaConfig
 from .weights import LayerWeights, LlamaWeights, gathered
 
@@ -58,7 +59,7 @@ class EmbeddingEntry(Function):
         (tokens,) = ctx.saved_tensors
         if g_x is not None:
             if g_table is None:
-                g_table = g_x.new_zeros(ctx.table_shape, dtype=torch.float64 if g_x.dtype == torch.float64 else torch.float32)
+                g_table = g_x.new_zeros(ctx.table_shape, dtype=stat_dtype(g_x.dtype))  # fp32 (fp64 stays fp64)
             # in place into the LM head's gradient: LMHeadLoss.backward made it for this call alone
             ctx.ops.embedding_backward(g_table, tokens, g_x)
         # gamma's gradient comes from block 0, which owns this RMSNorm.
