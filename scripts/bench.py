@@ -49,6 +49,8 @@ from typing import Callable
 
 import torch
 
+from code_version import code_version  # scripts/code_version.py: the sources hash and commit
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -596,25 +598,6 @@ def environment() -> dict:
     gpu = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "CPU (smoke run: not a measurement)"
     return {"gpu": gpu, "cuda": torch.version.cuda, "packages": versions, "code": code_version(),
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-
-
-def code_version() -> dict:
-    """Which code ran: a sha256 over the package's and this script's sources, always, and the git
-    commit where there is a checkout, with whether those sources differ from it (git_dirty)."""
-    import hashlib
-    import subprocess
-
-    root = Path(__file__).resolve().parents[1]
-    digest = hashlib.sha256()
-    for path in sorted([*root.glob("coda_train/**/*.py"), *root.glob("coda_train/**/*.json"), Path(__file__).resolve()]):
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
-    git = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()  # noqa: E731
-    try:
-        commit = git("rev-parse", "HEAD")
-        dirty = bool(commit and git("status", "--porcelain", "--untracked-files=no", "--", "coda_train", "scripts/bench.py"))
-    except (OSError, subprocess.SubprocessError):
-        commit, dirty = "", False
-    return {"git_commit": commit or None, "git_dirty": dirty, "sources_sha256": digest.hexdigest()[:16]}
 
 
 def print_table(result: dict) -> None:

@@ -16,6 +16,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from code_version import commit_of_sources  # scripts/code_version.py
+
 PEERS = ("eager", "compile", "compile-graphs", "compile-max-autotune", "liger")
 NOT_RUN_WHY = {  # why bench.py leaves a variant out unless asked (--variants)
     "compile-max-autotune": "opt-in: its GEMM autotuning takes 5-6 minutes of device time per shape (310-340 s at "
@@ -86,11 +88,17 @@ def _ms(row: dict, key: str = "fwd_bwd") -> float | None:
 
 def _code(env: dict) -> str:
     """', code <commit> (sources <hash>)' where the run recorded which code ran; the sources hash is
-    what identifies it (a run from a checkout with uncommitted changes names the commit they are on)."""
+    what identifies it. A run whose checkout had uncommitted changes (or whose git metadata lagged
+    its working tree, as the device copy's does) is named after the first commit with its sources
+    where this checkout's history has one (code_version.commit_of_sources)."""
     code = env.get("code") or {}
-    commit = (code.get("git_commit") or "")[:10]
+    commit, sha = (code.get("git_commit") or "")[:10], code.get("sources_sha256")
+    if code.get("git_dirty") and sha:
+        found = commit_of_sources(sha)
+        if found:
+            return f", code {found[:10]} (sources {sha}, found by its hash; the run named {commit} with uncommitted changes)"
     parts = [commit + (" with uncommitted changes" if code.get("git_dirty") else "")] if commit else []
-    parts += [f"sources {code['sources_sha256']}"] if code.get("sources_sha256") else []
+    parts += [f"sources {sha}"] if sha else []
     return f", code {parts[0]}" + (f" ({parts[1]})" if len(parts) > 1 else "") if parts else ""
 
 

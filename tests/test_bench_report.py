@@ -125,3 +125,34 @@ def test_peers_from_separate_runs_compare_within_their_own_run(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "scripts/bench_report.py"), *map(str, paths), "--md", str(md),
                     "--png", str(tmp_path / "b.png")], check=True, cwd=tmp_path)
     assert "| 125m | coda | 40.00 | compile-max-autotune (separate run) | 28.00 | 1.36 |" in md.read_text()  # 38 / 28
+
+
+def test_sources_hash_leads_back_to_the_first_commit_with_those_sources(tmp_path):
+    """code_version hashes coda_train's .py/.json and bench.py; commit_of_sources finds the first commit
+    whose tree hashes the same (later commits that touch nothing it covers share it), None otherwise."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from code_version import code_version, commit_of_sources
+
+    git = lambda *a: subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    git("init", "-q")
+    git("config", "user.email", "t@t")
+    git("config", "user.name", "t")
+    (tmp_path / "coda_train" / "kernels").mkdir(parents=True)
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "bench.py").write_text("print(1)\n")
+    (tmp_path / "coda_train" / "kernels" / "table.json").write_text("{}\n")
+    (tmp_path / "coda_train" / "a.py").write_text("x = 1\n")
+    git("add", "-A")
+    git("commit", "-qm", "one")
+    first = code_version(tmp_path)
+    assert first["git_dirty"] is False and first["git_commit"] == git("rev-parse", "HEAD")
+    (tmp_path / "README.md").write_text("not a source\n")
+    git("add", "-A")
+    git("commit", "-qm", "two: docs only")
+    (tmp_path / "coda_train" / "a.py").write_text("x = 2\n")
+    dirty = code_version(tmp_path)
+    assert dirty["git_dirty"] is True and dirty["sources_sha256"] != first["sources_sha256"]
+    assert commit_of_sources(first["sources_sha256"], tmp_path) == first["git_commit"]
+    assert commit_of_sources(dirty["sources_sha256"], tmp_path) is None  # not committed yet
+    git("commit", "-qam", "three")
+    assert commit_of_sources(dirty["sources_sha256"], tmp_path) == git("rev-parse", "HEAD")
