@@ -11,7 +11,8 @@ Vocabulary (quack.epilogue.ops): RowVecLoad / ColVecLoad (vector loads), TileLoa
 (M, N) operands, or ``c`` = the GEMM C operand), TileStore (``outputs=``), ColVecReduce (per-row
 partial sums over each N tile -> (M, n_tiles)), RowVecReduce (per-column partial sums over each
 M tile -> (m_tiles, N)), OnlineLSEReduce (running max / sum-exp per row and N tile),
-ColVecSelect (pick the target column per row).
+ColVecSelect (pick the target column per row), Scalar (one value per launch, here from a device
+pointer).
 """
 
 from __future__ import annotations
