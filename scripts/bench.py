@@ -416,10 +416,12 @@ PROFILE_VERSION = 2  # 1 counted the GPU-side copies of profiler ranges as kerne
 
 
 def profile_coda(cfg, state: dict, batch, steps: int = 3) -> dict:
-    """Where a coda forward+backward step goes, from the profiler's kernel timeline, in two passes
+    """Where a coda forward+backward step goes, from the profiler's kernel timeline, in three passes
     of `steps` back-to-back steps: the plain model gives launches per step and the GPU idle
-    fraction; the model with every op call in a "coda::<op>" range gives kernel time by op (the
-    ranges cost host time, so the idle fraction is not read from that pass)."""
+    fraction; the same step replayed as a CUDA graph (coda-graphs) gives the idle time left with no
+    host in the way (the gaps between dependent kernels); the model with every op call in a
+    "coda::<op>" range gives kernel time by op (the ranges cost host time, so the idle fraction is
+    not read from that pass)."""
     from coda_train.model import build_model
 
     tokens, targets = batch
@@ -431,10 +433,13 @@ def profile_coda(cfg, state: dict, batch, steps: int = 3) -> dict:
         model(tokens, targets).backward()
 
     plain = timeline(_profiled(fwd_bwd, steps), steps)
+    graphed = timeline(_profiled(fwd_bwd_fn(model, CUDA_GRAPH, tokens, targets), steps), steps)
+    plain["graph"] = {k: graphed[k] for k in ("kernel_ms_per_step", "busy_ms_per_step", "launches_per_step",
+                                              "gpu_window_ms_per_step", "gpu_idle_fraction")}
     model.ops = annotated(model.ops)
     by_op = timeline(_profiled(fwd_bwd, steps), steps)
     return {"version": PROFILE_VERSION, **plain, "by_owner_ms": by_op["by_owner_ms"],
-            "annotated_kernel_ms_per_step": by_op["kernel_ms_per_step"]}
+            "launches_by_owner": by_op["launches_by_owner"], "annotated_kernel_ms_per_step": by_op["kernel_ms_per_step"]}
 
 
 def _profiled(fn: Callable[[], None], steps: int):
@@ -481,15 +486,18 @@ def timeline(prof, steps: int) -> dict:
     op_ranges = sorted((e.time_range.start, e.time_range.end, e.name.removeprefix("coda::"))
                        for e in cpu if e.name.startswith("coda::"))
     by_owner: dict[str, float] = {}
+    launches: dict[str, float] = {}
     for k in device:
         t = launched_at.get(k.id)
         owner = (_innermost(op_ranges, t) if t is not None else None) or _kernel_class(k.name)
         by_owner[owner] = by_owner.get(owner, 0.0) + k.time_range.elapsed_us() / 1e3 / steps
+        launches[owner] = launches.get(owner, 0.0) + 1 / steps
     busy, window = _union_and_window(sorted((k.time_range.start, k.time_range.end) for k in device))
     return {"kernel_ms_per_step": sum(by_owner.values()), "busy_ms_per_step": busy / 1e3 / steps,
             "launches_per_step": len(device) / steps, "gpu_window_ms_per_step": window / 1e3 / steps,
             "gpu_idle_fraction": 1 - busy / window if window else None,
-            "by_owner_ms": dict(sorted(by_owner.items(), key=lambda kv: -kv[1]))}
+            "by_owner_ms": dict(sorted(by_owner.items(), key=lambda kv: -kv[1])),
+            "launches_by_owner": dict(sorted(launches.items(), key=lambda kv: -kv[1]))}
 
 
 def _union_and_window(spans: list[tuple[float, float]]) -> tuple[float, float]:
@@ -633,8 +641,14 @@ def print_table(result: dict) -> None:
         print(f"coda step: {prof['kernel_ms_per_step']:.2f} ms of kernels, {prof['launches_per_step']:.0f} launches, "
               f"GPU idle {100 * prof['gpu_idle_fraction']:.0f}% of its {prof['gpu_window_ms_per_step']:.2f} ms window "
               f"(by op, with op ranges: {prof['annotated_kernel_ms_per_step']:.2f} ms of kernels)")
+        g = prof.get("graph")
+        if g and g["launches_per_step"]:
+            print(f"as a CUDA graph: {g['kernel_ms_per_step']:.2f} ms of kernels, {g['launches_per_step']:.0f} launches, "
+                  f"GPU idle {g['gpu_window_ms_per_step'] - g['busy_ms_per_step']:.2f} ms of its "
+                  f"{g['gpu_window_ms_per_step']:.2f} ms window")
+        n = prof.get("launches_by_owner", {})
         for owner, ms in prof["by_owner_ms"].items():
-            print(f"    {owner:40s}{ms:9.3f} ms")
+            print(f"    {owner:40s}{ms:9.3f} ms" + (f"{n[owner]:7.0f} launches" if owner in n else ""))
 
 
 def main() -> None:

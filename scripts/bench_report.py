@@ -52,7 +52,8 @@ def load(paths: list[Path]) -> list[dict]:
         src = max(profiled, key=lambda r: r["environment"]["date"]) if profiled else None
         main["coda_profile"] = None if src is None else {
             **src["coda_profile"], "command": src["command"], "date": src["environment"]["date"],
-            "coda_ms": src["variants"]["coda"]["fwd_bwd"]["median_ms"]}
+            "coda_ms": src["variants"]["coda"]["fwd_bwd"]["median_ms"],
+            "coda_graphs_ms": src["variants"].get("coda-graphs", {}).get("fwd_bwd", {}).get("median_ms")}
         main["peer_runs"] = [r for r in runs if r is not main and _best_coda(r)[0] and any(n in r["variants"] for n in PEERS)]
         results.append(main)
     return sorted(results, key=lambda r: SHAPE_ORDER.index(r["shape"]) if r["shape"] in SHAPE_ORDER else 99)
@@ -168,11 +169,21 @@ def shape_table(r: dict) -> list[str]:
                   f"{prof['kernel_ms_per_step']:.2f} ms of kernels, GPU idle {100 * prof['gpu_idle_fraction']:.0f}% of "
                   f"the {prof['gpu_window_ms_per_step']:.2f} ms from first kernel to last. Kernel time by op "
                   f"(a second profiled pass with a range around every op call: "
-                  f"{prof['annotated_kernel_ms_per_step']:.2f} ms of kernels):", "",
-                  "| owner (coda op, or [kernel class] outside any op) | ms / step |", "|---|---:|"]
-        lines += [f"| {owner} | {ms:.3f} |" for owner, ms in prof["by_owner_ms"].items()]
+                  f"{prof['annotated_kernel_ms_per_step']:.2f} ms of kernels)" + graph_idle(prof.get("graph")) + ":", "",
+                  "| owner (coda op, or [kernel class] outside any op) | ms / step | launches / step |", "|---|---:|---:|"]
+        n = prof.get("launches_by_owner", {})  # recorded since 2026-12-01
+        lines += [f"| {owner} | {ms:.3f} | {n[owner]:.0f} |" if owner in n else f"| {owner} | {ms:.3f} | - |"
+                  for owner, ms in prof["by_owner_ms"].items()]
         lines += gap_table(r)
     return lines + [""]
+
+
+def graph_idle(g) -> str:
+    """The profile's CUDA-graph pass (recorded since 2026-12-01): the idle time no host is behind."""
+    if not g or not g["launches_per_step"]:
+        return ""
+    return (f"; replayed as a CUDA graph, {g['launches_per_step']:.0f} launches, {g['kernel_ms_per_step']:.2f} ms of kernels "
+            f"and {g['gpu_window_ms_per_step'] - g['busy_ms_per_step']:.2f} ms idle between them")
 
 
 # The floor's work inside each coda op: GEMMs of bench.py's step_gemms (names) and attention passes.
@@ -205,10 +216,15 @@ def gap_table(r: dict) -> list[str]:
         base = sum(part_ms[p] for p in FLOOR_PARTS.get(op, []))
         total_excess += ms - base
         lines.append(f"| {op} | {ms:.2f} | {base:.2f} | {ms - base:+.2f} |")
-    idle = prof["gpu_window_ms_per_step"] - prof["busy_ms_per_step"]
-    lines.append(f"| GPU idle between kernels | - | - | {idle:+.2f} |")
-    lines.append(f"| **total** | | | **{total_excess + idle:+.2f}** (coda {prof['coda_ms']:.2f} − floor "
-                 f"{floor['fwd_bwd']['median_ms']:.2f} = {prof['coda_ms'] - floor['fwd_bwd']['median_ms']:+.2f}) |")
+    # against the CUDA-graph step where the profile replayed one (no host in the way), else the eager step
+    g, name, ms = prof.get("graph"), "coda", prof["coda_ms"]
+    if g and g["launches_per_step"] and prof.get("coda_graphs_ms"):
+        idle, name, ms = g["gpu_window_ms_per_step"] - g["busy_ms_per_step"], "coda-graphs", prof["coda_graphs_ms"]
+    else:
+        idle = prof["gpu_window_ms_per_step"] - prof["busy_ms_per_step"]
+    lines.append(f"| GPU idle between kernels ({name}) | - | - | {idle:+.2f} |")
+    lines.append(f"| **total** | | | **{total_excess + idle:+.2f}** ({name} {ms:.2f} − floor "
+                 f"{floor['fwd_bwd']['median_ms']:.2f} = {ms - floor['fwd_bwd']['median_ms']:+.2f}) |")
     return lines
 
 

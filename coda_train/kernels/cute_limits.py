@@ -38,6 +38,13 @@ def need_attention_heads(op: str, hd: int, n_heads: int, n_kv_heads: int) -> Non
     need(hd % 8 == 0 and 0 < hd <= 256, f"{op}: head_dim={hd} must be a multiple of 8 and <= 256 (FA4 sm90)")
 
 
+EMBEDDING_MAX_DIM = 16384  # the embedding entry's Triton pass holds one row in registers
+
+
+def need_embedding_dim(op: str, dim: int) -> None:
+    need(0 < dim <= EMBEDDING_MAX_DIM, f"{op}: dim={dim} must be at most {EMBEDDING_MAX_DIM} (one table row per program)")
+
+
 def _failures(*checks) -> list[str]:
     """The messages of the checks (callables raising through `need`) that fail."""
     msgs = []
@@ -57,7 +64,8 @@ def shape_errors(dim: int, head_dim: int, n_heads: int, n_kv_heads: int, ffn_dim
     predicated."""
     H, G, hd = n_heads, n_kv_heads, head_dim
     found = {
-        "dim": _failures(lambda: need_inner("gemm_residual_rmsnorm_partial", N=dim)),
+        "dim": _failures(lambda: need_inner("gemm_residual_rmsnorm_partial", N=dim),
+                         lambda: need_embedding_dim("embedding_rmsnorm_partial", dim)),
         "head_dim": _failures(lambda: need_rope_head_dim("gemm_rowscale_rope", hd),
                               lambda: need_attention_heads("attention", hd, 1, 1),
                               lambda: need_inner("gemm_residual_rmsnorm_partial", K=H * hd),   # o-projection

@@ -90,8 +90,8 @@ class Example:
         return self._randn(shape, self.stat_dtype, scale)
 
     def gamma(self, n: int) -> Tensor:
-        """An RMSNorm weight ~ 1 + N(0, 0.01), stat_dtype."""
-        return self._randn((n,), self.stat_dtype, 0.1, 1.0)
+        """An RMSNorm weight ~ 1 + N(0, 0.01) in the compute dtype, as the model passes it (its compute copy)."""
+        return self._randn((n,), self.dtype, 0.1, 1.0)
 
     def rowscale(self) -> Tensor:
         """A row scale r ~ U(0.5, 1.5) per row, stat_dtype."""

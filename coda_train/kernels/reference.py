@@ -73,7 +73,9 @@ def embedding_rmsnorm_partial(tokens: Tensor, emb: Tensor, gamma: Tensor, dtype:
 
 
 @declare(fake=lambda sumsq_partials, dim, eps: _new(sumsq_partials, sumsq_partials.shape[0], stat=True),
-         examples=lambda x: {"": dict(sumsq_partials=x.positive(x.dims.rows, 3, scale=x.dims.dim), dim=x.dims.dim, eps=1e-5)})
+         examples=lambda x: {"": dict(sumsq_partials=x.positive(x.dims.rows, 3, scale=x.dims.dim), dim=x.dims.dim, eps=1e-5),
+                             "many tiles": dict(sumsq_partials=x.positive(x.dims.rows, 300, scale=x.dims.dim / 100),
+                                                dim=x.dims.dim, eps=1e-5)})
 def rstd_from_partials(sumsq_partials: Tensor, dim: int, eps: float) -> Tensor:
     """(F4) r = 1/sqrt(mean(x^2) + eps) from per-tile partial sums of x^2, fp32 (M,)."""
     return torch.rsqrt(_f(sumsq_partials).sum(-1) / dim + eps)
@@ -279,7 +281,8 @@ def cross_entropy_backward_rowscale_stat(logits: Tensor, r: Tensor, targets: Ten
 
 
 @declare(fake=lambda stat_partials, r, dim: r.new_empty(r.shape[0], dtype=torch.promote_types(r.dtype, stat_dtype(stat_partials.dtype))),
-         examples=lambda x: {"": dict(stat_partials=x.stat(x.dims.rows, 3), r=x.rowscale(), dim=x.dims.dim)})
+         examples=lambda x: {"": dict(stat_partials=x.stat(x.dims.rows, 3), r=x.rowscale(), dim=x.dims.dim),
+                             "many tiles": dict(stat_partials=x.stat(x.dims.rows, 300), r=x.rowscale(), dim=x.dims.dim)})
 def rmsnorm_backward_coeff(stat_partials: Tensor, r: Tensor, dim: int) -> Tensor:
     """(B2) c = -(r^2/d) * S: the coefficient of x in the RMSNorm input gradient, fp32 (M,)."""
     return -(r * r / dim) * _f(stat_partials).sum(-1)

@@ -34,13 +34,33 @@ from ._launch import cfg_for, colvec, compiling_only, empty, gemm, need_bf16, ro
 
 tables()  # a bad $CODA_TILE_CONFIGS table fails when the backend loads, before any GPU work
 
-# Plain torch is the right implementation of these on the GPU too (a gather + one elementwise
-# pass, two tiny reductions, an fp32 index_add_; see docs/kernels.md), so the cute backend runs
-# reference.py's functions.
-embedding_rmsnorm_partial = cute_impl("embedding_rmsnorm_partial")(reference.embedding_rmsnorm_partial)
-rstd_from_partials = cute_impl("rstd_from_partials")(reference.rstd_from_partials)
-rmsnorm_backward_coeff = cute_impl("rmsnorm_backward_coeff")(reference.rmsnorm_backward_coeff)
+# Plain torch is the right implementation of this on the GPU too (an fp32 index_add_ in place, once
+# a step; see docs/kernels.md), so the cute backend runs reference.py's function.
 embedding_backward = cute_impl("embedding_backward")(reference.embedding_backward)
+
+
+@cute_impl("embedding_rmsnorm_partial")
+def embedding_rmsnorm_partial(tokens: Tensor, emb: Tensor, gamma: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """(E) gather, round, h and the row's sum of squares in one pass (Triton kernel)."""
+    from ._elementwise import embedding_rmsnorm_partial as impl
+
+    return impl(tokens, emb, gamma, dtype)
+
+
+@cute_impl("rstd_from_partials")
+def rstd_from_partials(sumsq_partials: Tensor, dim: int, eps: float) -> Tensor:
+    """(F4) one launch (Triton kernel): twice per block, so torch's four-kernel chain was launch-bound."""
+    from ._elementwise import rstd_from_partials as impl
+
+    return impl(sumsq_partials, dim, eps)
+
+
+@cute_impl("rmsnorm_backward_coeff")
+def rmsnorm_backward_coeff(stat_partials: Tensor, r: Tensor, dim: int) -> Tensor:
+    """(B2) one launch (Triton kernel), as rstd_from_partials."""
+    from ._elementwise import rmsnorm_backward_coeff as impl
+
+    return impl(stat_partials, r, dim)
 
 
 def need_rope_table(op: str, rope: Tensor, M: int) -> None:

@@ -81,8 +81,10 @@ def colvec(v: Tensor) -> Tensor:
 
 
 def rowvec(v: Tensor) -> Tensor:
-    """A per-column vector (gamma) as the (1, N) fp32 row-broadcast operand."""
-    return v.detach().reshape(1, -1).to(torch.float32).contiguous()
+    """A per-column vector (gamma) as the (1, N) row-broadcast operand, bf16 or fp32 as given: the
+    epilogue widens it on load, so the model's bf16 compute copy costs no cast launch per call."""
+    v = v.detach().reshape(1, -1)
+    return (v if v.dtype in (torch.bfloat16, torch.float32) else v.to(torch.float32)).contiguous()
 
 
 def sink_cols(M: int, N: int, cfg: Cfg, device) -> Tensor:
