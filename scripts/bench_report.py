@@ -55,6 +55,11 @@ def load(paths: list[Path]) -> list[dict]:
             "coda_ms": src["variants"]["coda"]["fwd_bwd"]["median_ms"],
             "coda_graphs_ms": src["variants"].get("coda-graphs", {}).get("fwd_bwd", {}).get("median_ms")}
         main["peer_runs"] = [r for r in runs if r is not main and _best_coda(r)[0] and any(n in r["variants"] for n in PEERS)]
+        # coda-only runs after the main one (e.g. a memory check of later code): their peaks supersede its coda peaks
+        main["memory_runs"] = sorted((r for r in runs if r is not main and set(r["variants"]) <= {"coda", "coda-graphs"}
+                                      and r["environment"]["date"] > main["environment"]["date"]
+                                      and r.get("memory_accounting") == "own"),
+                                     key=lambda r: r["environment"]["date"])
         results.append(main)
     return sorted(results, key=lambda r: SHAPE_ORDER.index(r["shape"]) if r["shape"] in SHAPE_ORDER else 99)
 
@@ -148,6 +153,11 @@ def shape_table(r: dict) -> list[str]:
                          f"(coda / {p['name']} {p['coda_ms'] / p['ms']:.2f}; peak above weights "
                          f"{'-' if p['mem'] is None else format(p['mem'], '.1f')} GiB): `{run['command']}`, {env['date']}"
                          f"{_code(env)}, SM clock {(run['variants'][p['name']].get('clocks') or {}).get('sm_mhz_mean', float('nan')):.0f} MHz.")
+    for run in r.get("memory_runs", []):
+        peaks = ", ".join(f"{n} {row['peak_above_weights_gib']:.1f}" for n, row in run["variants"].items()
+                          if row.get("peak_above_weights_gib") is not None)
+        lines += ["", f"Peak memory above the weights measured again after this run (`{run['command']}`, "
+                  f"{run['environment']['date']}{_code(run['environment'])}): {peaks} GiB; the summary's coda peak is this one."]
     floor = r["variants"].get("floor")
     if floor:
         lines += ["", f"Floor: GEMMs {floor['gemm_ms']:.2f} ms (each at the faster of cuBLAS and quack: "
@@ -247,10 +257,13 @@ def summary_table(results: list[dict]) -> list[str]:
         mem = [p["mem"] for p in peers if p["mem"] is not None]
         cell = lambda x, f=".2f": "-" if x is None else format(x, f)  # noqa: E731
         label = "-" if best is None else best["name"] + (" (separate run)" if best["separate"] else "")
+        peak = v.get(name, {}).get("peak_above_weights_gib")
+        for run in r.get("memory_runs", []):  # newest last: a later measurement of the same variant wins
+            peak = run["variants"].get(name, {}).get("peak_above_weights_gib", peak)
         lines.append(f"| {r['shape']} | {name} | {cell(coda)} | {label} | {cell(best and best['ms'])} | "
                      f"{cell(best['coda_ms'] / best['ms'] if best else None)} | {cell(floor)} | "
                      f"{cell(coda / floor if coda and floor else None)} | {cell(b2b)} | {cell(coda / b2b if coda and b2b else None)} | "
-                     f"{cell(v.get(name, {}).get('peak_above_weights_gib'), '.1f')} | {cell(min(mem) if mem else None, '.1f')} |")
+                     f"{cell(peak, '.1f')} | {cell(min(mem) if mem else None, '.1f')} |")
     return lines
 
 

@@ -170,3 +170,25 @@ def test_sources_hash_leads_back_to_the_first_commit_with_those_sources(tmp_path
     assert commit_of_sources(dirty["sources_sha256"], tmp_path) is None  # not committed yet
     git("commit", "-qam", "three")
     assert commit_of_sources(dirty["sources_sha256"], tmp_path) == git("rev-parse", "HEAD")
+
+
+def test_a_later_coda_only_run_supersedes_the_coda_peak(tmp_path):
+    main, later, earlier = _result("125m"), _result("125m"), _result("125m")
+    for r, date, mem in ((later, "2026-12-01 05:00 UTC", 2.5), (earlier, "2026-11-29 05:00 UTC", 9.0)):
+        r["variants"] = {"coda": dict(r["variants"]["coda"], peak_above_weights_gib=mem)}
+        r["environment"] = dict(r["environment"], date=date)
+        r["command"] = "scripts/bench.py --shape 125m --variants coda --tag=-memory"
+        r["memory_accounting"] = "own"
+    paths = []
+    for i, r in enumerate((main, later, earlier)):
+        paths.append(tmp_path / f"bench_125m-{i}.json")
+        paths[-1].write_text(json.dumps(r))
+    md = tmp_path / "b.md"
+    subprocess.run([sys.executable, str(ROOT / "scripts/bench_report.py"), *map(str, paths), "--md", str(md),
+                    "--png", str(tmp_path / "b.png")], check=True, cwd=tmp_path)
+    text = md.read_text()
+    # the newer coda-only run's 2.5 GiB replaces the main run's 3.0; the older one is ignored
+    assert "| 125m | coda | 40.00 | compile | 31.00 | 1.29 | 25.00 | 1.60 | - | - | 2.5 | 4.0 |" in text
+    assert "measured again after this run (`scripts/bench.py --shape 125m --variants coda --tag=-memory`, " \
+           "2026-12-01 05:00 UTC): coda 2.5 GiB" in text
+    assert "9.0" not in text.split("## Per shape")[0]
