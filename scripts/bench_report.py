@@ -188,12 +188,17 @@ def shape_table(r: dict) -> list[str]:
     return lines + [""]
 
 
+def idle_ms(timeline: dict) -> float:
+    """GPU idle per step of one profiled pass: its first-to-last-kernel window less the kernels' union."""
+    return timeline["gpu_window_ms_per_step"] - timeline["busy_ms_per_step"]
+
+
 def graph_idle(g) -> str:
     """The profile's CUDA-graph pass (recorded since 2026-12-01): the idle time no host is behind."""
     if not g or not g["launches_per_step"]:
         return ""
     return (f"; replayed as a CUDA graph, {g['launches_per_step']:.0f} launches, {g['kernel_ms_per_step']:.2f} ms of kernels "
-            f"and {g['gpu_window_ms_per_step'] - g['busy_ms_per_step']:.2f} ms idle between them")
+            f"and {idle_ms(g):.2f} ms idle between them")
 
 
 # The floor's work inside each coda op: GEMMs of bench.py's step_gemms (names) and attention passes.
@@ -229,9 +234,9 @@ def gap_table(r: dict) -> list[str]:
     # against the CUDA-graph step where the profile replayed one (no host in the way), else the eager step
     g, name, ms = prof.get("graph"), "coda", prof["coda_ms"]
     if g and g["launches_per_step"] and prof.get("coda_graphs_ms"):
-        idle, name, ms = g["gpu_window_ms_per_step"] - g["busy_ms_per_step"], "coda-graphs", prof["coda_graphs_ms"]
+        idle, name, ms = idle_ms(g), "coda-graphs", prof["coda_graphs_ms"]
     else:
-        idle = prof["gpu_window_ms_per_step"] - prof["busy_ms_per_step"]
+        idle = idle_ms(prof)
     lines.append(f"| GPU idle between kernels ({name}) | - | - | {idle:+.2f} |")
     lines.append(f"| **total** | | | **{total_excess + idle:+.2f}** ({name} {ms:.2f} − floor "
                  f"{floor['fwd_bwd']['median_ms']:.2f} = {ms - floor['fwd_bwd']['median_ms']:+.2f}) |")
