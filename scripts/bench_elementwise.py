@@ -1,13 +1,13 @@
-"""Sweep the launch shapes of the cute backend's two Triton passes (coda_train/kernels/cute/
+"""Sweep the launch shapes of the cute backend's activation-sized Triton pass (coda_train/kernels/cute/
 _elementwise.py) at the model widths on one Hopper GPU, against the device's copy bandwidth.
 
   rope_backward_rowscale_stat          (B6a) reads g_qkv and qkv, writes g_y: 3 x M x qkv_dim bf16
-  cross_entropy_backward_rowscale_stat (H')  reads the logits of one chunk and writes r*g_y over them
+  (the cross-entropy pass it also swept until 2026-12-01 is gone: H' works on per-row numbers now)
 
 Each pass is timed (median of triton.testing.do_bench) for every candidate launch shape; GB/s counts
 the bytes above once, and "/ copy" divides by a device-to-device copy that moves as many bytes
 (half read, half written; torch's copy_, timed the same way), the practical ceiling of a pass that streams its data once. The shipped
-shape (ROPE_LAUNCH / CE_LAUNCH) is marked; --baseline REV also times the kernel module of git
+shape (ROPE_LAUNCH) is marked; --baseline REV also times the kernel module of git
 revision REV at its own shipped shape. Prints a table and writes bench_elementwise.json / .md under
 --out (default $OUT).
 
@@ -32,10 +32,7 @@ from coda_train.kernels.cute import _elementwise as EW
 from coda_train.model.config import PRESETS
 
 ROWS = {"llama3_1b": 16384, "llama3_8b": 8192}  # the bench shapes' token rows (4 x 4096, 2 x 4096)
-CE_ROWS = 4096  # one LM-head chunk at V = 128256 in bf16 (coda.logits_chunk_rows)
 ROPE_CANDIDATES = [dict(num_warps=w) for w in (4, 8, 16)]
-CE_CANDIDATES = [dict(BLOCK=b, num_warps=w) for b, w in [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16),
-                                                         (16384, 16)]]
 
 
 def baseline_module(rev: str):
@@ -72,16 +69,6 @@ def rope_inputs(preset: str):
     return (g, y, r, rope, (cfg.n_heads + cfg.n_kv_heads) * hd), 3 * g.numel() * 2, f"{M} x {N}"
 
 
-def ce_inputs(preset: str):
-    V = PRESETS[preset].vocab_size
-    logits = (torch.randn(CE_ROWS, V, device="cuda") * 2).bfloat16()
-    lse = torch.logsumexp(logits.float(), dim=1)
-    r = torch.rand(CE_ROWS, device="cuda") + 0.5
-    targets = torch.randint(0, V, (CE_ROWS,), device="cuda")
-    scale = torch.tensor(1.0 / CE_ROWS, device="cuda")
-    return (logits, r, targets, lse, scale), 2 * logits.numel() * 2, f"{CE_ROWS} x {V}"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", default="llama3_1b,llama3_8b")
@@ -89,8 +76,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     base = baseline_module(args.baseline) if args.baseline else None
-    passes = [("rope_backward_rowscale_stat", "ROPE_LAUNCH", ROPE_CANDIDATES, rope_inputs),
-              ("cross_entropy_backward_rowscale_stat", "CE_LAUNCH", CE_CANDIDATES, ce_inputs)]
+    passes = [("rope_backward_rowscale_stat", "ROPE_LAUNCH", ROPE_CANDIDATES, rope_inputs)]
     rows = []
     for preset in args.presets.split(","):
         for op, knob, candidates, make in passes:

@@ -207,11 +207,12 @@ def graph_idle(g) -> str:
 FLOOR_PARTS = {
     "gemm_rowscale_rope": ["qkv fwd"], "attention": ["attention fwd"],
     "gemm_residual_rmsnorm_partial": ["o fwd", "down fwd"], "gemm_rowscale_swiglu": ["gate_up fwd"],
-    "gemm_rowscale_logits_cross_entropy": ["lm_head fwd"], "cross_entropy_backward_rowscale_stat": [],
-    "matmul_tn_add": [],  # the LM-head wgrad of every chunk of rows but the first: with matmul_tn's, one floor GEMM
+    "gemm_rowscale_exp_cross_entropy": ["lm_head fwd"], "cross_entropy_exp_backward": [],
+    "gemm_exp_rmsnorm_backward": ["lm_head dgrad"],
+    "matmul_tn_exp": ["lm_head wgrad"], "matmul_tn_exp_add": [],  # with matmul_tn_exp's chunk, one floor GEMM
     "gemm_dswiglu_rowscale_stat": ["down dgrad"], "matmul": ["o dgrad"], "attention_backward": ["attention bwd"],
-    "gemm_rmsnorm_backward": ["gate_up dgrad", "qkv dgrad", "lm_head dgrad"],
-    "matmul_tn": ["qkv wgrad", "o wgrad", "gate_up wgrad", "down wgrad", "lm_head wgrad"],
+    "gemm_rmsnorm_backward": ["gate_up dgrad", "qkv dgrad"],
+    "matmul_tn": ["qkv wgrad", "o wgrad", "gate_up wgrad", "down wgrad"],
 }
 
 

@@ -18,7 +18,7 @@ first() {
     | grep -v -i warn | tail -n 20 > "$OUT/ablation.log"; }
 second() {
   CUDA_VISIBLE_DEVICES=$SECOND timeout 100 python3 scripts/check_kernels.py --models "" \
-    --ops matmul_tn_add,matmul_tn,cross_entropy_backward_rowscale_stat,gemm_rowscale_logits_cross_entropy,embedding_rmsnorm_partial \
+    --ops matmul_tn_exp_add,matmul_tn_exp,cross_entropy_exp_backward,gemm_rowscale_exp_cross_entropy,embedding_rmsnorm_partial \
     --out /tmp/clocks_check > "$OUT/check_kernels.log" 2>&1
   for shape in 8b-slice 125m; do
     CUDA_VISIBLE_DEVICES=$SECOND timeout 110 python3 scripts/memory_profile.py --shape $shape --variants coda \

@@ -15,7 +15,7 @@ tests() { CUDA_VISIBLE_DEVICES=0 timeout ${TEST_TIMEOUT:-180} python3 -m pytest 
             tests/test_cuda_graphs.py -k "$K" -p no:cacheprovider -p no:warnings --tb=short 2>&1 | tail -n 40 > "$OUT/gpu_tests.log"; }
 memory() {
   CUDA_VISIBLE_DEVICES=$SECOND timeout 100 python3 scripts/check_kernels.py --models "" \
-    --ops ${CHECK_OPS:-matmul_tn_add,matmul_tn,cross_entropy_backward_rowscale_stat,gemm_rowscale_logits_cross_entropy} \
+    --ops ${CHECK_OPS:-matmul_tn_exp_add,matmul_tn_exp,cross_entropy_exp_backward,gemm_rowscale_exp_cross_entropy} \
     --out /tmp/memory_check > "$OUT/check_kernels.log" 2>&1
   for shape in 8b-slice 125m; do
     CUDA_VISIBLE_DEVICES=$SECOND timeout 110 python3 scripts/memory_profile.py --shape $shape --variants coda \

@@ -93,12 +93,16 @@ def model_gemms(d: Dims) -> list[tuple[str, tuple[int, int, int], Callable[[Exam
             return lambda x: dict(a=x.act(M, k), w=x.weight(D, k), residual=x.act(M, D), gamma=x.gamma(D))
         if op == "gemm_rowscale_swiglu":
             return lambda x: dict(h=x.act(M, D), r=x.rowscale(), w_gate_up=x.weight(2 * F, D))
-        if op == "gemm_rowscale_logits_cross_entropy":
+        if op == "gemm_rowscale_exp_cross_entropy":
             return lambda x: dict(h=x.act(C, D), r=x.rowscale()[:C], w_lm=x.weight(V, D, scale=4.0), targets=x.tokens()[:C])
-        if op == "gemm_rmsnorm_backward":  # the LM head's (no residual, C rows) or a block's
-            return rms_bwd(V, C, residual=False) if k == V and m == C and n == D else rms_bwd(k, M, residual=True)
-        if op == "matmul_tn_add":
-            return lambda x: dict(acc=x.stat(V, D), a=x.act(C, V), b=x.act(C, D))
+        if op == "gemm_rmsnorm_backward":
+            return rms_bwd(k, M, residual=True)
+        if op == "gemm_exp_rmsnorm_backward":  # random e and strip: timing and config agreement only
+            return lambda x: dict(e=x.act(C, V), strip=x.act(V // 64, C), v=x.rowscale()[:C], w=x.weight(V, D),
+                                  x=x.act(C, D), gamma=x.gamma(D), c=x.stat(C, scale=0.01))
+        if op in ("matmul_tn_exp", "matmul_tn_exp_add"):
+            acc = (lambda x: dict(acc=x.stat(V, D))) if op == "matmul_tn_exp_add" else (lambda x: {})
+            return lambda x: dict(acc(x), e=x.act(C, V), strip=x.act(V // 64, C), hs=x.act(C, D))
         if op == "gemm_dswiglu_rowscale_stat":
             return lambda x: dict(g_out=x.act(M, D), w_down=x.weight(D, F), gu=x.act(M, 2 * F), r=x.rowscale())
         if op == "matmul":

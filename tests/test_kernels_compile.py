@@ -121,8 +121,10 @@ with compile_only():
         (lambda: C.gemm_rowscale_rope(e(64, 64), e(64), e(96, 64), e(10, 16, dt=f32), 64), "RoPE table must be (M=64"),
         (lambda: C.gemm_rowscale_rope(e(60, 64), e(60), e(96, 64), e(60, 16, dt=f32), 40), "multiple of head_dim"),
         (lambda: C.gemm_rowscale(e(64, 64), e(64), e(100, 64)), "N=100 must be a positive multiple of 8"),
-        (lambda: C.matmul_tn_add(e(64, 32), e(16, 64), e(16, 32)), "acc (updated in place) must be a contiguous float32"),
-        (lambda: C.matmul_tn_add(e(32, 64, dt=f32).t(), e(16, 64), e(16, 32)), "got (64, 32) torch.float32 non-contiguous"),
+        (lambda: C.matmul_tn_exp_add(e(128, 32), e(16, 128), e(2, 16), e(16, 32)), "acc (updated in place) must be a contiguous float32"),
+        (lambda: C.matmul_tn_exp_add(e(32, 128, dt=f32).t(), e(16, 128), e(2, 16), e(16, 32)), "got (128, 32) torch.float32 non-contiguous"),
+        (lambda: C.gemm_rowscale_exp_cross_entropy(e(64, 64), e(64), e(200, 64), e(64, dt=torch.long)), "multiple of 128"),
+        (lambda: C.matmul_tn_exp(e(16, 128), e(16, 2), e(16, 32)), "strip must be (V/64, M) = (2, 16)"),
     ]:
         try:
             call()

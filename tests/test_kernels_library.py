@@ -15,6 +15,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from coda_train.kernels import OPS, Dims, Example
 from coda_train.kernels import library as L
+from coda_train.kernels import reference as R
 
 # An odd row count M = B*T (3 sequences of 5 tokens); V and ffn_dim over one 128-column stat tile,
 # so the LM-head GEMMs and the dSwiGLU partials span several stat tiles.
@@ -53,7 +54,7 @@ def test_every_declared_op_is_a_custom_op_with_fake_and_examples():
         assert hasattr(torch.ops.coda, name), name
         assert op.reference.__name__ == name and callable(op.fake), name
         assert op.examples(Example(SMALL, torch.float64, "cpu", torch.Generator().manual_seed(0))), name
-    assert {"gemm_rmsnorm_backward(no residual)", "gemm_residual_rmsnorm_partial(wide)"} <= set(CASE_NAMES)
+    assert {"cross_entropy_exp_backward(far target)", "gemm_residual_rmsnorm_partial(wide)"} <= set(CASE_NAMES)
 
 
 @pytest.mark.parametrize("dt", [torch.float32, torch.float64], ids=str)
@@ -98,8 +99,8 @@ def written_args(name: str) -> set:
 def test_ops_write_exactly_their_declared_mutated_inputs():
     """The in-place contract: the schema marks the declared inputs as written; a call updates them
     (to the reference's values) and leaves every other input as it was."""
-    assert {n: op.mutates for n, op in OPS.items() if op.mutates} == {"matmul_tn_add": ("acc",),
-                                                                      "cross_entropy_backward_rowscale_stat": ("logits",),
+    assert {n: op.mutates for n, op in OPS.items() if op.mutates} == {"cross_entropy_exp_backward": ("e",),
+                                                                      "matmul_tn_exp_add": ("acc",),
                                                                       "embedding_backward": ("acc",)}
     for op, case, kw in cases(torch.float64):
         assert written_args(op.name) == set(op.mutates), case
@@ -115,20 +116,22 @@ def test_ops_write_exactly_their_declared_mutated_inputs():
                 assert torch.equal(kw[k], v), f"{case}: {k} changed"
 
 
-def test_matmul_tn_add_accumulates_in_place():
-    op, kw = case_of("matmul_tn_add", torch.float32)
-    acc, a, b = kw["acc"], kw["a"], kw["b"]
-    want, ptr = acc + a.t() @ b, acc.data_ptr()
-    assert L.CUSTOM_OPS["matmul_tn_add"](acc, a, b) is None and op.reference(acc, a, b) is None
+def test_matmul_tn_exp_add_accumulates_in_place():
+    op, kw = case_of("matmul_tn_exp_add", torch.float32)
+    acc, e, strip, hs = kw["acc"], kw["e"], kw["strip"], kw["hs"]
+    product = R.matmul_tn_exp(e, strip, hs)
+    want, ptr = acc + product, acc.data_ptr()
+    assert L.CUSTOM_OPS["matmul_tn_exp_add"](acc, e, strip, hs) is None and op.reference(acc, e, strip, hs) is None
     assert acc.data_ptr() == ptr
-    torch.testing.assert_close(acc, want + a.t() @ b)  # two calls: two contributions in one buffer
+    torch.testing.assert_close(acc, want + product)  # two calls: two contributions in one buffer
 
 
 def test_torch_compile_keeps_the_in_place_update_of_a_graph_input():
     torch._dynamo.reset()
-    _, kw = case_of("matmul_tn_add", torch.float32)
-    want = kw["acc"] + kw["a"].t() @ kw["b"]
-    compiled = torch.compile(lambda acc, a, b: torch.ops.coda.matmul_tn_add(acc, a, b), fullgraph=True, backend="aot_eager")
+    _, kw = case_of("matmul_tn_exp_add", torch.float32)
+    want = kw["acc"] + R.matmul_tn_exp(kw["e"], kw["strip"], kw["hs"])
+    compiled = torch.compile(lambda acc, e, strip, hs: torch.ops.coda.matmul_tn_exp_add(acc, e, strip, hs), fullgraph=True,
+                             backend="aot_eager")
     compiled(**kw)
     torch.testing.assert_close(kw["acc"], want)
 
@@ -138,15 +141,34 @@ def test_check_harness_compares_the_mutated_inputs():
     input, which is compared as an output, so an implementation that does not write it fails."""
     from coda_train.kernels.testing import check_case
 
-    op, kw = case_of("matmul_tn_add", torch.float32)
+    op, kw = case_of("matmul_tn_exp_add", torch.float32)
     acc = kw["acc"].clone()
-    assert [r["ok"] for r in check_case(op, "matmul_tn_add", kw, op.reference)] == [True]
-    assert [r["ok"] for r in check_case(op, "matmul_tn_add", kw, lambda acc, a, b: None)] == [False]
+    assert [r["ok"] for r in check_case(op, "matmul_tn_exp_add", kw, op.reference)] == [True]
+    assert [r["ok"] for r in check_case(op, "matmul_tn_exp_add", kw, lambda acc, e, strip, hs: None)] == [False]
     assert torch.equal(kw["acc"], acc)
-    op, kw = case_of("cross_entropy_backward_rowscale_stat", torch.float32)
-    assert [r["ok"] for r in check_case(op, op.name, kw, op.reference)] == [True, True]  # S, then r*g_y
-    stat_only = lambda logits, **rest: op.reference(logits.clone(), **rest)  # noqa: E731  (the logits stay)
-    assert [r["ok"] for r in check_case(op, op.name, kw, stat_only)] == [True, False]
+    op, kw = case_of("cross_entropy_exp_backward", torch.float32)
+    assert [r["ok"] for r in check_case(op, op.name, kw, op.reference)] == [True] * 6  # loss .. S, then e
+    e_unchanged = lambda e, **rest: op.reference(e.clone(), **rest)  # noqa: E731  (the target columns stay)
+    assert [r["ok"] for r in check_case(op, op.name, kw, e_unchanged)] == [True] * 5 + [False]
+
+
+def test_check_harness_compares_canonical_outputs():
+    """H's exponentials are compared as exp(y) = e 2^k: another choice of offsets passes, a wrong
+    value does not."""
+    from coda_train.kernels.testing import check_case
+
+    op, kw = case_of("gemm_rowscale_exp_cross_entropy", torch.float32)
+
+    def shifted(**kw):  # every offset one higher, e halved: the same exponentials
+        e, k, se, sey, yt = op.reference(**kw)
+        return (e / 2, k + 1, se / 2, sey / 2, yt)
+
+    def wrong(**kw):
+        e, k, se, sey, yt = op.reference(**kw)
+        return (e, k + 1, se, sey, yt)
+
+    assert [r["ok"] for r in check_case(op, op.name, kw, shifted)] == [True] * 4
+    assert [r["ok"] for r in check_case(op, op.name, kw, wrong)] == [False, False, False, True]
 
 
 def test_partial_widths_follow_the_stat_tile():
@@ -155,7 +177,7 @@ def test_partial_widths_follow_the_stat_tile():
     assert widths["gemm_residual_rmsnorm_partial"] == {2: 1}
     assert widths["gemm_residual_rmsnorm_partial(wide)"] == {2: 2}  # N = V = 200
     assert widths["gemm_dswiglu_rowscale_stat"] == {2: 2}  # ffn_dim = 200
-    assert widths["cross_entropy_backward_rowscale_stat"] == {0: 1}  # the returned S (g_y is written over the logits)
+    assert widths["cross_entropy_exp_backward"] == {4: 1}  # the final norm's S
     assert widths["embedding_rmsnorm_partial"] == {2: 1} and widths["rope_backward_rowscale_stat"] == {1: 1}
 
 
@@ -176,14 +198,14 @@ def block_and_loss(tokens, emb, norm, w_qkv, rope, w_o, w_gate_up, w_down, w_lm,
     lse, target_logit = coda.gemm_rowscale_cross_entropy(h2, r2, w_lm, targets)
     loss = (lse - target_logit).mean()
     logits = coda.gemm_rowscale(h2, r2, w_lm)
-    stored, lse_t, target_t = coda.gemm_rowscale_logits_cross_entropy(h2, r2, w_lm, targets)
-    stat = coda.cross_entropy_backward_rowscale_stat(stored, r2, targets, lse_t, loss.new_full((), 1.0 / tokens.shape[0]))
-    g_logits = stored  # r * g_y, written over the logits
+    e, k, sum_exp, sum_exp_y, target_logit = coda.gemm_rowscale_exp_cross_entropy(h2, r2, w_lm, targets)
+    loss_t, strip, v, hs, stat = coda.cross_entropy_exp_backward(e, k, sum_exp, sum_exp_y, target_logit, targets, r2, h2,
+                                                                 loss.new_full((), 1.0 / tokens.shape[0]))
     c = coda.rmsnorm_backward_coeff(stat, r2, d)
-    g_x2, g_norm = coda.gemm_rmsnorm_backward(g_logits, w_lm, None, x2, norm, c)
-    g_w = coda.matmul_tn(g_logits[:8], h2[:8])
-    coda.matmul_tn_add(g_w, g_logits[8:], h2[8:])
-    return loss, (lse_t - target_t).mean(), logits, g_x2, g_norm, g_w
+    g_x2, g_norm = coda.gemm_exp_rmsnorm_backward(e, strip, v, w_lm, x2, norm, c)
+    g_w = coda.matmul_tn_exp(e[:8], strip[:, :8], hs[:8])
+    coda.matmul_tn_exp_add(g_w, e[8:], strip[:, 8:], hs[8:])
+    return loss, loss_t.mean(), logits, g_x2, g_norm, g_w
 
 
 def chain_inputs(dt=torch.float32):
@@ -210,8 +232,8 @@ def test_make_fx_traces_the_ops_as_opaque_nodes():
     assert coda == {f"coda.{n}.default" for n in (
         "embedding_rmsnorm_partial", "rstd_from_partials", "gemm_rowscale_rope", "attention",
         "gemm_residual_rmsnorm_partial", "gemm_rowscale_swiglu", "gemm_rowscale_cross_entropy", "gemm_rowscale",
-        "gemm_rowscale_logits_cross_entropy", "cross_entropy_backward_rowscale_stat", "rmsnorm_backward_coeff",
-        "gemm_rmsnorm_backward", "matmul_tn", "matmul_tn_add")}
+        "gemm_rowscale_exp_cross_entropy", "cross_entropy_exp_backward", "rmsnorm_backward_coeff",
+        "gemm_exp_rmsnorm_backward", "matmul_tn_exp", "matmul_tn_exp_add")}
     # nothing of the ops' insides (matmuls, logsumexp, ...) leaks into the graph
     assert not any(t.startswith("aten.mm") or "logsumexp" in t for t in targets), sorted(targets)
 

@@ -81,16 +81,16 @@ def test_lm_head_in_chunks_matches_eager_float64(chunk_rows, monkeypatch):
     assert coda_module.logits_chunk_rows(cfg.vocab_size, 8) == chunk_rows
     eager, coda = make_pair(cfg, torch.float64)
     logits_rows, chunks, most_alive = [], [], [0]
-    head_op = coda.ops.gemm_rowscale_logits_cross_entropy
+    head_op = coda.ops.gemm_rowscale_exp_cross_entropy
 
-    def head(h, *a):  # records each chunk's logits (weakly) and how many of them are alive when it starts
+    def head(h, *a):  # records each chunk's exponentials (weakly) and how many of them are alive when it starts
         logits_rows.append(h.shape[0])
         most_alive[0] = max(most_alive[0], sum(c() is not None for c in chunks))
         out = head_op(h, *a)
         chunks.append(weakref.ref(out[0]))
         return out
 
-    coda.ops.gemm_rowscale_logits_cross_entropy = head
+    coda.ops.gemm_rowscale_exp_cross_entropy = head
     g = torch.Generator().manual_seed(1)
     tokens, targets = (torch.randint(0, cfg.vocab_size, (3, 7), generator=g) for _ in range(2))
     grads, saved = {}, []
@@ -102,7 +102,7 @@ def test_lm_head_in_chunks_matches_eager_float64(chunk_rows, monkeypatch):
         grads[name] = loss.detach(), {n: p.grad for n, p in model.named_parameters()}
     assert logits_rows == ([4, 4, 4, 4, 4, 1] if chunk_rows == 4 else [21])
     assert most_alive[0] == 0  # each chunk's logits are gone before the next chunk's exist
-    # CODA holds one chunk of logit gradients until backward, the last (its weight-gradient GEMM runs there),
+    # CODA holds one chunk of logit exponentials until backward, the last (its weight-gradient GEMM runs there),
     # never the whole (21, V) logits unless that is one chunk (eager holds them); the LM head holds its gradients
     coda_logit_rows = [shape[0] for n, shape in saved if n == "coda" and shape[1:] == (cfg.vocab_size,)]
     assert coda_logit_rows == ([1] if chunk_rows == 4 else [21]) and ("eager", (21, cfg.vocab_size)) in saved
@@ -222,8 +222,8 @@ def test_lm_head_backward_is_exact_when_retained_and_scales_in_place_when_freed(
         mp.setattr(coda_module, "LOGITS_CHUNK_BYTES", 4 * V * 8)  # chunks of 4 rows: 4 + 3
         loss = LMHeadLoss.apply(x, (x * norm).detach(), r, norm, w, norm.detach(), w.detach(),
                                 torch.randint(0, V, (M,), generator=g), K.op_set("reference"))
-    saved = [t.clone() for t in loss.grad_fn.saved_tensors]  # g_x, g_norm, first chunk's g_w, g_y, h of the last
-    assert saved[3].shape == (3, V) and saved[4].shape == (3, d)
+    saved = [t.clone() for t in loss.grad_fn.saved_tensors]  # g_x, g_norm, first chunk's g_w, e, strip, hs of the last
+    assert saved[3].shape == (3, V) and saved[4].shape == (1, 3) and saved[5].shape == (3, d)
     unit = torch.autograd.grad(loss, (x, norm, w), retain_graph=True)
     for scale in (2.5, 0.0, -1.25):
         got = torch.autograd.grad(loss, (x, norm, w), torch.tensor(scale, dtype=torch.float64), retain_graph=True)
@@ -284,7 +284,7 @@ def test_dswiglu_and_norm_backward_match_autograd():
     gu_d, r_d = gu.detach(), r.detach()
     g_gu, a, stat = R.gemm_dswiglu_rowscale_stat(g_out, w_down.detach(), gu_d, r_d)
     c = R.rmsnorm_backward_coeff(stat, r_d, d)
-    g_x, g_gamma = R.gemm_rmsnorm_backward(g_gu, w_gu.detach(), None, x.detach(), gamma.detach(), c)
+    g_x, g_gamma = R.gemm_rmsnorm_backward(g_gu, w_gu.detach(), torch.zeros_like(x), x.detach(), gamma.detach(), c)
     assert rel(g_x, ex[0]) < 1e-12 and rel(g_gamma, ex[1]) < 1e-12
     assert rel(R.matmul_tn(g_gu, (x * gamma).detach()), ex[2]) < 1e-12
     assert rel(R.matmul_tn(g_out, a), ex[3]) < 1e-12
@@ -360,14 +360,14 @@ def test_each_model_holds_its_own_op_set_and_kernels_hold_no_backend_state():
     loss_b = b(tokens, tokens)
     assert not calls
     loss_a = a(tokens, tokens)
-    assert "gemm_rowscale_rope" in calls and "gemm_rowscale_logits_cross_entropy" in calls
+    assert "gemm_rowscale_rope" in calls and "gemm_rowscale_exp_cross_entropy" in calls
     assert "gemm_rowscale_cross_entropy" not in calls  # training: the loss and its gradient (H, H', H'')
     assert abs(loss_a.item() - loss_b.item()) < 1e-5
     calls.clear()
     with torch.no_grad():  # evaluation: lse and target logit only, no logits stored, no gradient work
         assert abs(a(tokens, tokens).item() - loss_a.item()) < 1e-12
-    assert "gemm_rowscale_cross_entropy" in calls and "gemm_rowscale_logits_cross_entropy" not in calls
-    assert "cross_entropy_backward_rowscale_stat" not in calls and "matmul_tn" not in calls
+    assert "gemm_rowscale_cross_entropy" in calls and "gemm_rowscale_exp_cross_entropy" not in calls
+    assert "cross_entropy_exp_backward" not in calls and "matmul_tn" not in calls
 
 
 def test_compute_dtype_is_fixed_at_construction():

@@ -38,6 +38,13 @@ def need_attention_heads(op: str, hd: int, n_heads: int, n_kv_heads: int) -> Non
     need(hd % 8 == 0 and 0 < hd <= 256, f"{op}: head_dim={hd} must be a multiple of 8 and <= 256 (FA4 sm90)")
 
 
+def need_exp_vocab(op: str, vocab: int) -> None:
+    """The LM head's exponentials: one offset per 128-column N tile, strips per 64 columns."""
+    need(vocab > 0 and vocab % 128 == 0,
+         f"{op}: vocab_size={vocab} must be a positive multiple of 128 (one power-of-two offset per 128-column tile); "
+         "pad the vocabulary (model.vocab_size) to a multiple of 128")
+
+
 EMBEDDING_MAX_DIM = 16384  # the embedding entry's Triton pass holds one row in registers
 
 
@@ -73,6 +80,7 @@ def shape_errors(dim: int, head_dim: int, n_heads: int, n_kv_heads: int, ffn_dim
         "n_kv_heads": _failures(lambda: need_attention_heads("attention", 8, H, G)),
         "ffn_dim": _failures(lambda: need_swiglu_width("gemm_rowscale_swiglu", 2 * ffn_dim),
                              lambda: need_inner("gemm_dswiglu_rowscale_stat", ffn_dim=ffn_dim)),
-        "vocab_size": _failures(lambda: need_inner("gemm_rowscale_cross_entropy", V=vocab_size)),
+        "vocab_size": _failures(lambda: need_inner("gemm_rowscale_cross_entropy", V=vocab_size),
+                                lambda: need_exp_vocab("gemm_rowscale_exp_cross_entropy", vocab_size)),
     }
     return {name: msgs for name, msgs in found.items() if msgs}

@@ -138,7 +138,9 @@ class Op:
     `mutates` names the inputs the op updates in place: they are results too, never returned (a
     custom op's outputs may not alias its inputs), so the op returns only its other outputs
     (None when there are none). `gemm(**kwargs)` gives the (m, n, k) of the fused GEMM, for
-    benchmarks (None: not a GEMM)."""
+    benchmarks (None: not a GEMM). `canonical(*outputs)`, where an op's outputs are one of several
+    exact representations (offsets chosen by rounding), maps them to what every representation
+    agrees on; checks compare that."""
 
     name: str
     reference: Callable
@@ -147,6 +149,7 @@ class Op:
     partials: dict[int, Callable[..., int]] = field(default_factory=dict)
     mutates: tuple[str, ...] = ()
     gemm: Optional[Callable[..., tuple[int, int, int]]] = None
+    canonical: Optional[Callable[..., tuple]] = None
 
     @functools.cached_property
     def signature(self) -> inspect.Signature:
@@ -161,14 +164,14 @@ OPS: dict[str, Op] = {}  # name -> declaration, in declaration order (reference.
 
 
 def declare(*, fake: Callable, examples: Callable, partials: Optional[dict] = None, mutates: tuple[str, ...] = (),
-            gemm: Optional[Callable] = None) -> Callable:
+            gemm: Optional[Callable] = None, canonical: Optional[Callable] = None) -> Callable:
     """Declare the decorated reference function as the CODA op of the same name."""
 
     def add(reference: Callable) -> Callable:
         name = reference.__name__
         assert name not in OPS, f"op {name} declared twice"
         assert set(mutates) <= set(inspect.signature(reference).parameters), f"{name}: mutates {mutates} names no input"
-        OPS[name] = Op(name, reference, fake, examples, dict(partials or {}), tuple(mutates), gemm)
+        OPS[name] = Op(name, reference, fake, examples, dict(partials or {}), tuple(mutates), gemm, canonical)
         return reference
 
     return add

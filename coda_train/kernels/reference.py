@@ -146,17 +146,106 @@ def gemm_rowscale_cross_entropy(h: Tensor, r: Tensor, w_lm: Tensor, targets: Ten
     return torch.logsumexp(logits, dim=-1), logits.gather(1, targets.reshape(-1, 1)).squeeze(1)
 
 
-@declare(fake=lambda h, r, w_lm, targets: (_new(h, h.shape[0], w_lm.shape[0]), _new(h, h.shape[0], stat=True),
-                                           _new(h, h.shape[0], stat=True)),
-         examples=_lm_head_examples,
+LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
+STRIP_COLS = 64  # vocab columns per strip entry: the consumers' 64-wide K tiles (H', H'')
+MAX_OCTAVES = 100  # a target's group offset at most this many octaves below the row's largest (H')
+
+
+def _exp_canonical(e: Tensor, k: Tensor, sum_exp: Tensor, sum_exp_y: Tensor, target_logit: Tensor) -> tuple:
+    """H's outputs without its choice of offsets (k rounds a maximum, so two exact implementations
+    may pick k one apart): exp(y) = e 2^k per column, and per row sum_j exp(y_j), sum_j exp(y_j) y_j."""
+    scale = torch.exp2(k.double())
+    cols = scale.repeat_interleave(STAT_TILE_N, dim=1)[:, :e.shape[1]]
+    return e.double() * cols, (sum_exp.double() * scale).sum(-1), (sum_exp_y.double() * scale).sum(-1), target_logit
+
+
+def _exp_fake(h, r, w_lm, targets):
+    M, V = h.shape[0], w_lm.shape[0]
+    return (_new(h, M, V), *(_new(h, M, n_stat_cols(V), stat=True) for _ in range(3)), _new(h, M, stat=True))
+
+
+@declare(fake=_exp_fake, examples=_lm_head_examples, canonical=_exp_canonical,
          gemm=lambda h, w_lm, **_: _gemm_shape(h, w_lm))
-def gemm_rowscale_logits_cross_entropy(h: Tensor, r: Tensor, w_lm: Tensor,
-                                       targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(H, training) logits = r * (h @ w_lm^T) stored in h.dtype (one chunk of rows at a time), and
-    per row the logsumexp and target logit of the logits as stored, fp32 (M,)."""
-    logits = (_f(h @ w_lm.t()) * r[:, None]).to(h.dtype)
-    y = _f(logits)
-    return logits, torch.logsumexp(y, dim=-1), y.gather(1, targets.reshape(-1, 1)).squeeze(1)
+def gemm_rowscale_exp_cross_entropy(h: Tensor, r: Tensor, w_lm: Tensor,
+                                    targets: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(H, training) logits y = r * (h @ w_lm^T) stored as their exponentials, one chunk of rows at a
+    time: per row and group of STAT_TILE_N columns g, a power-of-two offset k_g = round(max_g y *
+    log2 e) (fp32, integer-valued) and e = 2^(y log2 e - k_g) in h.dtype (|e| <= sqrt 2: no overflow
+    whatever the logits); per group, fp32, sum e and sum e*y (of e before its rounding); and the
+    target logit y_t, fp32 (M,). The logits themselves are never stored (H' needs only these)."""
+    y = _f(h @ w_lm.t()) * r[:, None]
+    M, V = y.shape
+    G = n_stat_cols(V)
+    pad = G * STAT_TILE_N - V
+    groups = F.pad(y, (0, pad), value=float("-inf")).view(M, G, STAT_TILE_N)
+    k = torch.round(groups.amax(-1) * LOG2E)
+    e = torch.exp2(groups * LOG2E - k[..., None])  # 0 in the padding
+    e_y = e * F.pad(y, (0, pad)).view(M, G, STAT_TILE_N)
+    target_logit = y.gather(1, targets.reshape(-1, 1)).squeeze(1)
+    return e.reshape(M, -1)[:, :V].to(h.dtype).contiguous(), k, e.sum(-1), e_y.sum(-1), target_logit
+
+
+def _exp_backward_examples(x: Example) -> dict:
+    """H's outputs of logits of std ~4 (as _lm_head_examples); "far target": every target's group
+    offset more than MAX_OCTAVES octaves below its row's largest (a confidently wrong model)."""
+    d = x.dims
+
+    def case(shift: float) -> dict:
+        h, r, w, targets = (x.act(d.rows, d.dim), x.rowscale(), x.weight(d.vocab_size, d.dim, scale=4.0), x.tokens())
+        M, V, G = d.rows, d.vocab_size, n_stat_cols(d.vocab_size)
+
+        def outputs():
+            e, k, se, sey, yt = gemm_rowscale_exp_cross_entropy(h.double(), r.double(), w.double(), targets)
+            far = torch.arange(G, device=k.device)[None, :] != (targets // STAT_TILE_N)[:, None]
+            # the other groups' logits shifted up by shift octaves: same e and sum e, offsets and sum e*y moved
+            return e, k + far * shift, se, sey + far * (shift * LN2) * se, yt
+        e, k, se, sey, yt = x.computed(outputs, ((M, V), x.dtype), *[((M, G), x.stat_dtype)] * 3, ((M,), x.stat_dtype))
+        return dict(e=e, k=k, sum_exp=se, sum_exp_y=sey, target_logit=yt, targets=targets, r=r, h=h,
+                    grad_scale=torch.tensor(1.0 / M, dtype=x.stat_dtype, device=x.device))
+
+    return {"": case(0.0), "far target": case(float(MAX_OCTAVES + 30))}
+
+
+def _exp_backward_fake(e, k, sum_exp, sum_exp_y, target_logit, targets, r, h, grad_scale):
+    M, V = e.shape
+    return (_new(h, M, stat=True), _new(e, -(-V // STRIP_COLS), M), _new(h, M, stat=True), _new(h, *h.shape),
+            _new(h, M, 1, stat=True))
+
+
+@declare(fake=_exp_backward_fake, examples=_exp_backward_examples, mutates=("e",), partials={4: lambda **_: 1})
+def cross_entropy_exp_backward(e: Tensor, k: Tensor, sum_exp: Tensor, sum_exp_y: Tensor, target_logit: Tensor,
+                               targets: Tensor, r: Tensor, h: Tensor,
+                               grad_scale: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(H') the loss and the logit gradient of one chunk from H's outputs, without a pass over e.
+    Per row: L = ln sum_g sum_exp_g 2^k_g, loss = L - y_t (fp32 (M,)). The gradient r*g_y with
+    g_y = (softmax(y) - onehot(t)) * grad_scale (a 0-dim tensor) stays factored for the consumers'
+    mainloops (H''): r*g_y = v * (strip (x) e), where
+      strip (ceil(V/64), M) in e's dtype = 2^(k_g - k_max) of column block j//64 (exact powers of two),
+      v (M,) fp32 = grad_scale * r * 2^k_max * e^-L,
+      e's target column rewritten in place to (p_t - 1) e^L 2^-k_t (the onehot), its group's offset
+      k_t first raised to k_max - MAX_OCTAVES if lower (the group's other columns, then below
+      2^-MAX_OCTAVES of the row's largest, written as 0), so every factor stays a normal number;
+    hs = v * h in h.dtype (the weight gradient's B operand), and the final RMSNorm's reverse-fusion
+    statistic S = sum_j g_y,j y_j as one partial column."""
+    kf, se, sey, yt = _f(k), _f(sum_exp), _f(sum_exp_y), _f(target_logit)
+    M, V = e.shape
+    rows, t = torch.arange(M, device=e.device), targets.reshape(-1)
+    k_max = kf.amax(-1)
+    L = k_max * LN2 + torch.log((se * torch.exp2(kf - k_max[:, None])).sum(-1))
+    g_t = t // STAT_TILE_N
+    k_t = kf[rows, g_t]
+    k_adj = kf.clone()
+    k_adj[rows, g_t] = torch.maximum(k_t, k_max - MAX_OCTAVES)
+    raised = k_adj[rows, g_t] > k_t
+    cols = torch.arange(V, device=e.device)
+    e[raised[:, None] & ((cols // STAT_TILE_N)[None, :] == g_t[:, None])] = 0
+    e[rows, t] = ((torch.exp(yt - L) - 1) * torch.exp(L - k_adj[rows, g_t] * LN2)).to(e.dtype)
+    strip = torch.exp2(k_adj - k_max[:, None]).repeat_interleave(STAT_TILE_N // STRIP_COLS, dim=1)
+    strip = strip[:, :-(-V // STRIP_COLS)].t().contiguous().to(e.dtype)
+    scale = grad_scale.to(kf.dtype)
+    v = scale * _f(r) * torch.exp(k_max * LN2 - L)
+    stat = scale * ((sey * torch.exp(kf * LN2 - L[:, None])).sum(-1) - yt)
+    return L - yt, strip, v, (v[:, None] * _f(h)).to(h.dtype), stat[:, None]
 
 
 @declare(fake=lambda h, r, w: _new(h, h.shape[0], w.shape[0]),
@@ -253,33 +342,6 @@ def gemm_dswiglu_rowscale_stat(g_out: Tensor, w_down: Tensor, gu: Tensor, r: Ten
     return (g_gu * r[:, None]).to(g_out.dtype), (silu * u).to(g_out.dtype), stat
 
 
-def _ce_backward_examples(x: Example) -> dict:
-    """Logits of std ~4 as the H op stores them, and their float64 logsumexp as H returns it."""
-    d = x.dims
-    logits = x.act(d.rows, d.vocab_size, scale=4.0)
-    (lse,) = x.computed(lambda: (torch.logsumexp(logits.double(), dim=-1),), ((d.rows,), x.stat_dtype))
-    return {"": dict(logits=logits, r=x.rowscale(), targets=x.tokens(), lse=lse,
-                     grad_scale=torch.tensor(1.0 / d.rows, dtype=x.stat_dtype, device=x.device))}
-
-
-@declare(fake=lambda logits, r, targets, lse, grad_scale: _new(logits, logits.shape[0], 1, stat=True),
-         examples=_ce_backward_examples,
-         mutates=("logits",),
-         partials={0: lambda **_: 1})
-def cross_entropy_backward_rowscale_stat(logits: Tensor, r: Tensor, targets: Tensor, lse: Tensor,
-                                         grad_scale: Tensor) -> Tensor:
-    """(H') g_y = (softmax(y) - onehot(targets)) * grad_scale (a 0-dim tensor) of the stored logits y;
-    writes r*g_y over the logits (in place: a chunk's logits and their gradient never coexist) and
-    returns the reverse-fusion statistic S = sum_k g_y*y of the final norm."""
-    y = _f(logits)
-    g_y = torch.exp(y - lse[:, None])
-    g_y[torch.arange(y.shape[0], device=y.device), targets.reshape(-1)] -= 1.0
-    g_y = g_y * grad_scale
-    stat = (g_y * y).sum(-1, keepdim=True)  # before the write: y may be the logits themselves (fp32, fp64)
-    logits.copy_(g_y * r[:, None])
-    return stat
-
-
 @declare(fake=lambda stat_partials, r, dim: r.new_empty(r.shape[0], dtype=torch.promote_types(r.dtype, stat_dtype(stat_partials.dtype))),
          examples=lambda x: {"": dict(stat_partials=x.stat(x.dims.rows, 3), r=x.rowscale(), dim=x.dims.dim),
                              "many tiles": dict(stat_partials=x.stat(x.dims.rows, 300), r=x.rowscale(), dim=x.dims.dim)})
@@ -289,30 +351,60 @@ def rmsnorm_backward_coeff(stat_partials: Tensor, r: Tensor, dim: int) -> Tensor
 
 
 def _rmsnorm_backward_examples(x: Example) -> dict:
-    """The gate/up dgrad with the residual gradient (B3), and the LM-head dgrad without (H'')."""
+    """The gate/up dgrad with the residual gradient (B3)."""
     d = x.dims
-
-    def case(n: int, residual: bool) -> dict:
-        return dict(g_y_scaled=x.act(d.rows, n), w=x.weight(n, d.dim), residual_grad=x.act(d.rows, d.dim) if residual else None,
-                    x=x.act(d.rows, d.dim), gamma=x.gamma(d.dim), c=x.stat(d.rows, scale=0.01))
-
-    return {"": case(2 * d.ffn_dim, True), "no residual": case(d.vocab_size, False)}
+    return {"": dict(g_y_scaled=x.act(d.rows, 2 * d.ffn_dim), w=x.weight(2 * d.ffn_dim, d.dim),
+                     residual_grad=x.act(d.rows, d.dim), x=x.act(d.rows, d.dim), gamma=x.gamma(d.dim),
+                     c=x.stat(d.rows, scale=0.01))}
 
 
 @declare(fake=lambda g_y_scaled, w, residual_grad, x, gamma, c: (_new(x, g_y_scaled.shape[0], w.shape[1]),
                                                                  _new(x, w.shape[1], stat=True)),
          examples=_rmsnorm_backward_examples,
          gemm=lambda g_y_scaled, w, **_: (g_y_scaled.shape[0], w.shape[1], g_y_scaled.shape[1]))
-def gemm_rmsnorm_backward(g_y_scaled: Tensor, w: Tensor, residual_grad: Optional[Tensor], x: Tensor,
+def gemm_rmsnorm_backward(g_y_scaled: Tensor, w: Tensor, residual_grad: Tensor, x: Tensor,
                           gamma: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
-    """(B3, B6b, H'') acc = (r*g_y) @ w is the gradient of h = x*gamma; epilogue finishes the RMSNorm
+    """(B3, B6b) acc = (r*g_y) @ w is the gradient of h = x*gamma; epilogue finishes the RMSNorm
     backward: g_x = residual_grad + gamma*acc + c*x, and g_gamma = sum_rows acc*x, fp32 (d,)."""
     acc = _f(g_y_scaled @ w)
     xf = _f(x)
-    g_x = acc * _f(gamma) + c[:, None] * xf
-    if residual_grad is not None:
-        g_x = g_x + _f(residual_grad)
+    g_x = _f(residual_grad) + acc * _f(gamma) + c[:, None] * xf
     return g_x.to(x.dtype), (acc * xf).sum(0)
+
+
+def _strip_scaled(e: Tensor, strip: Tensor) -> Tensor:
+    """strip (x) e: column j of e times strip[j // STRIP_COLS], exact (powers of two), in e's dtype."""
+    return (_f(e) * _f(strip).t().repeat_interleave(STRIP_COLS, dim=1)[:, :e.shape[1]]).to(e.dtype)
+
+
+def _exp_consumer_examples(x: Example) -> dict:
+    """H' outputs of the examples of H (so strip, v and the rewritten e belong together)."""
+    d = x.dims
+    M, V = d.rows, d.vocab_size
+    kw = _exp_backward_examples(x)[""]
+
+    def outputs():
+        kw64 = {k: v.double() if isinstance(v, Tensor) and v.is_floating_point() else v for k, v in kw.items()}
+        loss, strip, v, hs, stat = cross_entropy_exp_backward(**kw64)
+        return kw64["e"], strip, v, hs
+    e, strip, v, hs = x.computed(outputs, ((M, V), x.dtype), ((-(-V // STRIP_COLS), M), x.dtype), ((M,), x.stat_dtype),
+                                 ((M, d.dim), x.dtype))
+    return dict(e=e, strip=strip, v=v, hs=hs, h=kw["h"])
+
+
+@declare(fake=lambda e, strip, v, w, x, gamma, c: (_new(x, e.shape[0], w.shape[1]), _new(x, w.shape[1], stat=True)),
+         examples=lambda x: {"": dict({k: v for k, v in _exp_consumer_examples(x).items() if k in ("e", "strip", "v")},
+                                      w=x.weight(x.dims.vocab_size, x.dims.dim, scale=4.0), x=x.act(x.dims.rows, x.dims.dim),
+                                      gamma=x.gamma(x.dims.dim), c=x.stat(x.dims.rows, scale=0.01))},
+         gemm=lambda e, w, **_: (e.shape[0], w.shape[1], e.shape[1]))
+def gemm_exp_rmsnorm_backward(e: Tensor, strip: Tensor, v: Tensor, w: Tensor, x: Tensor, gamma: Tensor,
+                              c: Tensor) -> tuple[Tensor, Tensor]:
+    """(H'') the LM head's dgrad from H' outputs: acc = (strip (x) e) @ w (the strip applied to e as
+    the GEMM loads it), g_h = v*acc the gradient of h = x*gamma; epilogue as gemm_rmsnorm_backward
+    without a residual: g_x = gamma*g_h + c*x, g_gamma = sum_rows g_h*x, fp32 (d,)."""
+    g_h = _f(_strip_scaled(e, strip) @ w) * _f(v)[:, None]
+    xf = _f(x)
+    return (g_h * _f(gamma) + c[:, None] * xf).to(x.dtype), (g_h * xf).sum(0)
 
 
 @declare(fake=lambda a, b: _new(a, a.shape[0], b.shape[1]),
@@ -333,20 +425,33 @@ def matmul_tn(a: Tensor, b: Tensor) -> Tensor:
     return _f(a).t() @ _f(b)
 
 
-@declare(fake=lambda acc, a, b, scale=None: None,
-         examples=lambda x: {"": dict(acc=x.stat(x.dims.vocab_size, x.dims.dim, scale=x.dims.rows ** 0.5),
-                                      a=x.act(x.dims.rows, x.dims.vocab_size), b=x.act(x.dims.rows, x.dims.dim)),
-                             "scaled": dict(acc=x.stat(x.dims.vocab_size, x.dims.dim, scale=x.dims.rows ** 0.5),
-                                            a=x.act(x.dims.rows, x.dims.vocab_size), b=x.act(x.dims.rows, x.dims.dim),
-                                            scale=x.stat(1).reshape(()))},
+def _exp_wgrad_examples(x: Example, accumulate: bool) -> dict:
+    kw = _exp_consumer_examples(x)
+    case = dict(e=kw["e"], strip=kw["strip"], hs=kw["hs"])
+    if not accumulate:
+        return {"": case}
+    acc = lambda: x.stat(x.dims.vocab_size, x.dims.dim, scale=x.dims.rows ** -0.5)
+    return {"": dict(acc=acc(), **case), "scaled": dict(acc=acc(), **case, scale=x.stat(1).reshape(()))}
+
+
+@declare(fake=lambda e, strip, hs: _new(hs, e.shape[1], hs.shape[1], stat=True),
+         examples=lambda x: _exp_wgrad_examples(x, accumulate=False),
+         gemm=lambda e, strip, hs: (e.shape[1], hs.shape[1], e.shape[0]))
+def matmul_tn_exp(e: Tensor, strip: Tensor, hs: Tensor) -> Tensor:
+    """(H'') the LM head's weight gradient of one chunk from H' outputs: (strip (x) e)^T @ hs (the
+    strip applied to e as the GEMM loads it), fp32 (V, d) (fp64 stays fp64)."""
+    return _f(_strip_scaled(e, strip)).t() @ _f(hs)
+
+
+@declare(fake=lambda acc, e, strip, hs, scale=None: None,
+         examples=lambda x: _exp_wgrad_examples(x, accumulate=True),
          mutates=("acc",),
-         gemm=lambda acc, a, b, scale=None: (a.shape[1], b.shape[1], a.shape[0]))
-def matmul_tn_add(acc: Tensor, a: Tensor, b: Tensor, scale: Optional[Tensor] = None) -> None:
-    """(H'') acc += a^T @ b in place, acc (a.shape[1], b.shape[1]) fp32 (fp64 stays fp64): a weight
-    gradient accumulated over chunks of tokens in one buffer, the products summed in fp32 without
-    rounding to a's dtype. With `scale` (a 0-dim tensor, read on the device) the sum is then scaled:
-    acc = scale * (acc + a^T @ b), the LM head's incoming loss gradient applied by its last GEMM."""
-    acc += _f(a).t() @ _f(b)
+         gemm=lambda acc, e, strip, hs, scale=None: (e.shape[1], hs.shape[1], e.shape[0]))
+def matmul_tn_exp_add(acc: Tensor, e: Tensor, strip: Tensor, hs: Tensor, scale: Optional[Tensor] = None) -> None:
+    """(H'') acc += (strip (x) e)^T @ hs in place (matmul_tn_exp accumulated over chunks of rows in
+    one fp32 buffer); with `scale` (a 0-dim tensor, read on the device) then acc = scale * acc: the
+    LM head's incoming loss gradient, applied by its last GEMM."""
+    acc += _f(_strip_scaled(e, strip)).t() @ _f(hs)
     if scale is not None:
         acc *= scale.to(acc.dtype)
 

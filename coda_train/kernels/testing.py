@@ -10,7 +10,7 @@ For every declared op and example case (declare.py), at given dims, on one devic
 Each call gets its own copy of the inputs the op updates in place (declared `mutates`), and those
 are compared as outputs after the returned ones (an unwritten tile keeps its input value, which
 differs from the oracle's). Partial-sum outputs (declared `partials`) are compared after summing
-over their columns. Error is the relative Frobenius error vs the oracle; an output passes when it
+over their columns; an op with a declared `canonical` map is compared on what it maps its outputs to. Error is the relative Frobenius error vs the oracle; an output passes when it
 is finite where the oracle is, has the oracle's shape and the baseline's dtype, and
 err(impl) <= RATIO * err(baseline) + ATOL.
 """
@@ -57,6 +57,8 @@ def results(op: Op, fn: Callable, kwargs: dict[str, Any]) -> tuple[Tensor, ...]:
     kwargs = {k: v.clone() if k in op.mutates else v for k, v in kwargs.items()}
     out = fn(**kwargs)
     out = () if out is None else out if isinstance(out, tuple) else (out,)
+    if op.canonical is not None:
+        out = op.canonical(*out)
     return tuple(t.sum(-1) if i in op.partials else t for i, t in enumerate(out)) + tuple(kwargs[m] for m in op.mutates)
 
 

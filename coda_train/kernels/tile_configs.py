@@ -59,6 +59,16 @@ class Cfg:
 # cos/sin table op needs tile_N to be a multiple or a divisor of head_dim (64 or 128 here).
 CFG_DEFAULT = Cfg(128, 192)
 CFG_ROPE = Cfg(128, 128)
+# The LM head's three GEMMs (H, H''), as quack's scaled-exp linear cross-entropy runs them: the logits
+# GEMM's N tile is the offset group (STAT_TILE_N); the strip GEMMs scale A in a cooperative
+# register-sourced mainloop.
+CFG_EXP = {"gemm_rowscale_exp_cross_entropy": Cfg(128, STAT_TILE_N, 2, 1, True),
+           "gemm_exp_rmsnorm_backward": Cfg(128, 256, 2, 1, False),
+           "matmul_tn_exp": Cfg(128, 256, 2, 1, False), "matmul_tn_exp_add": Cfg(128, 256, 2, 1, False)}
+# matmul_tn_exp_add with the loss scale (the last chunk, C = D read in the epilogue): 1.48 / 4.45 / 9.25 ms
+# at the 125M / 1B / 8B chunks vs 2.12 / 5.96 / 11.88 for the unscaled calls' 128x256 c2x1 cooperative
+# (python scripts/bench_lm_head.py --sweep-scaled, H200, 2026-12-01)
+CFG_EXP_SCALED = Cfg(128, 128, 2, 1, True)
 PLAIN_GEMMS = ("matmul", "matmul_tn")  # cuBLAS unless the table names a quack config
 
 # The (tile_M, tile_N, pingpong) quack 0.6.5 runs on SM90 (its autotuner's list,
@@ -74,7 +84,9 @@ TILE_N_MULTIPLE = {"gemm_rowscale_rope": 128, "gemm_rowscale_swiglu": 32}
 
 def default_cfg(op: str) -> Optional[Cfg]:
     """The config of `op` on a GPU or shape the table does not list (None: cuBLAS)."""
-    return None if op in PLAIN_GEMMS else CFG_ROPE if op == "gemm_rowscale_rope" else CFG_DEFAULT
+    if op in PLAIN_GEMMS:
+        return None
+    return CFG_ROPE if op == "gemm_rowscale_rope" else CFG_EXP.get(op, CFG_DEFAULT)
 
 
 def config_errors(op: str, cfg: Optional[Cfg]) -> list[str]:
@@ -96,6 +108,8 @@ def config_errors(op: str, cfg: Optional[Cfg]) -> list[str]:
                       f"column per {STAT_TILE_N} output columns)")
     if cfg.tile_N % TILE_N_MULTIPLE.get(op, 1):
         errors.append(f"{op}: tile_N={cfg.tile_N} must be a multiple of {TILE_N_MULTIPLE[op]}")
+    if op == "gemm_rowscale_exp_cross_entropy" and cfg.tile_N != STAT_TILE_N:
+        errors.append(f"{op}: tile_N={cfg.tile_N} must be {STAT_TILE_N} (one power-of-two offset per declared group)")
     return errors
 
 

@@ -145,7 +145,7 @@ class CodaBlock(Function):
                 None, None, None, None, None)
 
 
-# One (rows, vocab) chunk of logits (their gradient is written over them) at most this many bytes: 4096
+# One (rows, vocab) chunk of logit exponentials (H) at most this many bytes: 4096
 # rows at llama3_1b in bf16 (V = 128256), so no (tokens x vocab) buffer larger than a chunk exists.
 LOGITS_CHUNK_BYTES = 1 << 30
 
@@ -169,15 +169,15 @@ def step_gemm_shapes(d: Dims) -> list[tuple[str, tuple[int, int, int]]]:
         ("gemm_residual_rmsnorm_partial", (M, D, attn)),                                            # F3
         ("gemm_rowscale_swiglu", (M, 2 * F, D)),                                                    # F5
         ("gemm_residual_rmsnorm_partial", (M, D, F)),                                               # F6
-        ("gemm_rowscale_logits_cross_entropy", (C, V, D)), ("gemm_rmsnorm_backward", (C, D, V)),    # H, H''
-        ("matmul_tn_add", (V, D, C)),
+        ("gemm_rowscale_exp_cross_entropy", (C, V, D)), ("gemm_exp_rmsnorm_backward", (C, D, V)),   # H, H''
+        ("matmul_tn_exp_add", (V, D, C)),
         ("gemm_dswiglu_rowscale_stat", (M, F, D)),                                                  # B1
         ("gemm_rmsnorm_backward", (M, D, 2 * F)),                                                   # B3
         ("matmul", (M, attn, D)),                                                                   # B4
         ("gemm_rmsnorm_backward", (M, D, qkv)),                                                     # B6b
         # weight gradients: down, gate_up, o, qkv, the LM head's first chunk
         ("matmul_tn", (D, F, M)), ("matmul_tn", (2 * F, D, M)), ("matmul_tn", (D, attn, M)), ("matmul_tn", (qkv, D, M)),
-        ("matmul_tn", (V, D, C)),
+        ("matmul_tn_exp", (V, D, C)),
     ]
 
 
@@ -196,11 +196,13 @@ class LMHeadLoss(Function):
     """(H, H', H'') mean cross-entropy of logits = r * (h @ w_lm^T); owns the final RMSNorm. The loss
     ends the graph, so its gradient is known during the forward up to the incoming scalar: the
     forward computes it chunk by chunk of rows (three vocab-sized GEMMs, logits never recomputed,
-    one chunk of logits alive at a time) and the backward applies that scalar. The last chunk's
-    weight-gradient GEMM waits for the backward, where its epilogue applies the scalar to the whole
-    V x d gradient (matmul_tn_add's scale): no pass of its own over the table. Its chunk of logit
-    gradients stays alive until then, which adds nothing to the peak: the forward's last chunk
-    already held it next to everything the backward starts with."""
+    one chunk alive at a time) and the backward applies that scalar. The logits are stored as their
+    exponentials with per-group offsets (H), so the gradient needs no pass over them: H' works on
+    per-row numbers and the dgrad/weight-gradient GEMMs apply its factors as they load (H'').
+    The last chunk's weight-gradient GEMM waits for the backward, where its epilogue applies the
+    scalar to the whole V x d gradient (matmul_tn_exp_add's scale): no pass of its own over the
+    table. Its chunk stays alive until then, which adds nothing to the peak: the forward's last
+    chunk already held it next to everything the backward starts with."""
 
     @staticmethod
     def forward(ctx, x: Tensor, h: Tensor, r: Tensor, norm: Tensor, w_lm: Tensor, norm_c: Tensor, w_lm_c: Tensor,
@@ -213,45 +215,45 @@ class LMHeadLoss(Function):
         losses, g_xs, g_norm, g_w = [], [], None, None
         for i in range(0, M, step):
             rows = slice(i, i + step)
-            loss_c, g_x_c, g_norm_c, g_y = LMHeadLoss._chunk(x[rows], h[rows], r[rows], norm, w_lm, targets[rows],
-                                                             grad_scale, ops)
+            loss_c, g_x_c, g_norm_c, grad_c = LMHeadLoss._chunk(x[rows], h[rows], r[rows], norm, w_lm, targets[rows],
+                                                                grad_scale, ops)
             if i + step < M:  # every chunk's weight gradient but the last: into one fp32 buffer
                 if g_w is None:
-                    g_w = ops.matmul_tn(g_y, h[rows])
+                    g_w = ops.matmul_tn_exp(*grad_c)
                 else:
-                    ops.matmul_tn_add(g_w, g_y, h[rows])  # in place: one vocab x dim gradient buffer
-                del g_y  # before the next chunk's logits exist: one chunk alive at a time
+                    ops.matmul_tn_exp_add(g_w, *grad_c)  # in place: one vocab x dim gradient buffer
+                del grad_c  # before the next chunk's exponentials exist: one chunk alive at a time
             losses.append(loss_c)
             g_xs.append(g_x_c)
             g_norm = g_norm_c if g_norm is None else g_norm + g_norm_c
         if g_w is None:  # one chunk: the backward's GEMM adds into zeros
             g_w = torch.zeros(w_lm.shape, dtype=g_norm.dtype, device=h.device)
-        ctx.save_for_backward(torch.cat(g_xs), g_norm, g_w, g_y, h[rows])
+        ctx.save_for_backward(torch.cat(g_xs), g_norm, g_w, *grad_c)
         ctx.ops = ops
         return torch.cat(losses).mean()
 
     @staticmethod
     def _chunk(x, h, r, norm, w_lm, targets, grad_scale, ops: OpSet):
-        """H, H', H'' (dgrad) on one chunk of rows: its per-row losses, g_x, partial g_norm and r*g_y,
-        the logit gradient its weight-gradient GEMM reads."""
-        logits, lse, target_logit = ops.gemm_rowscale_logits_cross_entropy(h, r, w_lm, targets)   # H
-        stat = ops.cross_entropy_backward_rowscale_stat(logits, r, targets, lse, grad_scale)       # H'
-        g_y = logits  # H' wrote r*g_y over the logits: one chunk-sized buffer
+        """H, H', H'' (dgrad) on one chunk of rows: its per-row losses, g_x, partial g_norm, and the
+        operands (e, strip, hs) of its weight-gradient GEMM."""
+        e, k, sum_exp, sum_exp_y, target_logit = ops.gemm_rowscale_exp_cross_entropy(h, r, w_lm, targets)   # H
+        loss, strip, v, hs, stat = ops.cross_entropy_exp_backward(e, k, sum_exp, sum_exp_y, target_logit,    # H'
+                                                                  targets, r, h, grad_scale)
         c = ops.rmsnorm_backward_coeff(stat, r, x.shape[1])
-        g_x, g_norm = ops.gemm_rmsnorm_backward(g_y, w_lm, None, x, norm, c)                       # H''
-        return lse - target_logit, g_x, g_norm, g_y
+        g_x, g_norm = ops.gemm_exp_rmsnorm_backward(e, strip, v, w_lm, x, norm, c)                          # H''
+        return loss, g_x, g_norm, (e, strip, hs)
 
     @staticmethod
     def backward(ctx, g_loss: Tensor):
-        # g_x, g_norm and the earlier chunks' g_w for an incoming gradient of 1; the last chunk's r*g_y
-        # and h. g_loss: 0-dim, on the device (never read on the host: no sync).
-        g_x, g_norm, g_w, g_y, h = ctx.saved_tensors
+        # g_x, g_norm and the earlier chunks' g_w for an incoming gradient of 1; the last chunk's weight-
+        # gradient operands. g_loss: 0-dim, on the device (never read on the host: no sync).
+        g_x, g_norm, g_w, *grad_c = ctx.saved_tensors
         # In place when autograd frees the graph after this call: no second V x d g_w, and with the saved
         # reference released the gradient is adopted as .grad without a copy. On a copy when the graph is
         # retained (a host flag: no sync), so every later call starts from the unscaled originals again.
         if torch._C._autograd._get_current_graph_task_keep_graph():
             g_x, g_norm, g_w = (t.clone() for t in (g_x, g_norm, g_w))
-        ctx.ops.matmul_tn_add(g_w, g_y, h, g_loss)  # g_w = g_loss * (g_w + g_y^T h)
+        ctx.ops.matmul_tn_exp_add(g_w, *grad_c, g_loss)  # g_w = g_loss * (g_w + last chunk's)
         return g_x.mul_(g_loss), None, None, g_norm.mul_(g_loss), g_w, None, None, None, None
 
 

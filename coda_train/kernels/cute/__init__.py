@@ -26,11 +26,12 @@ import torch
 from torch import Tensor
 
 from .. import reference
-from ..cute_limits import need, need_inner, need_rope_head_dim, need_swiglu_width
+from ..cute_limits import need, need_exp_vocab, need_inner, need_rope_head_dim, need_swiglu_width
 from ..library import cute_impl
-from ..tile_configs import tables
+from ..tile_configs import CFG_EXP_SCALED, tables
 from . import _epilogues as E
-from ._launch import cfg_for, colvec, compiling_only, empty, gemm, need_bf16, rowvec, sink_cols, sink_rows, stat_cols
+from ._launch import (STRIP_TILE_K, cfg_for, colvec, compiling_only, empty, gemm, need_bf16, rowvec, sink_cols,
+                      sink_rows, stat_cols)
 
 tables()  # a bad $CODA_TILE_CONFIGS table fails when the backend loads, before any GPU work
 
@@ -156,13 +157,36 @@ def gemm_rowscale_cross_entropy(h: Tensor, r: Tensor, w_lm: Tensor, targets: Ten
     return _lse_target("gemm_rowscale_cross_entropy", E.rowscale_lse_target, h, r, w_lm, targets, None)
 
 
-@cute_impl("gemm_rowscale_logits_cross_entropy", gpu_blind_compile=True)
-def gemm_rowscale_logits_cross_entropy(h: Tensor, r: Tensor, w_lm: Tensor,
-                                       targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(H, training) the logits stored in bf16 too; lse and target logit are of the stored values."""
-    logits = empty(h.shape[0], w_lm.shape[0], dtype=h.dtype, device=h.device)
-    return (logits, *_lse_target("gemm_rowscale_logits_cross_entropy", E.rowscale_logits_lse_target, h, r, w_lm,
-                                 targets, logits))
+@cute_impl("gemm_rowscale_exp_cross_entropy", gpu_blind_compile=True)
+def gemm_rowscale_exp_cross_entropy(h: Tensor, r: Tensor, w_lm: Tensor,
+                                    targets: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(H, training) the logits GEMM storing e = 2^(y log2e - k) with its per-(row, 128-column tile)
+    offsets k, sums of e and e*y, and the target logit, all from the epilogue (tile_N = 128)."""
+    M, K = h.shape
+    V = w_lm.shape[0]
+    op = "gemm_rowscale_exp_cross_entropy"
+    need_bf16(op, h=h, w_lm=w_lm)
+    need_inner(op, K=K)
+    need_exp_vocab(op, V)
+    cfg = cfg_for(op, M, V, K)
+    e = empty(M, V, dtype=h.dtype, device=h.device)
+    k, sum_exp, sum_exp_y = (empty(M, V // cfg.tile_N, dtype=torch.float32, device=h.device) for _ in range(3))
+    target_logit = empty(M, dtype=torch.float32, device=h.device)
+    gemm(E.rowscale_exp_target, h, w_lm, e, cfg=cfg,
+         epi={"k": cfg.tile_N, "k_out": k, "r": colvec(r), "sum_exp": sum_exp, "sum_exp_y": sum_exp_y,
+              "target_logit": target_logit, "target": targets.reshape(1, -1).contiguous()})
+    return e, k, sum_exp, sum_exp_y, target_logit
+
+
+@cute_impl("cross_entropy_exp_backward")
+def cross_entropy_exp_backward(e: Tensor, k: Tensor, sum_exp: Tensor, sum_exp_y: Tensor, target_logit: Tensor,
+                               targets: Tensor, r: Tensor, h: Tensor,
+                               grad_scale: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(H') two Triton launches on per-row numbers: the loss, v, S, hs and the target fix (one row a
+    program), then the strip (64 x 64 blocks, transposed). No pass over e."""
+    from ._elementwise import cross_entropy_exp_backward as impl
+
+    return impl(e, k, sum_exp, sum_exp_y, target_logit, targets, r, h, grad_scale)
 
 
 @cute_impl("attention")
@@ -182,15 +206,6 @@ def attention_backward(g_o: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, n_heads
     from ._attention import attention_bwd
 
     return attention_bwd(g_o, qkv, o, lse, n_heads, n_kv_heads, seq_len)
-
-
-@cute_impl("cross_entropy_backward_rowscale_stat")
-def cross_entropy_backward_rowscale_stat(logits: Tensor, r: Tensor, targets: Tensor, lse: Tensor,
-                                         grad_scale: Tensor) -> Tensor:
-    """(H') one elementwise pass over the stored logits, r*g_y written over them, + row sum (Triton kernel)."""
-    from ._elementwise import cross_entropy_backward_rowscale_stat as impl
-
-    return impl(logits, r, targets, lse, grad_scale)
 
 
 @cute_impl("gemm_dswiglu_rowscale_stat", gpu_blind_compile=True)
@@ -224,51 +239,110 @@ def rope_backward_rowscale_stat(g_qkv: Tensor, qkv: Tensor, r: Tensor, rope: Ten
 
 
 @cute_impl("gemm_rmsnorm_backward", gpu_blind_compile=True)
-def gemm_rmsnorm_backward(g_y_scaled: Tensor, w: Tensor, residual_grad: Optional[Tensor], x: Tensor,
+def gemm_rmsnorm_backward(g_y_scaled: Tensor, w: Tensor, residual_grad: Tensor, x: Tensor,
                           gamma: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
-    """(B3, B6b, H'') acc = g_y_scaled W; epilogue g_x = residual_grad + gamma*acc + c*x and
+    """(B3, B6b) acc = g_y_scaled W; epilogue g_x = residual_grad + gamma*acc + c*x and
     per-M-tile partials of g_gamma (folded with one (m_tiles, d) sum)."""
     M, Nout = g_y_scaled.shape
     d = w.shape[1]
-    need_bf16("gemm_rmsnorm_backward", g_y_scaled=g_y_scaled, w=w, x=x)
+    need_bf16("gemm_rmsnorm_backward", g_y_scaled=g_y_scaled, w=w, x=x, residual_grad=residual_grad)
     need_inner("gemm_rmsnorm_backward", K=Nout, d=d)
     cfg = cfg_for("gemm_rmsnorm_backward", M, d, Nout)
     g_x = empty(M, d, dtype=x.dtype, device=x.device)
     g_gamma = sink_rows(M, d, cfg, x.device)  # folded below: any tile_M
-    epi = {"x": x.contiguous(), "gamma": rowvec(gamma), "coef": colvec(c), "g_gamma": g_gamma}
-    if residual_grad is None:
-        gemm(E.rmsnorm_backward_noresidual, g_y_scaled, w.mT, g_x, cfg=cfg, epi=epi)
-    else:
-        need_bf16("gemm_rmsnorm_backward", residual_grad=residual_grad)
-        gemm(E.rmsnorm_backward, g_y_scaled, w.mT, g_x, C=residual_grad.contiguous(), cfg=cfg, epi=epi)
+    gemm(E.rmsnorm_backward, g_y_scaled, w.mT, g_x, C=residual_grad.contiguous(), cfg=cfg,
+         epi={"x": x.contiguous(), "gamma": rowvec(gamma), "coef": colvec(c), "g_gamma": g_gamma})
     if compiling_only():
         return g_x, g_gamma
     return g_x, g_gamma.sum(0)
 
 
-@cute_impl("matmul_tn_add", gpu_blind_compile=True)
-def matmul_tn_add(acc: Tensor, a: Tensor, b: Tensor, scale: Optional[Tensor] = None) -> None:
-    """(H'') acc += a^T b in place (then * scale): the GEMM reads a and b through transposed views
-    (M-major A, N-major B) and adds its product into acc, its D output."""
-    K, N = a.shape
-    P = b.shape[1]
-    need_bf16("matmul_tn_add", a=a, b=b)
-    need_inner("matmul_tn_add", N=N, P=P)
-    need(acc.dtype == torch.float32 and tuple(acc.shape) == (N, P) and acc.is_contiguous(),
-         f"matmul_tn_add: acc (updated in place) must be a contiguous float32 (a.shape[1], b.shape[1]) = ({N}, {P}) "
-         f"tensor, got {tuple(acc.shape)} {acc.dtype}{'' if acc.is_contiguous() else ' non-contiguous'}")
-    need(compiling_only() or acc.device == a.device, f"matmul_tn_add: acc must be on {a.device}, got {acc.device}")
-    cfg = cfg_for("matmul_tn_add", N, P, K)
+def _rows_padded(t: Tensor, rows: int) -> Tensor:
+    """t with zero rows appended up to `rows` (a strip operand's GEMM needs M a multiple of its tile)."""
+    if t.shape[0] == rows:
+        return t.contiguous()
+    out = torch.zeros(rows, *t.shape[1:], dtype=t.dtype, device=t.device)
+    out[:t.shape[0]] = t
+    return out
+
+
+def _strip_cols_padded(strip: Tensor, cols: int) -> Tensor:
+    """The (V/64, M) strip with its token axis padded to `cols` (the K tiles of the weight gradient)."""
+    if strip.shape[1] == cols:
+        return strip.contiguous()
+    out = torch.zeros(strip.shape[0], cols, dtype=strip.dtype, device=strip.device)
+    out[:, :strip.shape[1]] = strip
+    return out
+
+
+def _need_strip(op: str, e: Tensor, strip: Tensor) -> tuple[int, int]:
+    M, V = e.shape
+    need_bf16(op, e=e, strip=strip)
+    need_exp_vocab(op, V)
+    need(tuple(strip.shape) == (V // STRIP_TILE_K, M),
+         f"{op}: strip must be (V/{STRIP_TILE_K}, M) = ({V // STRIP_TILE_K}, {M}), got {tuple(strip.shape)}")
+    return M, V
+
+
+@cute_impl("gemm_exp_rmsnorm_backward", gpu_blind_compile=True)
+def gemm_exp_rmsnorm_backward(e: Tensor, strip: Tensor, v: Tensor, w: Tensor, x: Tensor, gamma: Tensor,
+                              c: Tensor) -> tuple[Tensor, Tensor]:
+    """(H'') the strip applied to e in the mainloop (per row and 64-wide K tile), the RMSNorm backward
+    with the row factor v in the epilogue. Rows pad to the 128-row tile (a copy, only for a chunk
+    whose row count is not a multiple of 128)."""
+    op = "gemm_exp_rmsnorm_backward"
+    M, V = _need_strip(op, e, strip)
+    d = w.shape[1]
+    need_bf16(op, w=w, x=x)
+    need_inner(op, d=d)
+    cfg = cfg_for(op, M, d, V)
+    Mp = -(-M // cfg.tile_M) * cfg.tile_M
+    g_x = empty(Mp, d, dtype=x.dtype, device=x.device)
+    g_gamma = sink_rows(Mp, d, cfg, x.device)
+    pad = lambda t: _rows_padded(t, Mp)  # noqa: E731
+    gemm(E.rowscale_rmsnorm_backward, pad(e), w.mT, g_x, cfg=cfg,
+         strip=(E.strip_scale_rows, strip if Mp == M else _strip_cols_padded(strip, Mp)),
+         epi={"x": pad(x), "gamma": rowvec(gamma), "coef": colvec(pad(c.float())), "v": colvec(pad(v.float())),
+              "g_gamma": g_gamma})
+    if compiling_only():
+        return g_x[:M], g_gamma
+    return g_x[:M], g_gamma.sum(0)
+
+
+def _matmul_tn_exp(op: str, acc: Optional[Tensor], e: Tensor, strip: Tensor, hs: Tensor, scale: Optional[Tensor]):
+    """acc (+)= (strip (x) e)^T hs: A = e^T (vocab rows, the strip per 64 of them), K = the chunk's
+    token rows (the strip's token axis padded to whole 64-wide K tiles)."""
+    M, V = _need_strip(op, e, strip)
+    d = hs.shape[1]
+    need_bf16(op, hs=hs)
+    need_inner(op, d=d)
+    cfg = cfg_for(op, V, d, M) if scale is None else CFG_EXP_SCALED
+    u = _strip_cols_padded(strip, -(-M // STRIP_TILE_K) * STRIP_TILE_K)
+    out = acc if acc is not None else empty(V, d, dtype=torch.float32, device=e.device)
     if scale is None:
-        # The TMA reduce-add store adds each tile's product to acc in L2 (one CTA per tile, so each element
-        # gets exactly one fp32 add): no C load, half the fp32 traffic of reading acc as the C operand.
-        gemm(E.plain, a.mT, b.mT, acc, cfg=cfg, epi={}, add_to_output=True)
+        gemm(E.plain, e.mT, hs.mT, out, cfg=cfg, epi={}, add_to_output=acc is not None, strip=(E.strip_scale_cols, u))
     else:
-        # acc read as the C operand and written as D, tile by tile by the same CTA (in place, as quack's
-        # gemm_add_inplace): the scale costs no pass of its own over acc.
-        need(scale.numel() == 1, f"matmul_tn_add: scale must have one element, got shape {tuple(scale.shape)}")
-        s = scale.detach().reshape(1).to(torch.float32)
-        gemm(E.scaled_sum, a.mT, b.mT, acc, C=acc, cfg=cfg, epi={"scale": s})
+        need(scale.numel() == 1, f"{op}: scale must have one element, got shape {tuple(scale.shape)}")
+        gemm(E.scaled_sum, e.mT, hs.mT, out, C=out, cfg=cfg, epi={"scale": scale.detach().reshape(1).to(torch.float32)},
+             strip=(E.strip_scale_cols, u))
+    return out
+
+
+@cute_impl("matmul_tn_exp", gpu_blind_compile=True)
+def matmul_tn_exp(e: Tensor, strip: Tensor, hs: Tensor) -> Tensor:
+    """(H'') the LM head's weight gradient of a chunk, fp32, the strip applied in the mainloop."""
+    return _matmul_tn_exp("matmul_tn_exp", None, e, strip, hs, None)
+
+
+@cute_impl("matmul_tn_exp_add", gpu_blind_compile=True)
+def matmul_tn_exp_add(acc: Tensor, e: Tensor, strip: Tensor, hs: Tensor, scale: Optional[Tensor] = None) -> None:
+    """(H'') acc += the chunk's weight gradient through the TMA reduce-add store; with scale, acc
+    read as the C operand and written as D, tile by tile, scaled in the epilogue."""
+    need(acc.dtype == torch.float32 and tuple(acc.shape) == (e.shape[1], hs.shape[1]) and acc.is_contiguous(),
+         f"matmul_tn_exp_add: acc (updated in place) must be a contiguous float32 (V, d) = ({e.shape[1]}, {hs.shape[1]}) "
+         f"tensor, got {tuple(acc.shape)} {acc.dtype}{'' if acc.is_contiguous() else ' non-contiguous'}")
+    need(compiling_only() or acc.device == e.device, f"matmul_tn_exp_add: acc must be on {e.device}, got {acc.device}")
+    _matmul_tn_exp("matmul_tn_exp_add", acc, e, strip, hs, scale)
 
 
 # ---- plain GEMMs ----------------------------------------------------------------------------

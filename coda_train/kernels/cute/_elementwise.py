@@ -2,15 +2,16 @@
 - the RoPE backward (inverse rotation of the q/k gradient pairs, row scale, and the attention-norm
   statistic sum_k g*qkv), after FlashAttention's backward (one row per program, pairs loaded as
   (n/2, 2) blocks);
-- the cross-entropy gradient of one chunk of stored logits (softmax - onehot, row scale, and the
-  final-norm statistic sum_k g*y), which needs the row's full logsumexp before any of its columns
-  (one row per program, looping over the vocabulary in blocks), written over the logits.
 - the embedding entry: the gather of each token's row (from the fp32 master table or a bf16
   one), its rounding to the compute dtype, h = x*gamma and the row's sum of squares, in one pass
   (one row per program) where torch took a gather, two casts, a product and a reduction.
 Row-sized: the two folds of per-tile partial sums into a row statistic, r (F4) and c (B2), one
 launch each where torch's sum-then-map chain takes four or five (at llama3_125m that is ~170
-launches a step, each costing more in launch gap than in work).
+launches a step, each costing more in launch gap than in work); and the cross-entropy gradient of
+one chunk from the LM-head GEMM's per-(row, 128-column) offsets and sums (H'): the loss, the row
+factor v, the final-norm statistic, hs = v*h and the target column of e (one row per program),
+then the strip of powers of two that the dgrad and weight-gradient GEMMs scale e with as they load
+it (64 x 64 blocks, stored transposed). No pass over the (rows x vocab) exponentials.
 No torch fallback: the cute backend runs on an sm_90 GPU (need_bf16 rejects CPU tensors),
 compile_only() returns before the launch, and reference.py's functions are the oracle."""
 
@@ -49,11 +50,9 @@ def _rope_bwd_kernel(g_ptr, y_ptr, r_ptr, cs_ptr, out_ptr, stat_ptr,
     tl.store(stat_ptr + row, stat)
 
 
-# Launch shapes of the two passes, swept at the model widths by scripts/bench_elementwise.py on the H200
-# (docs/kernels.md): the RoPE pass's warps (empty: 4 up to 2048 columns, else 8), the CE pass's block
-# and warps.
+# Launch shape of the RoPE pass, swept at the model widths by scripts/bench_elementwise.py on the H200
+# (docs/kernels.md): its warps (empty: 4 up to 2048 columns, else 8).
 ROPE_LAUNCH: dict = {}
-CE_LAUNCH = dict(BLOCK=4096, num_warps=4)
 
 
 def rope_backward_rowscale_stat(g_qkv: Tensor, qkv: Tensor, r: Tensor, rope: Tensor,
@@ -78,42 +77,99 @@ def rope_backward_rowscale_stat(g_qkv: Tensor, qkv: Tensor, r: Tensor, rope: Ten
 
 
 @triton.jit
-def _ce_bwd_kernel(y_ptr, r_ptr, t_ptr, lse_ptr, scale_ptr, stat_ptr, N, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    base = row.to(tl.int64) * N
-    lse = tl.load(lse_ptr + row)
-    r = tl.load(r_ptr + row)
-    t = tl.load(t_ptr + row)
+def _ce_exp_row_kernel(e_ptr, k_ptr, se_ptr, sey_ptr, yt_ptr, t_ptr, r_ptr, h_ptr, scale_ptr,
+                       loss_ptr, v_ptr, hs_ptr, stat_ptr, kmax_ptr, V, G, D,
+                       GROUP: tl.constexpr, MAX_OCTAVES: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """H' per row: L, loss, v, S, hs and the target fix (reference.cross_entropy_exp_backward)."""
+    LN2: tl.constexpr = 0.6931471805599453
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, BLOCK_G)
+    gm = g < G
+    k = tl.load(k_ptr + row * G + g, mask=gm, other=float("-inf"))
+    k_max = tl.max(k, axis=0)
+    w = tl.where(gm, tl.exp2(k - k_max), 0.0)
+    se = tl.load(se_ptr + row * G + g, mask=gm, other=0.0)
+    sey = tl.load(sey_ptr + row * G + g, mask=gm, other=0.0)
+    L = k_max * LN2 + tl.log(tl.sum(se * w, axis=0))
+    yt = tl.load(yt_ptr + row)
+    t = tl.load(t_ptr + row).to(tl.int64)
     scale = tl.load(scale_ptr)
-    stat = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, N, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < N
-        y = tl.load(y_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
-        g = (tl.exp(y - lse) - (cols == t).to(tl.float32)) * scale
-        g = tl.where(mask, g, 0.0)
-        stat += g * y
-        # in place: this program's own row, each block stored from the values it just loaded
-        tl.store(y_ptr + base + cols, (g * r).to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(stat_ptr + row, tl.sum(stat, axis=0))
+    v = scale * tl.load(r_ptr + row) * tl.exp(k_max * LN2 - L)
+    stat = scale * (tl.sum(tl.where(gm, sey * tl.exp(k * LN2 - L), 0.0), axis=0) - yt)
+    tl.store(loss_ptr + row, L - yt)
+    tl.store(v_ptr + row, v)
+    tl.store(stat_ptr + row, stat)
+    tl.store(kmax_ptr + row, k_max)
+    # the onehot: the target column of e, its group's offset raised to k_max - MAX_OCTAVES if lower
+    g_t = t // GROUP
+    k_t = tl.load(k_ptr + row * G + g_t)
+    k_adj = tl.maximum(k_t, k_max - MAX_OCTAVES)
+    fix = (tl.exp(yt - L) - 1.0) * tl.exp(L - k_adj * LN2)
+    if k_adj > k_t:  # the group's other columns are below 2^-MAX_OCTAVES of the row's largest: 0 (one store)
+        cols = g_t * GROUP + tl.arange(0, GROUP)
+        tl.store(e_ptr + row * V + cols, tl.where(cols == t, fix, 0.0).to(e_ptr.dtype.element_ty), mask=cols < V)
+    else:
+        tl.store(e_ptr + row * V + t, fix.to(e_ptr.dtype.element_ty))
+    for start in range(0, D, BLOCK_D):
+        cols = start + tl.arange(0, BLOCK_D)
+        hm = cols < D
+        hv = tl.load(h_ptr + row * D + cols, mask=hm, other=0.0).to(tl.float32)
+        tl.store(hs_ptr + row * D + cols, (v * hv).to(hs_ptr.dtype.element_ty), mask=hm)
 
 
-def cross_entropy_backward_rowscale_stat(logits: Tensor, r: Tensor, targets: Tensor, lse: Tensor,
-                                         grad_scale: Tensor) -> Tensor:
-    """r*g_y written over the logits; grad_scale: a 0-dim tensor, read on the device (no host sync)."""
-    M, N = logits.shape
-    need_bf16("cross_entropy_backward_rowscale_stat", logits=logits)
-    need(logits.is_contiguous(), "cross_entropy_backward_rowscale_stat: logits (overwritten with r*g_y) must be contiguous")
-    need(targets.numel() == M and lse.numel() == M and r.numel() == M and grad_scale.numel() == 1,
-         f"cross_entropy_backward_rowscale_stat: r, targets and lse need one entry per row ({M}), grad_scale one")
-    stat = empty(M, 1, dtype=torch.float32, device=logits.device)
-    if compiling_only():
-        return stat
-    _ce_bwd_kernel[(M,)](
-        logits, r.float().contiguous(), targets.reshape(-1).contiguous(), lse.float().contiguous(),
-        grad_scale.detach().float().reshape(1), stat, N,
-        BLOCK=min(CE_LAUNCH["BLOCK"], triton.next_power_of_2(N)), num_warps=CE_LAUNCH["num_warps"])
-    return stat
+@triton.jit
+def _ce_exp_strip_kernel(k_ptr, kmax_ptr, t_ptr, strip_ptr, M, G,
+                         GROUP: tl.constexpr, REP: tl.constexpr, MAX_OCTAVES: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr):
+    """strip[g * REP + i, m] = 2^(k_adj[m, g] - k_max[m]): (BLOCK_M, BLOCK_G) of k, stored transposed."""
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    gs = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
+    rm, gmask = rows < M, gs < G
+    mask = rm[:, None] & gmask[None, :]
+    k = tl.load(k_ptr + rows[:, None].to(tl.int64) * G + gs[None, :], mask=mask, other=0.0)
+    k_max = tl.load(kmax_ptr + rows, mask=rm, other=0.0)
+    g_t = tl.load(t_ptr + rows, mask=rm, other=0) // GROUP
+    k = tl.where(gs[None, :] == g_t[:, None], tl.maximum(k, k_max[:, None] - MAX_OCTAVES), k)
+    u = tl.trans(tl.exp2(k - k_max[:, None]).to(strip_ptr.dtype.element_ty))  # (BLOCK_G, BLOCK_M), exact
+    smask = gmask[:, None] & rm[None, :]
+    for i in tl.static_range(REP):
+        tl.store(strip_ptr + (gs[:, None].to(tl.int64) * REP + i) * M + rows[None, :], u, mask=smask)
+
+
+def cross_entropy_exp_backward(e: Tensor, k: Tensor, sum_exp: Tensor, sum_exp_y: Tensor, target_logit: Tensor,
+                               targets: Tensor, r: Tensor, h: Tensor,
+                               grad_scale: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """H' on H's per-(row, 128-column group) outputs; e's target columns rewritten in place."""
+    from ..reference import MAX_OCTAVES, STRIP_COLS
+    from ..declare import STAT_TILE_N
+
+    M, V = e.shape
+    G = k.shape[1]
+    D = h.shape[1]
+    need_bf16("cross_entropy_exp_backward", e=e, h=h)
+    need(e.is_contiguous() and V % STAT_TILE_N == 0 and G == V // STAT_TILE_N,
+         f"cross_entropy_exp_backward: e must be contiguous with V a multiple of {STAT_TILE_N} and one offset per "
+         f"{STAT_TILE_N} columns, got e {tuple(e.shape)}, k {tuple(k.shape)}")
+    need(targets.numel() == M and r.numel() == M and grad_scale.numel() == 1 and h.shape[0] == M,
+         f"cross_entropy_exp_backward: targets, r and h need one entry or row per row of e ({M}), grad_scale one")
+    dev = e.device
+    loss, v, kmax = (empty(M, dtype=torch.float32, device=dev) for _ in range(3))
+    stat = empty(M, 1, dtype=torch.float32, device=dev)
+    hs = empty(M, D, dtype=h.dtype, device=dev)
+    strip = empty(V // STRIP_COLS, M, dtype=e.dtype, device=dev)
+    if compiling_only() or not M:
+        return loss, strip, v, hs, stat
+    t = targets.reshape(-1).contiguous()
+    k, sum_exp, sum_exp_y = (x.float().contiguous() for x in (k, sum_exp, sum_exp_y))
+    _ce_exp_row_kernel[(M,)](
+        e, k, sum_exp, sum_exp_y, target_logit.float().contiguous(), t, r.float().contiguous(), h.contiguous(),
+        grad_scale.detach().float().reshape(1), loss, v, hs, stat, kmax, V, G, D,
+        GROUP=STAT_TILE_N, MAX_OCTAVES=MAX_OCTAVES, BLOCK_G=triton.next_power_of_2(G), BLOCK_D=1024, num_warps=4)
+    BM, BG = 64, 64
+    _ce_exp_strip_kernel[(triton.cdiv(G, BG), triton.cdiv(M, BM))](
+        k, kmax, t, strip, M, G, GROUP=STAT_TILE_N, REP=STAT_TILE_N // STRIP_COLS, MAX_OCTAVES=MAX_OCTAVES,
+        BLOCK_M=BM, BLOCK_G=BG, num_warps=4)
+    return loss, strip, v, hs, stat
 
 
 # ---- row statistics from per-tile partials ----------------------------------------------------

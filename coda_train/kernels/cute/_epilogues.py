@@ -31,7 +31,10 @@ from quack.epilogue.ops import (
     RowVecReduce,
     Scalar,
 )
+from quack.epilogue.math import pexp2
 from quack.epilogue.rotary import rotary_cos_sin_load
+from quack.epilogue.scaled_exp import LOG2E, MaxLog2
+from quack.operand_transform import a_transform
 
 _QUACK_VERSION = quack.__version__
 
@@ -114,19 +117,41 @@ def rowscale_lse_target(acc, r):
     return {"lse": y, "target_logit": y}
 
 
-# H (training): the same, with the logits stored (bf16); the partials and the target logit are of
-# the stored values, so the softmax that H' computes from them sums to one.
-_target_logits = ColVecLoad("target")
+# H (training): y = r * h W_lm^T stored as e = 2^(y log2e - k), k = round(max y log2e) per row and N
+# tile (quack's MaxLog2 prepass over the accumulator, so |e| <= sqrt 2), with per-tile sums of e and
+# e*y and the target logit. The tile is the contract's offset group: tile_N = STAT_TILE_N.
+def _rowscale_logits(acc, r):
+    return {"k": acc * r}
+
+
+_exp_offset = MaxLog2("k")
+_target_exp = ColVecLoad("target")
 
 
 @gemm_epilogue(
-    ops={"r": ColVecLoad("r")},
-    outs={"lse": OnlineLSEReduce("lse"), "target_logit": ColVecSelect("target_logit", idx_op=_target_logits)},
-    extra_ops=(_target_logits,),
+    ops={"k": _exp_offset, "r": ColVecLoad("r")},
+    prepass=_rowscale_logits,
+    prepass_outs=("k",),
+    reduces={"sum_exp": ColVecReduce("sum_exp"), "sum_exp_y": ColVecReduce("sum_exp_y", scaled=True)},
+    outs={"target_logit": ColVecSelect("target_logit", idx_op=_target_exp)},
+    extra_ops=(_exp_offset.out("k_out"), _target_exp),
 )
-def rowscale_logits_lse_target(acc, r):
-    y = as_stored(acc * r)
-    return {"D": y, "lse": y, "target_logit": y}
+def rowscale_exp_target(acc, k, r):
+    y = acc * r
+    e = pexp2(y * LOG2E - k)
+    return {"D": e, "sum_exp": e, "sum_exp_y": (e, y), "target_logit": y}
+
+
+# H'' operands: the strip of powers of two (H') scales e as the mainloop loads it (register-sourced A):
+# per (row, 64-wide K tile) in the dgrad (A = e), per (64 rows, k) in the weight gradient (A = e^T).
+@a_transform(vec_size=8, args={"u": "colvec_ktile"})
+def strip_scale_rows(x, u):
+    return x * u
+
+
+@a_transform(vec_size=8, args={"u": "kvec_m64"})
+def strip_scale_cols(x, u):
+    return x * u
 
 
 # B1: acc = g_out W_down = g_a; dSwiGLU with the saved gate/up halves (two tile loads of column
@@ -142,7 +167,7 @@ def dswiglu_rowscale_stat(acc, gate, up, r):
     return {"D": a, "g_gate": dg * r, "g_up": du * r, "stat": dg * gate + du * up}
 
 
-# B3/B6b/H'': acc = (r g_y) W = g_h; g_x = residual_grad (C) + gamma*acc + c*x; per-M-tile
+# B3/B6b: acc = (r g_y) W = g_h; g_x = residual_grad (C) + gamma*acc + c*x; per-M-tile
 # partials of g_gamma = sum_rows acc * x. (quack.epilogue.library.rms_bwd_apply_epi is the same
 # program; ours names the operands after the op.)
 @gemm_epilogue(
@@ -153,12 +178,15 @@ def rmsnorm_backward(acc, c, x, gamma, coef):
     return {"D": acc * gamma + x * coef + c, "g_gamma": (acc, x)}
 
 
+# H'': acc = (strip (x) e) W_lm; g_h = v*acc (v: H's per-row factor, grad_scale r 2^k_max e^-L);
+# g_x = gamma*g_h + c*x (no residual: the LM head ends the graph); partials of g_gamma = sum g_h*x.
 @gemm_epilogue(
-    ops={"gamma": RowVecLoad("gamma"), "coef": ColVecLoad("coef")},
+    ops={"gamma": RowVecLoad("gamma"), "coef": ColVecLoad("coef"), "v": ColVecLoad("v")},
     reduces={"g_gamma": RowVecReduce("g_gamma", scaled=True)},
 )
-def rmsnorm_backward_noresidual(acc, x, gamma, coef):
-    return {"D": acc * gamma + x * coef, "g_gamma": (acc, x)}
+def rowscale_rmsnorm_backward(acc, x, gamma, coef, v):
+    g_h = acc * v
+    return {"D": g_h * gamma + x * coef, "g_gamma": (g_h, x)}
 
 
 # matmul / matmul_tn on quack: D = acc (stored in D's dtype: bf16, or fp32 for weight gradients); with
