@@ -138,6 +138,6 @@ def kernel_shape_errors(cfg: LlamaConfig, backend: str) -> list[str]:
     report(f"model.n_kv_heads={G}", violated("n_kv_heads"), f"choose model.n_kv_heads a divisor of n_heads={H}")
     report(f"model.ffn_dim={F}", violated("ffn_dim"), f"choose model.ffn_dim={next_ok('ffn_dim', F)} or another multiple of 8")
     report(f"model.vocab_size={V}", violated("vocab_size"),
-           f"pad the vocabulary: choose model.vocab_size={next_ok('vocab_size', V)} or another multiple of 8 "
+           f"pad the vocabulary: choose model.vocab_size={next_ok('vocab_size', V)} or another multiple of 128 "
            "(the extra embedding rows are never token ids)")
     return errors
