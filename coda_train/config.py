@@ -40,7 +40,7 @@ def _model_schema() -> type:
         ("preset", str, dataclasses.field(default=MISSING)),  # a name in coda_train/model/config.py PRESETS
         ("impl", str, dataclasses.field(default="coda")),  # a name in coda_train.model.IMPLS
         *overrides,
-        ("vocab_multiple_of", int, dataclasses.field(default=64)),  # so the embedding GEMMs tile evenly
+        ("vocab_multiple_of", int, dataclasses.field(default=128)),  # the cute LM head: one offset per 128 columns
         # a local Hugging Face Llama directory: its shape and weights (and tokenizer, unless data.tokenizer is set)
         ("init_from", Optional[str], dataclasses.field(default=None)),
     ], namespace={"__module__": __name__, "__doc__": doc})

@@ -70,7 +70,7 @@ def test_every_llama_field_is_overridable_and_reaches_the_resolved_model(name):
 
 def test_default_vocab_follows_the_tokenizer_rounded_up():
     cfg = load()
-    assert resolve_model_config(cfg.model, tokenizer_vocab_size=300, seq_len=128).vocab_size == 320
+    assert resolve_model_config(cfg.model, tokenizer_vocab_size=300, seq_len=128).vocab_size == 384
     assert resolve_model_config(load("model.vocab_multiple_of=1").model, 300, 128).vocab_size == 300
     assert resolve_model_config(load("model.vocab_size=500").model, 300, 128).vocab_size == 500
     with pytest.raises(ConfigError, match="set model.vocab_size>=300 or leave it null"):
