@@ -44,7 +44,7 @@ def run_script(name: str, *args: str, timeout: float = 120) -> subprocess.Comple
 
 @pytest.fixture(scope="module")
 def trained_run(tiny, tmp_path_factory) -> Path:
-    """A 12-step run of the tiny model (vocab 320 = the 300-token BPE padded to a multiple of 64)."""
+    """A 12-step run of the tiny model (vocab 384 = the 300-token BPE padded to a multiple of 128)."""
     run_dir = tmp_path_factory.mktemp("hf_run")
     result = subprocess.run([sys.executable, "train.py", *tiny, f"trainer.run_dir={run_dir}", "trainer.max_steps=12",
                              "model.impl=eager"], cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -102,13 +102,13 @@ def test_exported_checkpoint_loads_in_transformers_with_our_logits(trained_run, 
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
     assert hf_load_warnings() == []
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    assert hf.config.tie_word_embeddings and hf.config.vocab_size == 320 and hf.dtype == torch.float32
+    assert hf.config.tie_word_embeddings and hf.config.vocab_size == 384 and hf.dtype == torch.float32
 
     ids = ckpt.tokenizer.encode(TEXT, add_special_tokens=False).ids
     assert hf_tokenizer(TEXT).input_ids == ids and hf_tokenizer.decode(ids) == TEXT
     assert hf_tokenizer.eos_token == hf_tokenizer.bos_token == EOS_TOKEN == ckpt.eos_token
     assert hf.generation_config.eos_token_id == ckpt.eos_id
-    assert hf.generation_config.suppress_tokens == list(range(300, 320))  # padded rows are never generated
+    assert hf.generation_config.suppress_tokens == list(range(300, 384))  # padded rows are never generated
     tokens = torch.tensor([ids])
     with torch.no_grad():
         assert rel_err(hf(tokens).logits, ours.logits(tokens)) < 1e-5
@@ -279,7 +279,7 @@ def test_eval_script_reports_loss_and_perplexity_of_the_val_split_and_of_text_fi
     model = load_eager_model(ckpt, torch.device("cpu"), torch.float32)
     expected, count = mean_loss(model, TokenLoader(ckpt.data, "val", 4, 32, seed=0).iter_eval(3), torch.device("cpu"))
     assert count == 384 and loss == pytest.approx(expected, abs=1e-4) and ppl == pytest.approx(math.exp(expected), rel=1e-3)
-    assert 2.0 < loss < math.log(320) + 0.5  # trained a little: below chance, but not memorized
+    assert 2.0 < loss < math.log(384) + 0.5  # trained a little: below chance, but not memorized
 
     text = tmp_path / "doc.py"
     text.write_text(TEXT * 12)

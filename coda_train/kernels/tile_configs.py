@@ -70,6 +70,8 @@ CFG_EXP = {"gemm_rowscale_exp_cross_entropy": Cfg(128, STAT_TILE_N, 2, 1, True),
 # (python scripts/bench_lm_head.py --sweep-scaled, H200, 2026-12-01)
 CFG_EXP_SCALED = Cfg(128, 128, 2, 1, True)
 PLAIN_GEMMS = ("matmul", "matmul_tn")  # cuBLAS unless the table names a quack config
+TOKENS_IN_K = ("matmul_tn", "matmul_tn_exp", "matmul_tn_exp_add")  # weight gradients: the token dim is K
+STRIP_GEMMS = ("gemm_exp_rmsnorm_backward", "matmul_tn_exp", "matmul_tn_exp_add")  # A scaled by a strip (H'')
 
 # The (tile_M, tile_N, pingpong) quack 0.6.5 runs on SM90 (its autotuner's list,
 # quack.gemm_config.get_all_configs; tests/test_tile_configs.py keeps the two in step) and the
@@ -108,6 +110,8 @@ def config_errors(op: str, cfg: Optional[Cfg]) -> list[str]:
                       f"column per {STAT_TILE_N} output columns)")
     if cfg.tile_N % TILE_N_MULTIPLE.get(op, 1):
         errors.append(f"{op}: tile_N={cfg.tile_N} must be a multiple of {TILE_N_MULTIPLE[op]}")
+    if op in STRIP_GEMMS and cfg.tile_M != 128:
+        errors.append(f"{op}: tile_M={cfg.tile_M} must be 128 (the strip's rows, and the vocabulary's multiple)")
     if op == "gemm_rowscale_exp_cross_entropy" and cfg.tile_N != STAT_TILE_N:
         errors.append(f"{op}: tile_N={cfg.tile_N} must be {STAT_TILE_N} (one power-of-two offset per declared group)")
     return errors
@@ -128,8 +132,9 @@ Key = tuple[str, int, int, int]  # (op, M, N, K), the token dim bucketed
 
 def shape_class(op: str, m: int, n: int, k: int) -> Key:
     """The table key of `op`'s GEMM (m, n, k): the token dim (it varies with the batch) rounded by
-    m_bucket, the model widths exact. Tokens are K in the weight gradient matmul_tn, M elsewhere."""
-    return (op, m, n, m_bucket(k)) if op == "matmul_tn" else (op, m_bucket(m), n, k)
+    m_bucket, the model widths exact. Tokens are K in the weight gradients (matmul_tn, the LM head's
+    matmul_tn_exp / _add), M elsewhere."""
+    return (op, m, n, m_bucket(k)) if op in TOKENS_IN_K else (op, m_bucket(m), n, k)
 
 
 def _entry_error(e) -> Optional[str]:

@@ -301,7 +301,7 @@ def gemm_exp_rmsnorm_backward(e: Tensor, strip: Tensor, v: Tensor, w: Tensor, x:
     g_gamma = sink_rows(Mp, d, cfg, x.device)
     pad = lambda t: _rows_padded(t, Mp)  # noqa: E731
     gemm(E.rowscale_rmsnorm_backward, pad(e), w.mT, g_x, cfg=cfg,
-         strip=(E.strip_scale_rows, strip if Mp == M else _strip_cols_padded(strip, Mp)),
+         strip=(E.strip_scale_rows, _strip_cols_padded(strip, Mp)),
          epi={"x": pad(x), "gamma": rowvec(gamma), "coef": colvec(pad(c.float())), "v": colvec(pad(v.float())),
               "g_gamma": g_gamma})
     if compiling_only():

@@ -150,8 +150,10 @@ def cross_entropy_exp_backward(e: Tensor, k: Tensor, sum_exp: Tensor, sum_exp_y:
     need(e.is_contiguous() and V % STAT_TILE_N == 0 and G == V // STAT_TILE_N,
          f"cross_entropy_exp_backward: e must be contiguous with V a multiple of {STAT_TILE_N} and one offset per "
          f"{STAT_TILE_N} columns, got e {tuple(e.shape)}, k {tuple(k.shape)}")
-    need(targets.numel() == M and r.numel() == M and grad_scale.numel() == 1 and h.shape[0] == M,
-         f"cross_entropy_exp_backward: targets, r and h need one entry or row per row of e ({M}), grad_scale one")
+    need(all(t.shape[0] == M for t in (k, sum_exp, sum_exp_y, target_logit, h)) and targets.numel() == M
+         and r.numel() == M and grad_scale.numel() == 1 and sum_exp.shape == sum_exp_y.shape == k.shape,
+         f"cross_entropy_exp_backward: k, the sums, target_logit, targets, r and h need one row or entry per row of "
+         f"e ({M}), the sums k's shape {tuple(k.shape)}, grad_scale one element")
     dev = e.device
     loss, v, kmax = (empty(M, dtype=torch.float32, device=dev) for _ in range(3))
     stat = empty(M, 1, dtype=torch.float32, device=dev)
