@@ -25,6 +25,11 @@ from torch import Tensor
 STAT_TILE_N = 128
 
 
+# Vocabulary columns per strip entry of the LM head's gradient (H', H''): the 64-wide K tiles of the
+# GEMMs that scale the stored exponentials by the strip as they load them.
+STRIP_COLS = 64
+
+
 def n_stat_cols(n: int) -> int:
     """Number of partial-sum columns of a GEMM epilogue over n output columns."""
     return (n + STAT_TILE_N - 1) // STAT_TILE_N

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .declare import STAT_TILE_N, Example, declare, n_stat_cols, stat_dtype
+from .declare import STAT_TILE_N, STRIP_COLS, Example, declare, n_stat_cols, stat_dtype
 
 
 def _f(t: Tensor) -> Tensor:
@@ -147,7 +147,6 @@ def gemm_rowscale_cross_entropy(h: Tensor, r: Tensor, w_lm: Tensor, targets: Ten
 
 
 LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
-STRIP_COLS = 64  # vocab columns per strip entry: the consumers' 64-wide K tiles (H', H'')
 MAX_OCTAVES = 100  # a target's group offset at most this many octaves below the row's largest (H')
 
 

@@ -27,11 +27,11 @@ from torch import Tensor
 
 from .. import reference
 from ..cute_limits import need, need_exp_vocab, need_inner, need_rope_head_dim, need_swiglu_width
+from ..declare import STRIP_COLS
 from ..library import cute_impl
 from ..tile_configs import CFG_EXP_SCALED, tables
 from . import _epilogues as E
-from ._launch import (STRIP_TILE_K, cfg_for, colvec, compiling_only, empty, gemm, need_bf16, rowvec, sink_cols,
-                      sink_rows, stat_cols)
+from ._launch import cfg_for, colvec, compiling_only, empty, gemm, need_bf16, rowvec, sink_cols, sink_rows, stat_cols
 
 tables()  # a bad $CODA_TILE_CONFIGS table fails when the backend loads, before any GPU work
 
@@ -279,8 +279,8 @@ def _need_strip(op: str, e: Tensor, strip: Tensor) -> tuple[int, int]:
     M, V = e.shape
     need_bf16(op, e=e, strip=strip)
     need_exp_vocab(op, V)
-    need(tuple(strip.shape) == (V // STRIP_TILE_K, M),
-         f"{op}: strip must be (V/{STRIP_TILE_K}, M) = ({V // STRIP_TILE_K}, {M}), got {tuple(strip.shape)}")
+    need(tuple(strip.shape) == (V // STRIP_COLS, M),
+         f"{op}: strip must be (V/{STRIP_COLS}, M) = ({V // STRIP_COLS}, {M}), got {tuple(strip.shape)}")
     return M, V
 
 
@@ -317,7 +317,7 @@ def _matmul_tn_exp(op: str, acc: Optional[Tensor], e: Tensor, strip: Tensor, hs:
     need_bf16(op, hs=hs)
     need_inner(op, d=d)
     cfg = cfg_for(op, V, d, M) if scale is None else CFG_EXP_SCALED
-    u = _strip_cols_padded(strip, -(-M // STRIP_TILE_K) * STRIP_TILE_K)
+    u = _strip_cols_padded(strip, -(-M // STRIP_COLS) * STRIP_COLS)
     out = acc if acc is not None else empty(V, d, dtype=torch.float32, device=e.device)
     if scale is None:
         gemm(E.plain, e.mT, hs.mT, out, cfg=cfg, epi={}, add_to_output=acc is not None, strip=(E.strip_scale_cols, u))

@@ -23,6 +23,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ..cute_limits import need, need_embedding_dim
+from ..declare import STAT_TILE_N, STRIP_COLS
+from ..reference import MAX_OCTAVES
 from ._launch import compiling_only, empty, need_bf16
 
 
@@ -140,9 +142,6 @@ def cross_entropy_exp_backward(e: Tensor, k: Tensor, sum_exp: Tensor, sum_exp_y:
                                targets: Tensor, r: Tensor, h: Tensor,
                                grad_scale: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """H' on H's per-(row, 128-column group) outputs; e's target columns rewritten in place."""
-    from ..reference import MAX_OCTAVES, STRIP_COLS
-    from ..declare import STAT_TILE_N
-
     M, V = e.shape
     G = k.shape[1]
     D = h.shape[1]

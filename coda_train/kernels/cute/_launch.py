@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from ..cute_limits import need
-from ..declare import n_stat_cols
+from ..declare import STRIP_COLS, n_stat_cols
 from ..tile_configs import CFG_DEFAULT, CFG_ROPE, Cfg, gpu_key, lookup  # noqa: F401  (Cfg, CFG_*: re-exported)
 
 _compile_only = False
@@ -109,22 +109,19 @@ def sink_rows(M: int, N: int, cfg: Cfg, device) -> Tensor:
     return empty(-(-M // cfg.tile_M), N, dtype=torch.float32, device=device)
 
 
-STRIP_TILE_K = 64  # the K tile of the GEMMs whose A operand a strip scales (one strip entry per 64 columns)
-
-
 def gemm(mod, A: Tensor, B: Tensor, D: Optional[Tensor], C: Optional[Tensor] = None, *, epi: dict,
          cfg: Cfg, concat: tuple = (), add_to_output: bool = False, strip=None):
     """D = epilogue(A @ B^T) with A (M, K), B (N, K) in any majors (views are fine); with
     add_to_output, D += epilogue(A @ B^T) through the TMA reduce-add store (no C load); with
     strip = (transform, u), A is scaled by the strip u as the mainloop loads it (quack's
-    register-sourced A transform, K tiles of STRIP_TILE_K)."""
+    register-sourced A transform, K tiles of STRIP_COLS)."""
     kw = {}
     if strip is not None:
         from quack.operand_transform.host import transform_a_operand
 
         transform, u = strip
-        A = transform_a_operand(transform, A, {"u": u}, cfg.tile_M, STRIP_TILE_K)
-        kw = dict(transform_a=transform, tile_K=STRIP_TILE_K)
+        A = transform_a_operand(transform, A, {"u": u}, cfg.tile_M, STRIP_COLS)
+        kw = dict(transform_a=transform, tile_K=STRIP_COLS)
     return mod.gemm(
         A, B, D, C, epi_args=epi, add_to_output=add_to_output,
         tile_M=cfg.tile_M, tile_N=cfg.tile_N, cluster_M=cfg.cluster_M, cluster_N=cfg.cluster_N,
