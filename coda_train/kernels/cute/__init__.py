@@ -257,21 +257,13 @@ def gemm_rmsnorm_backward(g_y_scaled: Tensor, w: Tensor, residual_grad: Tensor, 
     return g_x, g_gamma.sum(0)
 
 
-def _rows_padded(t: Tensor, rows: int) -> Tensor:
-    """t with zero rows appended up to `rows` (a strip operand's GEMM needs M a multiple of its tile)."""
-    if t.shape[0] == rows:
+def _zero_padded(t: Tensor, size: int, dim: int = 0) -> Tensor:
+    """t (contiguous) with zeros appended along `dim` up to `size`: the strip GEMMs need the dgrad's
+    rows a multiple of its tile and the weight gradient's token axis whole 64-wide K tiles."""
+    if t.shape[dim] == size:
         return t.contiguous()
-    out = torch.zeros(rows, *t.shape[1:], dtype=t.dtype, device=t.device)
-    out[:t.shape[0]] = t
-    return out
-
-
-def _strip_cols_padded(strip: Tensor, cols: int) -> Tensor:
-    """The (V/64, M) strip with its token axis padded to `cols` (the K tiles of the weight gradient)."""
-    if strip.shape[1] == cols:
-        return strip.contiguous()
-    out = torch.zeros(strip.shape[0], cols, dtype=strip.dtype, device=strip.device)
-    out[:, :strip.shape[1]] = strip
+    out = t.new_zeros(*t.shape[:dim], size, *t.shape[dim + 1:])
+    out.narrow(dim, 0, t.shape[dim]).copy_(t)
     return out
 
 
@@ -299,9 +291,9 @@ def gemm_exp_rmsnorm_backward(e: Tensor, strip: Tensor, v: Tensor, w: Tensor, x:
     Mp = -(-M // cfg.tile_M) * cfg.tile_M
     g_x = empty(Mp, d, dtype=x.dtype, device=x.device)
     g_gamma = sink_rows(Mp, d, cfg, x.device)
-    pad = lambda t: _rows_padded(t, Mp)  # noqa: E731
+    pad = lambda t: _zero_padded(t, Mp)  # noqa: E731
     gemm(E.rowscale_rmsnorm_backward, pad(e), w.mT, g_x, cfg=cfg,
-         strip=(E.strip_scale_rows, _strip_cols_padded(strip, Mp)),
+         strip=(E.strip_scale_rows, _zero_padded(strip, Mp, dim=1)),
          epi={"x": pad(x), "gamma": rowvec(gamma), "coef": colvec(pad(c.float())), "v": colvec(pad(v.float())),
               "g_gamma": g_gamma})
     if compiling_only():
@@ -317,7 +309,7 @@ def _matmul_tn_exp(op: str, acc: Optional[Tensor], e: Tensor, strip: Tensor, hs:
     need_bf16(op, hs=hs)
     need_inner(op, d=d)
     cfg = cfg_for(op, V, d, M) if scale is None else CFG_EXP_SCALED
-    u = _strip_cols_padded(strip, -(-M // STRIP_COLS) * STRIP_COLS)
+    u = _zero_padded(strip, -(-M // STRIP_COLS) * STRIP_COLS, dim=1)
     out = acc if acc is not None else empty(V, d, dtype=torch.float32, device=e.device)
     if scale is None:
         gemm(E.plain, e.mT, hs.mT, out, cfg=cfg, epi={}, add_to_output=acc is not None, strip=(E.strip_scale_cols, u))
