@@ -1,20 +1,20 @@
 """Time the LM head's forward + backward (logits GEMM, cross-entropy gradient, dgrad, weight gradient)
 at the bench shapes on one Hopper GPU, three ways, against the floor of its three cuBLAS GEMMs:
 
-  coda        coda.lm_head_loss on the cute op set (H: logits GEMM with online-LSE partials, stored
-              bf16; H': one Triton pass writing r*g_y over them; H'': the dgrad GEMM with the RMSNorm
-              backward epilogue; the weight gradient) -- what a training step runs.
-  quack-exp   quack's scaled-exp linear cross-entropy: the logits GEMM stores E = 2^(z log2e - k) with
-              one power-of-two offset k per (row, N tile), and the dgrad / weight-gradient GEMMs scale
-              E in their mainloop (register-sourced A, per (row, 64 columns) strips): no pass over
-              the (rows x vocab) buffer between the GEMMs. No RMSNorm parts (x is normalized).
+  coda        coda.lm_head_loss on the cute op set, what a training step runs (docs/design.md, "The
+              LM head"): H, the logits GEMM storing exponentials with one power-of-two offset per
+              (row, 128 columns) and per-row sums; H', two Triton launches on per-row numbers; H'',
+              the dgrad GEMM with the RMSNorm backward epilogue and the weight-gradient GEMM, both
+              scaling the exponentials as their mainloop loads them; the backward's g_loss scale.
+  quack-exp   quack's scaled-exp linear cross-entropy, which H/H'/H'' rewrite with CODA's row scale,
+              RMSNorm backward and statistic (no RMSNorm parts: x is normalized).
   quack-base  quack's chunked baseline: torch.mm, a row kernel writing the gradient over the logits,
-              two GEMMs.
+              two GEMMs. It leaves the last chunk's weight gradient out (its backward), so it is one
+              GEMM short of the others.
 
-The point: whether storing the softmax numerator instead of the logits would remove CODA's H' pass
-(docs/kernels.md) for less than it costs. Each variant is the median of triton.testing.do_bench;
-the kernels of one call are listed with their times (torch.profiler). Prints a table and writes
-bench_lm_head.json / .md under --out (default $OUT).
+Each variant is the median of triton.testing.do_bench; the kernels of one call are listed with
+their times (torch.profiler). Prints a table and writes bench_lm_head.json / .md under --out
+(default $OUT).
 
   python scripts/bench_lm_head.py [--presets llama3_125m,llama3_1b,llama3_8b] [--out DIR]
 """
@@ -118,55 +118,33 @@ def variants(t: dict):
     return [("coda", coda_step), ("quack-exp", quack_exp), ("quack-base", quack_base), ("floor (3 cuBLAS GEMMs)", floor)], chunk
 
 
-SCALED_CONFIGS = ["128x256 c1x2 cooperative", "128x192 c2x1 pingpong", "128x128 c2x1 pingpong", "256x128 c1x2 cooperative",
-                  "128x256 c2x1 cooperative"]
-
-
-def sweep_scaled(t: dict, chunk: int) -> list[dict]:
-    """The last chunk's weight-gradient GEMM with the loss scale (matmul_tn_exp_add's C = D epilogue)
-    under each candidate tile config."""
-    from coda_train.kernels import reference as R
-    from coda_train.kernels.tile_configs import Cfg, forced
-
-    ops = op_set("cute")
-    h, r, w, targets = t["h"][:chunk], t["r"][:chunk], t["w"].detach().bfloat16(), t["targets"][:chunk]
-    e, k, se, sey, yt = ops.gemm_rowscale_exp_cross_entropy(h, r, w, targets)
-    _, strip, v, hs, _ = ops.cross_entropy_exp_backward(e, k, se, sey, yt, targets, r, h, torch.tensor(1.0 / chunk, device=h.device))
-    acc = torch.randn(w.shape, device=h.device)
-    scale = torch.tensor(0.5, device=h.device)
-    out = []
-    for text in SCALED_CONFIGS:
-        cfg = Cfg.parse(text)
-        try:
-            with forced({"matmul_tn_exp_add": cfg}):
-                want = acc.clone()
-                R.matmul_tn_exp_add(want, e.float(), strip.float(), hs.float(), scale)
-                got = acc.clone()
-                ops.matmul_tn_exp_add(got, e, strip, hs, scale)
-                err = float((got - want).norm() / want.norm())
-                ms = do_bench(lambda: ops.matmul_tn_exp_add(acc.clone(), e, strip, hs, scale))
-                plain = do_bench(lambda: ops.matmul_tn_exp_add(acc.clone(), e, strip, hs))
-            out.append(dict(config=text, ms=ms, plain_ms=plain, err=err))
-            print(f"   scaled wgrad {text:28s} {ms:7.3f} ms (add without scale {plain:7.3f}) err {err:.1e}", flush=True)
-        except Exception as ex:
-            print(f"   scaled wgrad {text:28s} failed: {type(ex).__name__}: {str(ex)[:160]}", flush=True)
-    return out
+def write(rows: list[dict], out: str, meta: dict) -> None:
+    """bench_lm_head.json / .md under `out` (rewritten after each preset: a call cut short keeps what it measured)."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "bench_lm_head.json"), "w") as f:
+        json.dump(dict(meta, rows=rows), f, indent=1)
+    with open(os.path.join(out, "bench_lm_head.md"), "w") as f:
+        f.write(f"`{meta['command']}` on {meta['gpu']}, {meta['date']}\n\n")
+        f.write("| preset | variant | rows x vocab x dim | chunk rows | ms | / floor |\n|---|---|---|---:|---:|---:|\n")
+        for r in rows:
+            if "ms" in r:
+                f.write(f"| {r['preset']} | {r['variant']} | {r['shape']} | {r['chunk_rows']} | {r['ms']:.3f} | "
+                        f"{r.get('per_floor', float('nan')):.2f} |\n")
+            else:
+                f.write(f"| {r['preset']} | {r['variant']} | - | - | failed: {r['error'][:80]} | - |\n")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", default="llama3_125m,llama3_1b,llama3_8b")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--sweep-scaled", action="store_true", help="only sweep the scaled weight-gradient GEMM's configs")
     args = ap.parse_args()
+    meta = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                command="python " + " ".join(sys.argv))
     rows = []
     for preset in args.presets.split(","):
         t = inputs(preset)
         runs, chunk = variants(t)
-        if args.sweep_scaled:
-            print(preset, flush=True)
-            rows.append(dict(preset=preset, variant="scaled wgrad sweep", sweep=sweep_scaled(t, chunk)))
-            continue
         floor_ms = None
         for name, fn in runs:
             try:
@@ -186,24 +164,9 @@ def main() -> None:
         for row in rows:
             if row["preset"] == preset and "ms" in row and floor_ms:
                 row["per_floor"] = row["ms"] / floor_ms
+        write(rows, args.out, meta)
         del t
         torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    meta = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                command="python " + " ".join(sys.argv))
-    with open(os.path.join(args.out, "bench_lm_head.json"), "w") as f:
-        json.dump(dict(meta, rows=rows), f, indent=1)
-    with open(os.path.join(args.out, "bench_lm_head.md"), "w") as f:
-        f.write(f"`{meta['command']}` on {meta['gpu']}, {meta['date']}\n\n")
-        f.write("| preset | variant | rows x vocab x dim | chunk rows | ms | / floor |\n|---|---|---|---:|---:|---:|\n")
-        for r in rows:
-            if "sweep" in r:
-                f.write("".join(f"| {r['preset']} | scaled wgrad {c['config']} | - | - | {c['ms']:.3f} | - |\n" for c in r["sweep"]))
-            elif "ms" in r:
-                f.write(f"| {r['preset']} | {r['variant']} | {r['shape']} | {r['chunk_rows']} | {r['ms']:.3f} | "
-                        f"{r.get('per_floor', float('nan')):.2f} |\n")
-            else:
-                f.write(f"| {r['preset']} | {r['variant']} | - | - | failed: {r['error'][:80]} | - |\n")
     print("\n" + open(os.path.join(args.out, "bench_lm_head.md")).read())
 
 

@@ -101,6 +101,7 @@ def test_ops_write_exactly_their_declared_mutated_inputs():
     (to the reference's values) and leaves every other input as it was."""
     assert {n: op.mutates for n, op in OPS.items() if op.mutates} == {"cross_entropy_exp_backward": ("e",),
                                                                       "matmul_tn_exp_add": ("acc",),
+                                                                      "scale_in_place": ("t",),
                                                                       "embedding_backward": ("acc",)}
     for op, case, kw in cases(torch.float64):
         assert written_args(op.name) == set(op.mutates), case
@@ -110,7 +111,7 @@ def test_ops_write_exactly_their_declared_mutated_inputs():
         L.CUSTOM_OPS[op.name](**kw)
         for k, v in before.items():
             if k in op.mutates:
-                assert not torch.equal(kw[k], v), f"{case}: {k} not updated"
+                assert torch.equal(want_mutated[k], v) or not torch.equal(kw[k], v), f"{case}: {k} not updated"
                 torch.testing.assert_close(kw[k], want_mutated[k], rtol=0, atol=0)
             else:
                 assert torch.equal(kw[k], v), f"{case}: {k} changed"
@@ -183,7 +184,7 @@ def test_partial_widths_follow_the_stat_tile():
 
 def block_and_loss(tokens, emb, norm, w_qkv, rope, w_o, w_gate_up, w_down, w_lm, targets):
     """A model-like chain (docs/design.md F1..F6, H, L, H', B2, H''): one layer, the evaluation and
-    the training loss, logits, the LM head's gradient in two chunks of rows."""
+    the training loss, logits, the LM head's gradient in two chunks of rows, scaled by a g_loss."""
     s, coda = SMALL, torch.ops.coda
     d = s.dim
     x, h, sumsq = coda.embedding_rmsnorm_partial(tokens, emb, norm, emb.dtype)
@@ -205,6 +206,7 @@ def block_and_loss(tokens, emb, norm, w_qkv, rope, w_o, w_gate_up, w_down, w_lm,
     g_x2, g_norm = coda.gemm_exp_rmsnorm_backward(e, strip, v, w_lm, x2, norm, c)
     g_w = coda.matmul_tn_exp(e[:8], strip[:, :8], hs[:8])
     coda.matmul_tn_exp_add(g_w, e[8:], strip[:, 8:], hs[8:])
+    coda.scale_in_place(g_w, loss.new_full((), 0.5))  # the backward's g_loss
     return loss, loss_t.mean(), logits, g_x2, g_norm, g_w
 
 
@@ -233,7 +235,7 @@ def test_make_fx_traces_the_ops_as_opaque_nodes():
         "embedding_rmsnorm_partial", "rstd_from_partials", "gemm_rowscale_rope", "attention",
         "gemm_residual_rmsnorm_partial", "gemm_rowscale_swiglu", "gemm_rowscale_cross_entropy", "gemm_rowscale",
         "gemm_rowscale_exp_cross_entropy", "cross_entropy_exp_backward", "rmsnorm_backward_coeff",
-        "gemm_exp_rmsnorm_backward", "matmul_tn_exp", "matmul_tn_exp_add")}
+        "gemm_exp_rmsnorm_backward", "matmul_tn_exp", "matmul_tn_exp_add", "scale_in_place")}
     # nothing of the ops' insides (matmuls, logsumexp, ...) leaks into the graph
     assert not any(t.startswith("aten.mm") or "logsumexp" in t for t in targets), sorted(targets)
 

@@ -429,8 +429,7 @@ def _exp_wgrad_examples(x: Example, accumulate: bool) -> dict:
     case = dict(e=kw["e"], strip=kw["strip"], hs=kw["hs"])
     if not accumulate:
         return {"": case}
-    acc = lambda: x.stat(x.dims.vocab_size, x.dims.dim, scale=x.dims.rows ** -0.5)
-    return {"": dict(acc=acc(), **case), "scaled": dict(acc=acc(), **case, scale=x.stat(1).reshape(()))}
+    return {"": dict(acc=x.stat(x.dims.vocab_size, x.dims.dim, scale=x.dims.rows ** -0.5), **case)}
 
 
 @declare(fake=lambda e, strip, hs: _new(hs, e.shape[1], hs.shape[1], stat=True),
@@ -442,17 +441,25 @@ def matmul_tn_exp(e: Tensor, strip: Tensor, hs: Tensor) -> Tensor:
     return _f(_strip_scaled(e, strip)).t() @ _f(hs)
 
 
-@declare(fake=lambda acc, e, strip, hs, scale=None: None,
+@declare(fake=lambda acc, e, strip, hs: None,
          examples=lambda x: _exp_wgrad_examples(x, accumulate=True),
          mutates=("acc",),
-         gemm=lambda acc, e, strip, hs, scale=None: (e.shape[1], hs.shape[1], e.shape[0]))
-def matmul_tn_exp_add(acc: Tensor, e: Tensor, strip: Tensor, hs: Tensor, scale: Optional[Tensor] = None) -> None:
+         gemm=lambda acc, e, strip, hs: (e.shape[1], hs.shape[1], e.shape[0]))
+def matmul_tn_exp_add(acc: Tensor, e: Tensor, strip: Tensor, hs: Tensor) -> None:
     """(H'') acc += (strip (x) e)^T @ hs in place (matmul_tn_exp accumulated over chunks of rows in
-    one fp32 buffer); with `scale` (a 0-dim tensor, read on the device) then acc = scale * acc: the
-    LM head's incoming loss gradient, applied by its last GEMM."""
+    one fp32 buffer)."""
     acc += _f(_strip_scaled(e, strip)).t() @ _f(hs)
-    if scale is not None:
-        acc *= scale.to(acc.dtype)
+
+
+@declare(fake=lambda t, scale: None,
+         examples=lambda x: {"": dict(t=x.stat(x.dims.vocab_size, x.dims.dim), scale=x.stat(1).reshape(())),
+                             "one": dict(t=x.stat(x.dims.vocab_size, x.dims.dim), scale=x.positive(1).fill_(1.0).reshape(())),
+                             "zero": dict(t=x.stat(x.dims.vocab_size, x.dims.dim), scale=x.positive(1).fill_(0.0).reshape(()))},
+         mutates=("t",))
+def scale_in_place(t: Tensor, scale: Tensor) -> None:
+    """t *= scale in place, `scale` a 0-dim tensor read on the device (never on the host: no sync):
+    the LM head's incoming loss gradient applied to the gradients its forward computed (H'')."""
+    t.mul_(scale.to(t.dtype))
 
 
 @declare(fake=lambda acc, tokens, g_x: None,

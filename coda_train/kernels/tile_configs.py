@@ -65,10 +65,6 @@ CFG_ROPE = Cfg(128, 128)
 CFG_EXP = {"gemm_rowscale_exp_cross_entropy": Cfg(128, STAT_TILE_N, 2, 1, True),
            "gemm_exp_rmsnorm_backward": Cfg(128, 256, 2, 1, False),
            "matmul_tn_exp": Cfg(128, 256, 2, 1, False), "matmul_tn_exp_add": Cfg(128, 256, 2, 1, False)}
-# matmul_tn_exp_add with the loss scale (the last chunk, C = D read in the epilogue): 1.48 / 4.45 / 9.25 ms
-# at the 125M / 1B / 8B chunks vs 2.12 / 5.96 / 11.88 for the unscaled calls' 128x256 c2x1 cooperative
-# (python scripts/bench_lm_head.py --sweep-scaled, H200, 2026-12-01)
-CFG_EXP_SCALED = Cfg(128, 128, 2, 1, True)
 PLAIN_GEMMS = ("matmul", "matmul_tn")  # cuBLAS unless the table names a quack config
 TOKENS_IN_K = ("matmul_tn", "matmul_tn_exp", "matmul_tn_exp_add")  # weight gradients: the token dim is K
 STRIP_GEMMS = ("gemm_exp_rmsnorm_backward", "matmul_tn_exp", "matmul_tn_exp_add")  # A scaled by a strip (H'')

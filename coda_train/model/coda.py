@@ -198,11 +198,7 @@ class LMHeadLoss(Function):
     forward computes it chunk by chunk of rows (three vocab-sized GEMMs, logits never recomputed,
     one chunk alive at a time) and the backward applies that scalar. The logits are stored as their
     exponentials with per-group offsets (H), so the gradient needs no pass over them: H' works on
-    per-row numbers and the dgrad/weight-gradient GEMMs apply its factors as they load (H'').
-    The last chunk's weight-gradient GEMM waits for the backward, where its epilogue applies the
-    scalar to the whole V x d gradient (matmul_tn_exp_add's scale): no pass of its own over the
-    table. Its chunk stays alive until then, which adds nothing to the peak: the forward's last
-    chunk already held it next to everything the backward starts with."""
+    per-row numbers and the dgrad/weight-gradient GEMMs apply its factors as they load (H'')."""
 
     @staticmethod
     def forward(ctx, x: Tensor, h: Tensor, r: Tensor, norm: Tensor, w_lm: Tensor, norm_c: Tensor, w_lm_c: Tensor,
@@ -217,18 +213,15 @@ class LMHeadLoss(Function):
             rows = slice(i, i + step)
             loss_c, g_x_c, g_norm_c, grad_c = LMHeadLoss._chunk(x[rows], h[rows], r[rows], norm, w_lm, targets[rows],
                                                                 grad_scale, ops)
-            if i + step < M:  # every chunk's weight gradient but the last: into one fp32 buffer
-                if g_w is None:
-                    g_w = ops.matmul_tn_exp(*grad_c)
-                else:
-                    ops.matmul_tn_exp_add(g_w, *grad_c)  # in place: one vocab x dim gradient buffer
-                del grad_c  # before the next chunk's exponentials exist: one chunk alive at a time
+            if g_w is None:  # every chunk's weight gradient into one fp32 buffer
+                g_w = ops.matmul_tn_exp(*grad_c)
+            else:
+                ops.matmul_tn_exp_add(g_w, *grad_c)  # in place: one vocab x dim gradient buffer
+            del grad_c  # before the next chunk's exponentials exist: one chunk alive at a time
             losses.append(loss_c)
             g_xs.append(g_x_c)
             g_norm = g_norm_c if g_norm is None else g_norm + g_norm_c
-        if g_w is None:  # one chunk: the backward's GEMM adds into zeros
-            g_w = torch.zeros(w_lm.shape, dtype=g_norm.dtype, device=h.device)
-        ctx.save_for_backward(torch.cat(g_xs), g_norm, g_w, *grad_c)
+        ctx.save_for_backward(torch.cat(g_xs), g_norm, g_w)
         ctx.ops = ops
         return torch.cat(losses).mean()
 
@@ -245,16 +238,17 @@ class LMHeadLoss(Function):
 
     @staticmethod
     def backward(ctx, g_loss: Tensor):
-        # g_x, g_norm and the earlier chunks' g_w for an incoming gradient of 1; the last chunk's weight-
-        # gradient operands. g_loss: 0-dim, on the device (never read on the host: no sync).
-        g_x, g_norm, g_w, *grad_c = ctx.saved_tensors
+        # g_x, g_norm, g_w for an incoming gradient of 1; g_loss: 0-dim, on the device (never read on the
+        # host: no sync). scale_in_place skips its pass on the device when g_loss = 1 (no accumulation).
+        g_x, g_norm, g_w = ctx.saved_tensors
         # In place when autograd frees the graph after this call: no second V x d g_w, and with the saved
         # reference released the gradient is adopted as .grad without a copy. On a copy when the graph is
         # retained (a host flag: no sync), so every later call starts from the unscaled originals again.
         if torch._C._autograd._get_current_graph_task_keep_graph():
             g_x, g_norm, g_w = (t.clone() for t in (g_x, g_norm, g_w))
-        ctx.ops.matmul_tn_exp_add(g_w, *grad_c, g_loss)  # g_w = g_loss * (g_w + last chunk's)
-        return g_x.mul_(g_loss), None, None, g_norm.mul_(g_loss), g_w, None, None, None, None
+        for t in (g_x, g_norm, g_w):
+            ctx.ops.scale_in_place(t, g_loss)
+        return g_x, None, None, g_norm, g_w, None, None, None, None
 
 
 RECOMPUTE = ("none", "block")  # block: each block's backward recomputes its forward from (x, h, r)

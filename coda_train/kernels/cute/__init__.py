@@ -29,7 +29,7 @@ from .. import reference
 from ..cute_limits import need, need_exp_vocab, need_inner, need_rope_head_dim, need_swiglu_width
 from ..declare import STRIP_COLS
 from ..library import cute_impl
-from ..tile_configs import CFG_EXP_SCALED, tables
+from ..tile_configs import tables
 from . import _epilogues as E
 from ._launch import cfg_for, colvec, compiling_only, empty, gemm, need_bf16, rowvec, sink_cols, sink_rows, stat_cols
 
@@ -301,40 +301,43 @@ def gemm_exp_rmsnorm_backward(e: Tensor, strip: Tensor, v: Tensor, w: Tensor, x:
     return g_x[:M], g_gamma.sum(0)
 
 
-def _matmul_tn_exp(op: str, acc: Optional[Tensor], e: Tensor, strip: Tensor, hs: Tensor, scale: Optional[Tensor]):
+def _matmul_tn_exp(op: str, acc: Optional[Tensor], e: Tensor, strip: Tensor, hs: Tensor) -> Tensor:
     """acc (+)= (strip (x) e)^T hs: A = e^T (vocab rows, the strip per 64 of them), K = the chunk's
     token rows (the strip's token axis padded to whole 64-wide K tiles)."""
     M, V = _need_strip(op, e, strip)
     d = hs.shape[1]
     need_bf16(op, hs=hs)
     need_inner(op, d=d)
-    cfg = cfg_for(op, V, d, M) if scale is None else CFG_EXP_SCALED
+    cfg = cfg_for(op, V, d, M)
     u = _zero_padded(strip, -(-M // STRIP_COLS) * STRIP_COLS, dim=1)
     out = acc if acc is not None else empty(V, d, dtype=torch.float32, device=e.device)
-    if scale is None:
-        gemm(E.plain, e.mT, hs.mT, out, cfg=cfg, epi={}, add_to_output=acc is not None, strip=(E.strip_scale_cols, u))
-    else:
-        need(scale.numel() == 1, f"{op}: scale must have one element, got shape {tuple(scale.shape)}")
-        gemm(E.scaled_sum, e.mT, hs.mT, out, C=out, cfg=cfg, epi={"scale": scale.detach().reshape(1).to(torch.float32)},
-             strip=(E.strip_scale_cols, u))
+    gemm(E.plain, e.mT, hs.mT, out, cfg=cfg, epi={}, add_to_output=acc is not None, strip=(E.strip_scale_cols, u))
     return out
 
 
 @cute_impl("matmul_tn_exp", gpu_blind_compile=True)
 def matmul_tn_exp(e: Tensor, strip: Tensor, hs: Tensor) -> Tensor:
     """(H'') the LM head's weight gradient of a chunk, fp32, the strip applied in the mainloop."""
-    return _matmul_tn_exp("matmul_tn_exp", None, e, strip, hs, None)
+    return _matmul_tn_exp("matmul_tn_exp", None, e, strip, hs)
 
 
 @cute_impl("matmul_tn_exp_add", gpu_blind_compile=True)
-def matmul_tn_exp_add(acc: Tensor, e: Tensor, strip: Tensor, hs: Tensor, scale: Optional[Tensor] = None) -> None:
-    """(H'') acc += the chunk's weight gradient through the TMA reduce-add store; with scale, acc
-    read as the C operand and written as D, tile by tile, scaled in the epilogue."""
+def matmul_tn_exp_add(acc: Tensor, e: Tensor, strip: Tensor, hs: Tensor) -> None:
+    """(H'') acc += the chunk's weight gradient through the TMA reduce-add store (no load of acc)."""
     need(acc.dtype == torch.float32 and tuple(acc.shape) == (e.shape[1], hs.shape[1]) and acc.is_contiguous(),
          f"matmul_tn_exp_add: acc (updated in place) must be a contiguous float32 (V, d) = ({e.shape[1]}, {hs.shape[1]}) "
          f"tensor, got {tuple(acc.shape)} {acc.dtype}{'' if acc.is_contiguous() else ' non-contiguous'}")
     need(compiling_only() or acc.device == e.device, f"matmul_tn_exp_add: acc must be on {e.device}, got {acc.device}")
-    _matmul_tn_exp("matmul_tn_exp_add", acc, e, strip, hs, scale)
+    _matmul_tn_exp("matmul_tn_exp_add", acc, e, strip, hs)
+
+
+@cute_impl("scale_in_place")
+def scale_in_place(t: Tensor, scale: Tensor) -> None:
+    """(H'') t *= scale (Triton kernel); every program returns at once when scale is 1, so an
+    unaccumulated step pays one launch, not a pass over the V x d gradient."""
+    from ._elementwise import scale_in_place as impl
+
+    impl(t, scale)
 
 
 # ---- plain GEMMs ----------------------------------------------------------------------------

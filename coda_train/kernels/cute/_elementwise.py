@@ -11,7 +11,8 @@ launches a step, each costing more in launch gap than in work); and the cross-en
 one chunk from the LM-head GEMM's per-(row, 128-column) offsets and sums (H'): the loss, the row
 factor v, the final-norm statistic, hs = v*h and the target column of e (one row per program),
 then the strip of powers of two that the dgrad and weight-gradient GEMMs scale e with as they load
-it (64 x 64 blocks, stored transposed). No pass over the (rows x vocab) exponentials.
+it (64 x 64 blocks, stored transposed). No pass over the (rows x vocab) exponentials. In the
+LM head's backward, the incoming loss gradient times its gradients, skipped on the device when it is 1.
 No torch fallback: the cute backend runs on an sm_90 GPU (need_bf16 rejects CPU tensors),
 compile_only() returns before the launch, and reference.py's functions are the oracle."""
 
@@ -274,3 +275,32 @@ def embedding_rmsnorm_partial(tokens: Tensor, emb: Tensor, gamma: Tensor, dtype:
         _embedding_kernel[(M,)](tok, emb.contiguous(), gamma.contiguous(), x, h, sumsq, N,
                                 BLOCK=triton.next_power_of_2(N), num_warps=4 if N <= 2048 else 8)
     return x, h, sumsq
+
+
+# ---- the LM head's incoming loss gradient (H'') -----------------------------------------------------
+
+@triton.jit
+def _scale_kernel(t_ptr, s_ptr, N, BLOCK: tl.constexpr):
+    s = tl.load(s_ptr).to(t_ptr.dtype.element_ty)  # rounded to t's dtype first, as torch's t.mul_(s.to(t.dtype))
+    if s != 1.0:  # g_loss = 1 (a step without accumulation): t would be rewritten unchanged
+        step = tl.num_programs(0).to(tl.int64) * BLOCK
+        for start in range(tl.program_id(0).to(tl.int64) * BLOCK, N, step):  # a grid of a few per SM, looping
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < N
+            v = tl.load(t_ptr + offs, mask=mask)
+            tl.store(t_ptr + offs, (v.to(tl.float32) * s.to(tl.float32)).to(v.dtype), mask=mask)
+
+
+def scale_in_place(t: Tensor, scale: Tensor) -> None:
+    """t *= scale, read on the device; a pass over t only where scale != 1."""
+    need(t.is_cuda and t.is_contiguous() and t.dtype in (torch.float32, torch.bfloat16),
+         f"scale_in_place: t must be a contiguous float32 or bfloat16 CUDA tensor, got {tuple(t.shape)} {t.dtype} "
+         f"on {t.device}{'' if t.is_contiguous() else ', non-contiguous'}")
+    need(scale.numel() == 1 and scale.device == t.device,
+         f"scale_in_place: scale must be one element on {t.device}, got shape {tuple(scale.shape)} on {scale.device}")
+    if compiling_only() or t.numel() == 0:
+        return
+    BLOCK = 4096
+    sms = torch.cuda.get_device_properties(t.device).multi_processor_count
+    grid = min(triton.cdiv(t.numel(), BLOCK), 4 * sms)  # a skipped call costs one wave of programs, not N / BLOCK
+    _scale_kernel[(grid,)](t, scale.detach().reshape(1), t.numel(), BLOCK=BLOCK, num_warps=8)

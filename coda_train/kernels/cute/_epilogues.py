@@ -11,8 +11,7 @@ Vocabulary (quack.epilogue.ops): RowVecLoad / ColVecLoad (vector loads), TileLoa
 (M, N) operands, or ``c`` = the GEMM C operand), TileStore (``outputs=``), ColVecReduce (per-row
 partial sums over each N tile -> (M, n_tiles)), RowVecReduce (per-column partial sums over each
 M tile -> (m_tiles, N)), OnlineLSEReduce (running max / sum-exp per row and N tile),
-ColVecSelect (pick the target column per row), Scalar (one value per launch, here from a device
-pointer).
+ColVecSelect (pick the target column per row).
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ from quack.epilogue.ops import (
     OnlineLSEReduce,
     RowVecLoad,
     RowVecReduce,
-    Scalar,
 )
 from quack.epilogue.math import pexp2
 from quack.epilogue.rotary import rotary_cos_sin_load
@@ -190,14 +188,7 @@ def rowscale_rmsnorm_backward(acc, x, gamma, coef, v):
 
 
 # matmul / matmul_tn on quack: D = acc (stored in D's dtype: bf16, or fp32 for weight gradients); with
-# add_to_output, matmul_tn_add's D += acc (the TMA reduce-add store).
+# add_to_output, matmul_tn_exp_add's D += acc (the TMA reduce-add store).
 @gemm_epilogue()
 def plain(acc):
     return {"D": acc}
-
-
-# H'' (the LM head's last chunk, in the backward): D = scale * (acc + C) with C = D, the weight
-# gradient of the earlier chunks; scale is the incoming loss gradient, a device scalar.
-@gemm_epilogue(ops={"scale": Scalar("scale")})
-def scaled_sum(acc, c, scale):
-    return {"D": (acc + c) * scale}
