@@ -19,6 +19,7 @@ from typing import Optional
 from code_version import commit_of_sources  # scripts/code_version.py
 
 PEERS = ("eager", "compile", "compile-graphs", "compile-max-autotune", "liger")
+OPT_IN = ("compile-max-autotune",)  # run only where asked (--variants): its runs supplement a shape's main run
 NOT_RUN_WHY = {  # why bench.py leaves a variant out unless asked (--variants)
     "compile-max-autotune": "opt-in: its GEMM autotuning takes 5-6 minutes of device time per shape (310-340 s at "
                             "125m and 8b-slice on 2026-12-01), run only where the session's device time allowed it",
@@ -35,7 +36,7 @@ PROFILE_VERSION = 2  # bench.py's coda breakdown before version 2 counted profil
 
 
 def load(paths: list[Path]) -> list[dict]:
-    """One result per shape: its newest untagged run with a floor (ties: the one with most variants); its
+    """One result per shape: its newest run with a floor and no opt-in peer (ties: the one with most variants); its
     coda breakdown is the newest valid one among that shape's runs (a `--variants coda --tag=-profile`
     run can supply it), and its other runs that timed a peer next to a coda variant are kept as
     `peer_runs` (e.g. a `--variants compile-max-autotune,coda` run: each compared within its own run)."""
@@ -45,9 +46,10 @@ def load(paths: list[Path]) -> list[dict]:
         by_shape.setdefault(r["shape"], []).append(r)
     results = []
     for runs in by_shape.values():
-        # untagged runs with a floor first (a --tag marks a supplement: a profile-only or an opt-in peer's run)
-        main = max(runs, key=lambda r: ("floor" in r["variants"], "--tag" not in r["command"], r["environment"]["date"],
-                                        len(r["variants"])))
+        # runs with a floor and no opt-in peer first (the others are supplements: a profile-only run, a
+        # memory check, an opt-in peer's run); a --tag only names the file
+        main = max(runs, key=lambda r: ("floor" in r["variants"], not any(v in OPT_IN for v in r["variants"]),
+                                        r["environment"]["date"], len(r["variants"])))
         profiled = [r for r in runs if r.get("coda_profile", {}).get("version", 1) >= PROFILE_VERSION]
         src = max(profiled, key=lambda r: r["environment"]["date"]) if profiled else None
         main["coda_profile"] = None if src is None else {
