@@ -14,7 +14,7 @@ timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -m gpu tests/test_kernels_gpu.
 tail -n 3 "$OUT/gpu_tests.log"
 timeout ${TUNE_TIMEOUT:-240} python3 scripts/tune_gemm.py --budget-s $(( ${TUNE_TIMEOUT:-240} - 15 )) --ops "$LM_OPS" \
   --out /tmp/lm_head/tune > /tmp/lm_head/tune.log 2>&1
-tail -n 5 /tmp/lm_head/tune.log; cp /tmp/lm_head/tune/tune_gemm.md /tmp/lm_head/tune/tile_configs.json "$OUT/" 2>/dev/null
+tail -n 5 /tmp/lm_head/tune.log; cp /tmp/lm_head/tune/tune_gemm.md /tmp/lm_head/tune/tune_gemm.json /tmp/lm_head/tune/tile_configs.json "$OUT/"; cp /tmp/lm_head/tune.log "$OUT/tune.log" 2>/dev/null
 cat /tmp/lm_head/tune/tune_gemm.md 2>/dev/null | head -n 30
 [ -f /tmp/lm_head/tune/tile_configs.json ] && export CODA_TILE_CONFIGS=/tmp/lm_head/tune/tile_configs.json
 timeout ${BENCH_TIMEOUT:-150} python3 scripts/bench_lm_head.py --out "$OUT" > /tmp/lm_head/bench.log 2>&1
