@@ -148,28 +148,70 @@ def test_check_harness_compares_the_mutated_inputs():
     assert [r["ok"] for r in check_case(op, "matmul_tn_exp_add", kw, lambda acc, e, strip, hs: None)] == [False]
     assert torch.equal(kw["acc"], acc)
     op, kw = case_of("cross_entropy_exp_backward", torch.float32)
-    assert [r["ok"] for r in check_case(op, op.name, kw, op.reference)] == [True] * 6  # loss .. S, then e
+    assert [r["ok"] for r in check_case(op, op.name, kw, op.reference)] == [True] * 4  # loss, r*g_y, hs / v, S
     e_unchanged = lambda e, **rest: op.reference(e.clone(), **rest)  # noqa: E731  (the target columns stay)
-    assert [r["ok"] for r in check_case(op, op.name, kw, e_unchanged)] == [True] * 5 + [False]
+    assert [r["ok"] for r in check_case(op, op.name, kw, e_unchanged)] == [True, False, True, True]
+
+
+def test_check_harness_weighs_every_row_of_the_logit_gradient():
+    """H' is compared on the gradient its factors encode, v * (strip (x) e), whose rows all have norm
+    ~ grad_scale * r, and on hs / v: a 1.5x error in the target column of the row where it is
+    smallest, or in hs in the row of the smallest v, fails by a wide margin over the bf16 tolerance.
+    (Compared as stored, the same errors exceed it by only 1.7x and 5x here, and shrink with every
+    added row: the target columns and v span octaves between rows.)"""
+    from coda_train.kernels.testing import RATIO, ATOL, check_case
+
+    op, kw = case_of("cross_entropy_exp_backward", torch.bfloat16)
+    rows, t = torch.arange(kw["e"].shape[0]), kw["targets"]
+    e_after = kw["e"].clone()
+    _, _, v, _, _ = op.reference(**{**kw, "e": e_after})
+    small_t, small_v = int(e_after[rows, t].abs().argmin()), int(v.argmin())
+
+    def wrong_target(e, **rest):
+        out = op.reference(e, **rest)
+        e[small_t, t[small_t]] *= 1.5
+        return out
+
+    def wrong_hs(**kw):
+        loss, strip, v, hs, stat = op.reference(**kw)
+        hs = hs.clone()
+        hs[small_v] *= 1.5
+        return loss, strip, v, hs, stat
+
+    for wrong, bad in ((wrong_target, 1), (wrong_hs, 2)):
+        rows_ok = check_case(op, op.name, kw, wrong)
+        assert [r["ok"] for r in rows_ok] == [i != bad for i in range(4)], wrong.__name__
+        assert rows_ok[bad]["err_cute"] > 20 * (RATIO * rows_ok[bad]["err_base"] + ATOL), wrong.__name__
 
 
 def test_check_harness_compares_canonical_outputs():
-    """H's exponentials are compared as exp(y) = e 2^k: another choice of offsets passes, a wrong
-    value does not."""
+    """H's exponentials are compared as the softmax e 2^k / S, ln S, the expected logit and y_t:
+    another choice of offsets passes; a wrong value fails, also one confined to the row of the
+    smallest logits (whose exp(y) is octaves below the others', so a check of exp(y) would miss it)."""
     from coda_train.kernels.testing import check_case
 
     op, kw = case_of("gemm_rowscale_exp_cross_entropy", torch.float32)
+    e, k, se, sey, yt = op.reference(**kw)
+    low = int(k.amax(-1).argmin())  # the row whose largest logit is the smallest
 
     def shifted(**kw):  # every offset one higher, e halved: the same exponentials
         e, k, se, sey, yt = op.reference(**kw)
         return (e / 2, k + 1, se / 2, sey / 2, yt)
 
-    def wrong(**kw):
+    def wrong_offsets(**kw):
         e, k, se, sey, yt = op.reference(**kw)
         return (e, k + 1, se, sey, yt)
 
+    def wrong_low_row(**kw):  # 1.5 x the exponentials of one row, its sums right
+        e, k, se, sey, yt = op.reference(**kw)
+        e = e.clone()
+        e[low] *= 1.5
+        return (e, k, se, sey, yt)
+
+    assert k.amax(-1).max() - k[low].max() >= 10  # octaves apart: the case the per-row scale is for
     assert [r["ok"] for r in check_case(op, op.name, kw, shifted)] == [True] * 4
-    assert [r["ok"] for r in check_case(op, op.name, kw, wrong)] == [False, False, False, True]
+    assert [r["ok"] for r in check_case(op, op.name, kw, wrong_offsets)] == [True, False, True, True]
+    assert [r["ok"] for r in check_case(op, op.name, kw, wrong_low_row)] == [False, True, True, True]
 
 
 def test_partial_widths_follow_the_stat_tile():

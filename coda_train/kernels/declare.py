@@ -143,9 +143,10 @@ class Op:
     `mutates` names the inputs the op updates in place: they are results too, never returned (a
     custom op's outputs may not alias its inputs), so the op returns only its other outputs
     (None when there are none). `gemm(**kwargs)` gives the (m, n, k) of the fused GEMM, for
-    benchmarks (None: not a GEMM). `canonical(*outputs)`, where an op's outputs are one of several
-    exact representations (offsets chosen by rounding), maps them to what every representation
-    agrees on; checks compare that."""
+    benchmarks (None: not a GEMM). `canonical(*outputs, *mutated)`, where an op's outputs are one of
+    several exact representations (offsets chosen by rounding, a product kept factored), maps them
+    (partial sums summed, then the mutated inputs in declared order) to what every representation
+    agrees on, each on a per-row scale where rows span octaves; checks compare that."""
 
     name: str
     reference: Callable

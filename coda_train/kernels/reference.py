@@ -152,10 +152,15 @@ MAX_OCTAVES = 100  # a target's group offset at most this many octaves below the
 
 def _exp_canonical(e: Tensor, k: Tensor, sum_exp: Tensor, sum_exp_y: Tensor, target_logit: Tensor) -> tuple:
     """H's outputs without its choice of offsets (k rounds a maximum, so two exact implementations
-    may pick k one apart): exp(y) = e 2^k per column, and per row sum_j exp(y_j), sum_j exp(y_j) y_j."""
+    may pick k one apart), each on a per-row scale, so that every row weighs alike in a norm-wise
+    check (exp(y) itself spans many octaves between rows): with S = sum_g (sum e)_g 2^k_g the row's
+    sum of exp(y) from the op's own sums, the softmax e 2^k / S, ln S (the logsumexp), the expected
+    logit sum_g (sum e*y)_g 2^k_g / S, and the target logit."""
     scale = torch.exp2(k.double())
+    total = (sum_exp.double() * scale).sum(-1)
     cols = scale.repeat_interleave(STAT_TILE_N, dim=1)[:, :e.shape[1]]
-    return e.double() * cols, (sum_exp.double() * scale).sum(-1), (sum_exp_y.double() * scale).sum(-1), target_logit
+    return (e.double() * cols / total[:, None], total.log(), (sum_exp_y.double() * scale).sum(-1) / total,
+            target_logit)
 
 
 def _exp_fake(h, r, w_lm, targets):
@@ -211,7 +216,18 @@ def _exp_backward_fake(e, k, sum_exp, sum_exp_y, target_logit, targets, r, h, gr
             _new(h, M, 1, stat=True))
 
 
-@declare(fake=_exp_backward_fake, examples=_exp_backward_examples, mutates=("e",), partials={4: lambda **_: 1})
+def _exp_backward_canonical(loss: Tensor, strip: Tensor, v: Tensor, hs: Tensor, stat: Tensor, e: Tensor) -> tuple:
+    """H''s outputs as its consumers use them, each row on its own scale (v and the target columns
+    of e span octaves between rows): the loss, the gradient r*g_y = v * (strip (x) e) (rows of norm
+    ~ grad_scale * r), hs / v (= h where hs is consistent with v), and S."""
+    V = e.shape[1]
+    v = v.double()
+    g = v[:, None] * strip.double().t().repeat_interleave(STRIP_COLS, dim=1)[:, :V] * e.double()
+    return loss, g, hs.double() / torch.where(v != 0, v, 1.0)[:, None], stat
+
+
+@declare(fake=_exp_backward_fake, examples=_exp_backward_examples, mutates=("e",), partials={4: lambda **_: 1},
+         canonical=_exp_backward_canonical)
 def cross_entropy_exp_backward(e: Tensor, k: Tensor, sum_exp: Tensor, sum_exp_y: Tensor, target_logit: Tensor,
                                targets: Tensor, r: Tensor, h: Tensor,
                                grad_scale: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:

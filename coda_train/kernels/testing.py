@@ -10,7 +10,8 @@ For every declared op and example case (declare.py), at given dims, on one devic
 Each call gets its own copy of the inputs the op updates in place (declared `mutates`), and those
 are compared as outputs after the returned ones (an unwritten tile keeps its input value, which
 differs from the oracle's). Partial-sum outputs (declared `partials`) are compared after summing
-over their columns; an op with a declared `canonical` map is compared on what it maps its outputs to. Error is the relative Frobenius error vs the oracle; an output passes when it
+over their columns; an op with a declared `canonical` map is compared on what it maps all of those
+to. Error is the relative Frobenius error vs the oracle; an output passes when it
 is finite where the oracle is, has the oracle's shape and the baseline's dtype, and
 err(impl) <= RATIO * err(baseline) + ATOL.
 """
@@ -53,13 +54,12 @@ def to_float64(kwargs: dict[str, Any]) -> dict[str, Any]:
 def results(op: Op, fn: Callable, kwargs: dict[str, Any]) -> tuple[Tensor, ...]:
     """fn (an implementation of op) called on kwargs with the inputs op mutates cloned (kwargs stay
     as given): its returned outputs, partial-sum outputs summed over their columns, then the
-    mutated inputs in declared order."""
+    mutated inputs in declared order; or what the op's canonical map makes of those."""
     kwargs = {k: v.clone() if k in op.mutates else v for k, v in kwargs.items()}
     out = fn(**kwargs)
     out = () if out is None else out if isinstance(out, tuple) else (out,)
-    if op.canonical is not None:
-        out = op.canonical(*out)
-    return tuple(t.sum(-1) if i in op.partials else t for i, t in enumerate(out)) + tuple(kwargs[m] for m in op.mutates)
+    out = tuple(t.sum(-1) if i in op.partials else t for i, t in enumerate(out)) + tuple(kwargs[m] for m in op.mutates)
+    return out if op.canonical is None else op.canonical(*out)
 
 
 def sdpa_attention(qkv: Tensor, n_heads: int, n_kv_heads: int, seq_len: int,
