@@ -211,16 +211,18 @@ FLOOR_PARTS = {
     "gemm_residual_rmsnorm_partial": ["o fwd", "down fwd"], "gemm_rowscale_swiglu": ["gate_up fwd"],
     "gemm_rowscale_exp_cross_entropy": ["lm_head fwd"], "cross_entropy_exp_backward": [],
     "gemm_exp_rmsnorm_backward": ["lm_head dgrad"],
-    "matmul_tn_exp": ["lm_head wgrad"], "matmul_tn_exp_add": [],  # with matmul_tn_exp's chunk, one floor GEMM
+    "matmul_tn_exp": ["lm_head wgrad"],  # matmul_tn_exp_add's chunks included: one floor GEMM (ONE_ROW)
     "gemm_dswiglu_rowscale_stat": ["down dgrad"], "matmul": ["o dgrad"], "attention_backward": ["attention bwd"],
     "gemm_rmsnorm_backward": ["gate_up dgrad", "qkv dgrad"],
     "matmul_tn": ["qkv wgrad", "o wgrad", "gate_up wgrad", "down wgrad"],
 }
+# Ops that split one floor GEMM over chunks of rows: reported as one row, under the first op's name.
+ONE_ROW = {"matmul_tn_exp_add": "matmul_tn_exp", "matmul_tn_add": "matmul_tn"}
 # Profiles taken before 2026-12-01's exponential-storing LM head, whose ops were these (the dgrad and
 # the first chunk's weight gradient ran as gemm_rmsnorm_backward and matmul_tn).
 FLOOR_PARTS_LOGITS_HEAD = {
     **{op: parts for op, parts in FLOOR_PARTS.items() if "exp" not in op},
-    "gemm_rowscale_logits_cross_entropy": ["lm_head fwd"], "cross_entropy_backward_rowscale_stat": [], "matmul_tn_add": [],
+    "gemm_rowscale_logits_cross_entropy": ["lm_head fwd"], "cross_entropy_backward_rowscale_stat": [],
     "gemm_rmsnorm_backward": ["gate_up dgrad", "qkv dgrad", "lm_head dgrad"],
     "matmul_tn": ["qkv wgrad", "o wgrad", "gate_up wgrad", "down wgrad", "lm_head wgrad"],
 }
@@ -239,10 +241,15 @@ def gap_table(r: dict) -> list[str]:
              "the same GEMMs and attention):", "", "| coda op | coda ms | floor ms (same work) | excess ms |", "|---|---:|---:|---:|"]
     total_excess = 0.0
     parts = FLOOR_PARTS_LOGITS_HEAD if "gemm_rowscale_logits_cross_entropy" in prof["by_owner_ms"] else FLOOR_PARTS
+    by_row: dict[str, float] = {}
     for op, ms in prof["by_owner_ms"].items():
+        by_row[ONE_ROW.get(op, op)] = by_row.get(ONE_ROW.get(op, op), 0.0) + ms
+    merged = {row: [op for op, to in ONE_ROW.items() if to == row and op in prof["by_owner_ms"]] for row in by_row}
+    for op, ms in by_row.items():
         base = sum(part_ms[p] for p in parts.get(op, []))
         total_excess += ms - base
-        lines.append(f"| {op} | {ms:.2f} | {base:.2f} | {ms - base:+.2f} |")
+        label = " + ".join([op] + merged[op])
+        lines.append(f"| {label} | {ms:.2f} | {base:.2f} | {ms - base:+.2f} |")
     # against the CUDA-graph step where the profile replayed one (no host in the way), else the eager step
     g, name, ms = prof.get("graph"), "coda", prof["coda_ms"]
     if g and g["launches_per_step"] and prof.get("coda_graphs_ms"):
