@@ -55,7 +55,8 @@ def load(paths: list[Path]) -> list[dict]:
         main["coda_profile"] = None if src is None else {
             **src["coda_profile"], "command": src["command"], "date": src["environment"]["date"],
             "coda_ms": src["variants"]["coda"]["fwd_bwd"]["median_ms"],
-            "coda_graphs_ms": src["variants"].get("coda-graphs", {}).get("fwd_bwd", {}).get("median_ms")}
+            "coda_graphs_ms": src["variants"].get("coda-graphs", {}).get("fwd_bwd", {}).get("median_ms"),
+            "floor": src["variants"].get("floor")}  # the gap table compares a profile with its own run's floor
         main["peer_runs"] = [r for r in runs if r is not main and _best_coda(r)[0] and any(n in r["variants"] for n in PEERS)]
         # coda-only runs after the main one (e.g. a memory check of later code): their peaks supersede its coda peaks
         main["memory_runs"] = sorted((r for r in runs if r is not main and set(r["variants"]) <= {"coda", "coda-graphs"}
@@ -231,13 +232,15 @@ FLOOR_PARTS_LOGITS_HEAD = {
 def gap_table(r: dict) -> list[str]:
     """Every millisecond from the floor to coda: per op, its kernel time against the floor's time
     for the same GEMMs / attention, then the work with no floor counterpart and the GPU idle time."""
-    prof, floor = r.get("coda_profile"), r["variants"].get("floor")
+    prof = r.get("coda_profile")
+    floor = prof and (prof.get("floor") or r["variants"].get("floor"))
     if not prof or not floor:
         return []
+    whose = "the same run's floor" if prof.get("floor") else f"the floor of the {r['environment']['date']} run"
     part_ms = {g["gemm"]: g["best_ms"] * g["count"] for g in floor["gemms"]}
     part_ms["attention fwd"] = floor["attention_fwd_ms"] * r["n_layers"]
     part_ms["attention bwd"] = floor["attention_bwd_ms"] * r["n_layers"]
-    lines = ["", "Gap from the floor, attributed (kernel time of the profiled coda step against the floor's time for "
+    lines = ["", f"Gap from the floor, attributed (kernel time of the profiled coda step against {whose}, for "
              "the same GEMMs and attention):", "", "| coda op | coda ms | floor ms (same work) | excess ms |", "|---|---:|---:|---:|"]
     total_excess = 0.0
     parts = FLOOR_PARTS_LOGITS_HEAD if "gemm_rowscale_logits_cross_entropy" in prof["by_owner_ms"] else FLOOR_PARTS
@@ -245,7 +248,7 @@ def gap_table(r: dict) -> list[str]:
     for op, ms in prof["by_owner_ms"].items():
         by_row[ONE_ROW.get(op, op)] = by_row.get(ONE_ROW.get(op, op), 0.0) + ms
     merged = {row: [op for op, to in ONE_ROW.items() if to == row and op in prof["by_owner_ms"]] for row in by_row}
-    for op, ms in by_row.items():
+    for op, ms in sorted(by_row.items(), key=lambda kv: -kv[1]):
         base = sum(part_ms[p] for p in parts.get(op, []))
         total_excess += ms - base
         label = " + ".join([op] + merged[op])

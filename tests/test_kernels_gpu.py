@@ -38,7 +38,7 @@ def test_cute_op_matches_reference(cute, preset, case):
         rows = check_case(op, case, kwargs, getattr(cute, op.name))
     for r in rows:
         assert r["finite"], f"{case} out{r['out']}: NaN/inf (unwritten tile?)"
-        assert r["ok"], f"{case} out{r['out']}: err cute {r['err_cute']:.2e} vs baseline {r['err_base']:.2e}"
+        assert r["ok"], f"{case} out{r['out']}: err cute {r['err_cute']:.2e} vs baseline {r['err_base']:.2e} {r.get('stored', '')}"
 
 
 @pytest.mark.parametrize("name", list(MODEL_CASES))

@@ -183,6 +183,13 @@ def test_check_harness_weighs_every_row_of_the_logit_gradient():
         assert [r["ok"] for r in rows_ok] == [i != bad for i in range(4)], wrong.__name__
         assert rows_ok[bad]["err_cute"] > 20 * (RATIO * rows_ok[bad]["err_base"] + ATOL), wrong.__name__
 
+    def fp32_strip(**kw):  # right values, wrong stored dtype: the map (float64) would hide it
+        loss, strip, v, hs, stat = op.reference(**kw)
+        return loss, strip.float(), v, hs, stat
+
+    rows_ok = check_case(op, op.name, kw, fp32_strip)
+    assert [r["ok"] for r in rows_ok] == [False] and rows_ok[0]["stored"][0].startswith("out1 ")
+
 
 def test_check_harness_compares_canonical_outputs():
     """H's exponentials are compared as the softmax e 2^k / S, ln S, the expected logit and y_t:

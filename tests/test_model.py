@@ -72,9 +72,9 @@ def test_coda_matches_eager_float64(name, batch, seq):
 
 @pytest.mark.parametrize("chunk_rows", [4, 128])
 def test_lm_head_in_chunks_matches_eager_float64(chunk_rows, monkeypatch):
-    """The LM head computes its gradient during the forward, chunk by chunk of rows: with 21 rows in chunks of 4 (the last one ragged) the loss and
-    every gradient still equal eager's (float64),
-    also for an incoming loss gradient other than 1; no chunk of logits exceeds chunk_rows rows."""
+    """The LM head computes its gradient during the forward, chunk by chunk of rows: with 21 rows in
+    chunks of 4 (the last one ragged) the loss and every gradient still equal eager's (float64), also
+    for an incoming loss gradient other than 1; no chunk of logits exceeds chunk_rows rows."""
     cfg = preset("tiny", **SMALL, **CONFIGS["gqa_tied_3layers"])
     monkeypatch.setattr(coda_module, "LOGITS_CHUNK_BYTES", chunk_rows * cfg.vocab_size * 8)
     assert coda_module.logits_chunk_rows(cfg.vocab_size, 8) == chunk_rows

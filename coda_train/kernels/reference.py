@@ -470,12 +470,14 @@ def matmul_tn_exp_add(acc: Tensor, e: Tensor, strip: Tensor, hs: Tensor) -> None
 @declare(fake=lambda t, scale: None,
          examples=lambda x: {"": dict(t=x.stat(x.dims.vocab_size, x.dims.dim), scale=x.stat(1).reshape(())),
                              "one": dict(t=x.stat(x.dims.vocab_size, x.dims.dim), scale=x.positive(1).fill_(1.0).reshape(())),
-                             "zero": dict(t=x.stat(x.dims.vocab_size, x.dims.dim), scale=x.positive(1).fill_(0.0).reshape(()))},
+                             "zero": dict(t=x.stat(x.dims.vocab_size, x.dims.dim), scale=x.positive(1).fill_(0.0).reshape(())),
+                             "activations": dict(t=x.act(x.dims.rows, x.dims.dim), scale=x.positive(1).fill_(1 / 3).reshape(()))},
          mutates=("t",))
 def scale_in_place(t: Tensor, scale: Tensor) -> None:
-    """t *= scale in place, `scale` a 0-dim tensor read on the device (never on the host: no sync):
-    the LM head's incoming loss gradient applied to the gradients its forward computed (H'')."""
-    t.mul_(scale.to(t.dtype))
+    """t *= scale in place, `scale` a 0-dim tensor read on the device (never on the host: no sync),
+    the product in fp32 (fp64 stays fp64) rounded once to t's dtype: the LM head's incoming loss
+    gradient applied to the gradients its forward computed (H''), e.g. 1/3 with 3 accumulation steps."""
+    t.copy_(_f(t) * _f(scale))
 
 
 @declare(fake=lambda acc, tokens, g_x: None,

@@ -10,8 +10,9 @@ For every declared op and example case (declare.py), at given dims, on one devic
 Each call gets its own copy of the inputs the op updates in place (declared `mutates`), and those
 are compared as outputs after the returned ones (an unwritten tile keeps its input value, which
 differs from the oracle's). Partial-sum outputs (declared `partials`) are compared after summing
-over their columns; an op with a declared `canonical` map is compared on what it maps all of those
-to. Error is the relative Frobenius error vs the oracle; an output passes when it
+over their columns; an op with a declared `canonical` map has its stored outputs checked for shape,
+dtype and finiteness, then is compared on what the map makes of all of those (each row on its own
+scale). Error is the relative Frobenius error vs the oracle; an output passes when it
 is finite where the oracle is, has the oracle's shape and the baseline's dtype, and
 err(impl) <= RATIO * err(baseline) + ATOL.
 """
@@ -58,8 +59,20 @@ def results(op: Op, fn: Callable, kwargs: dict[str, Any]) -> tuple[Tensor, ...]:
     kwargs = {k: v.clone() if k in op.mutates else v for k, v in kwargs.items()}
     out = fn(**kwargs)
     out = () if out is None else out if isinstance(out, tuple) else (out,)
-    out = tuple(t.sum(-1) if i in op.partials else t for i, t in enumerate(out)) + tuple(kwargs[m] for m in op.mutates)
-    return out if op.canonical is None else op.canonical(*out)
+    return tuple(t.sum(-1) if i in op.partials else t for i, t in enumerate(out)) + tuple(kwargs[m] for m in op.mutates)
+
+
+def stored_problems(got: tuple[Tensor, ...], oracle: tuple[Tensor, ...], base: tuple[Tensor, ...]) -> list[str]:
+    """What is wrong with outputs as stored, before an op's canonical map (which works in float64
+    and may slice): a shape other than the oracle's, a dtype other than the baseline's, NaN/inf
+    where the oracle is finite."""
+    bad = []
+    for i, (g, o, b) in enumerate(zip(got, oracle, base)):
+        if tuple(g.shape) != tuple(o.shape) or g.dtype != b.dtype:
+            bad.append(f"out{i} {tuple(g.shape)} {g.dtype}, want {tuple(o.shape)} {b.dtype}")
+        elif torch.isfinite(o).all() and not torch.isfinite(g).all():
+            bad.append(f"out{i} not finite")
+    return bad
 
 
 def sdpa_attention(qkv: Tensor, n_heads: int, n_kv_heads: int, seq_len: int,
@@ -114,6 +127,13 @@ def check_case(op: Op, case: str, kwargs: dict[str, Any], impl: Callable) -> lis
     got = results(op, impl, kwargs)
     _sync(device)
     seconds = time.time() - t0
+    if op.canonical is not None:  # the stored outputs' shapes, dtypes and finiteness, then the mapped values
+        problems = stored_problems(got, oracle, base)
+        if problems:
+            return [dict(op=case, out=-1, M=0, ok=False, finite=not any("not finite" in p for p in problems),
+                         err_cute=math.inf, err_base=0.0, dtype="", shape=[], stored=problems,
+                         first_call_s=round(seconds, 2))]
+        got, oracle, base = (op.canonical(*t) for t in (got, oracle, base))
     rows = []
     for i, (g, o, b) in enumerate(zip(got, oracle, base)):
         finite = bool(torch.isfinite(g).all()) if torch.isfinite(o).all() else True

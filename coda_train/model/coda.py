@@ -160,7 +160,8 @@ def logits_chunk_rows(vocab_size: int, itemsize: int) -> int:
 def step_gemm_shapes(d: Dims) -> list[tuple[str, tuple[int, int, int]]]:
     """(op, (m, n, k)) of every GEMM launch of one training step at kernel sizes d, in model order:
     the shapes the tile config table is keyed by (kernels/tile_configs.py; scripts/tune_gemm.py tunes
-    them). The LM head runs chunk by chunk of C rows; the RoPE op's v-column launch is `gemm_rowscale`."""
+    them). The LM head runs chunk by chunk of C rows, all three of its GEMMs in the forward; the RoPE
+    op's v-column launch is `gemm_rowscale`."""
     M, D, F, V = d.rows, d.dim, d.ffn_dim, d.vocab_size
     C = min(M, logits_chunk_rows(V, 2))  # bf16 logits
     attn, kv, qkv, rope = d.n_heads * d.head_dim, d.n_kv_heads * d.head_dim, d.qkv_dim, d.n_rope_cols
@@ -175,7 +176,7 @@ def step_gemm_shapes(d: Dims) -> list[tuple[str, tuple[int, int, int]]]:
         ("gemm_rmsnorm_backward", (M, D, 2 * F)),                                                   # B3
         ("matmul", (M, attn, D)),                                                                   # B4
         ("gemm_rmsnorm_backward", (M, D, qkv)),                                                     # B6b
-        # weight gradients: down, gate_up, o, qkv, the LM head's first chunk
+        # weight gradients: down, gate_up, o, qkv (the LM head's first chunk: with H, H'' above)
         ("matmul_tn", (D, F, M)), ("matmul_tn", (2 * F, D, M)), ("matmul_tn", (D, attn, M)), ("matmul_tn", (qkv, D, M)),
         ("matmul_tn_exp", (V, D, C)),
     ]

@@ -7,7 +7,7 @@ import torch
 
 from ..kernels.testing import passes, relative_error
 from .config import PRESETS, preset
-from . import build_model
+from . import build_model, coda
 
 # preset -> (rows M, seq_len T) of the per-op checks: M is not a multiple of the 128-row tile; M % T == 0.
 OP_CHECK_SHAPES = {
@@ -17,9 +17,12 @@ OP_CHECK_SHAPES = {
     "llama3_8b": (1000, 1000),
 }
 
-MODEL_CASES = {  # name -> preset, overrides, (batch, seq)
-    "tiny": ("tiny", {}, (4, 256)),
-    "llama3_1b_2layer": ("llama3_1b", {"n_layers": 2}, (2, 1024)),
+MODEL_CASES = {  # name -> preset, overrides, (batch, seq), LM-head chunk rows (None: the default), loss scale
+    "tiny": ("tiny", {}, (4, 256), None, 1.0),
+    "llama3_1b_2layer": ("llama3_1b", {"n_layers": 2}, (2, 1024), None, 1.0),
+    # the LM head in chunks (768 + 768 + 512 rows: weight gradients accumulated in place) and an incoming
+    # loss gradient other than 1 (scale_in_place's pass), as with 3 gradient-accumulation steps
+    "llama3_1b_2layer_chunks": ("llama3_1b", {"n_layers": 2}, (2, 1024), 768, 1 / 3),
 }
 
 
@@ -31,9 +34,10 @@ def op_check_dims(preset_name: str):
 
 def check_model(name: str, backend: str = "cute", device: str = "cuda") -> list[dict]:
     """CODA on `backend` vs CODA on reference vs eager, all with fp32 master weights and bf16
-    compute, against eager in float64 (the oracle). One row per tensor (loss, every gradient);
+    compute, against eager in float64 (the oracle), the gradients of loss * the case's loss scale,
+    the LM head in the case's chunks. One row per tensor (loss, every gradient);
     ok: finite and err(backend) <= RATIO * err(eager bf16) + ATOL (relative errors)."""
-    p, over, (B, T) = MODEL_CASES[name]
+    p, over, (B, T), chunk_rows, loss_scale = MODEL_CASES[name]
     cfg = preset(p, **over)
     dev = torch.device(device)
     torch.manual_seed(0)
@@ -43,8 +47,14 @@ def check_model(name: str, backend: str = "cute", device: str = "cuda") -> list[
     targets = tokens.roll(-1, dims=1)
 
     def loss_and_grads(model) -> dict:
-        loss = model(tokens, targets)
-        loss.backward()
+        saved = coda.LOGITS_CHUNK_BYTES
+        if chunk_rows is not None:  # chunks of chunk_rows rows of compute-dtype logits
+            coda.LOGITS_CHUNK_BYTES = chunk_rows * cfg.vocab_size * 2
+        try:
+            loss = model(tokens, targets)
+            (loss * loss_scale).backward()
+        finally:
+            coda.LOGITS_CHUNK_BYTES = saved
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         return {"loss": loss.detach().reshape(1), **{n: q.grad for n, q in model.named_parameters()}}

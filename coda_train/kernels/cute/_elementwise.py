@@ -281,14 +281,14 @@ def embedding_rmsnorm_partial(tokens: Tensor, emb: Tensor, gamma: Tensor, dtype:
 
 @triton.jit
 def _scale_kernel(t_ptr, s_ptr, N, BLOCK: tl.constexpr):
-    s = tl.load(s_ptr).to(t_ptr.dtype.element_ty)  # rounded to t's dtype first, as torch's t.mul_(s.to(t.dtype))
+    s = tl.load(s_ptr).to(tl.float32)  # fp32, as the reference: only the product is rounded to t's dtype
     if s != 1.0:  # g_loss = 1 (a step without accumulation): t would be rewritten unchanged
         step = tl.num_programs(0).to(tl.int64) * BLOCK
         for start in range(tl.program_id(0).to(tl.int64) * BLOCK, N, step):  # a grid of a few per SM, looping
             offs = start + tl.arange(0, BLOCK)
             mask = offs < N
             v = tl.load(t_ptr + offs, mask=mask)
-            tl.store(t_ptr + offs, (v.to(tl.float32) * s.to(tl.float32)).to(v.dtype), mask=mask)
+            tl.store(t_ptr + offs, (v.to(tl.float32) * s).to(v.dtype), mask=mask)
 
 
 def scale_in_place(t: Tensor, scale: Tensor) -> None:
@@ -298,7 +298,7 @@ def scale_in_place(t: Tensor, scale: Tensor) -> None:
          f"on {t.device}{'' if t.is_contiguous() else ', non-contiguous'}")
     need(scale.numel() == 1 and scale.device == t.device,
          f"scale_in_place: scale must be one element on {t.device}, got shape {tuple(scale.shape)} on {scale.device}")
-    if compiling_only() or t.numel() == 0:
+    if t.numel() == 0:
         return
     BLOCK = 4096
     sms = torch.cuda.get_device_properties(t.device).multi_processor_count
