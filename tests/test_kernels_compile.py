@@ -160,3 +160,19 @@ assert not bad, bad
 '''
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+def test_scale_kernel_under_the_triton_interpreter(stack):
+    """scale_in_place's Triton kernel on CPU (TRITON_INTERPRET=1): with fewer programs than blocks
+    the grid-stride loop still covers every element, the mask stops at N, and a scale of 1 leaves t
+    as it was (fp32 only: the interpreter rounds bf16 by truncation, so bf16 is the GPU tests')."""
+    code = ("import torch\n"
+            "from coda_train.kernels.cute._elementwise import _scale_kernel\n"
+            "g = torch.Generator().manual_seed(0)\n"
+            "for s in (1.0, 0.5, -3.0, 0.0, 1 / 3):\n"
+            "    t = torch.randn(10_001, generator=g)\n"
+            "    want = t * torch.tensor(s)\n"
+            "    _scale_kernel[(2,)](t, torch.tensor([s]), t.numel(), BLOCK=1024)\n"
+            "    assert torch.equal(t, want), s\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=300,
+                   env=dict(ENV, TRITON_INTERPRET="1"))
