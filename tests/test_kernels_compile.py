@@ -6,7 +6,8 @@ implementation through its real code path (validation, operand views, plans) wit
 skipped. A kernel that fails to trace or compile fails
 here. Runs in a subprocess (the arch must be pinned before cutlass/quack are imported) with a
 fresh kernel cache, so it really compiles (~30 s on 2 cores); then every config of the shipped
-tile config table. Skipped where cutlass/quack are not importable.
+tile config table. The Triton row kernels (H', the RoPE backward, scale_in_place) run under Triton's
+interpreter on CPU against the reference. Skipped where cutlass/quack are not importable.
 """
 
 import os
@@ -175,4 +176,24 @@ def test_scale_kernel_under_the_triton_interpreter(stack):
             "    _scale_kernel[(2,)](t, torch.tensor([s]), t.numel(), BLOCK=1024)\n"
             "    assert torch.equal(t, want), s\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=300,
+                   env=dict(ENV, TRITON_INTERPRET="1"))
+
+
+def test_row_kernels_under_the_triton_interpreter_match_the_reference(stack):
+    """H' (both of its Triton kernels, the far-target case included) and the RoPE backward pass on CPU
+    under TRITON_INTERPRET=1, in fp32 (the wrappers' CUDA/bf16 check is bypassed), against the
+    reference by the GPU tests' rule: a broken Triton kernel fails CI, not the next GPU session."""
+    code = ("import torch\n"
+            "import coda_train.kernels.cute._elementwise as ew\n"
+            "ew.need_bf16 = lambda op, **tensors: None\n"
+            "from coda_train.kernels.testing import check_case, example_cases\n"
+            "from coda_train.model.testing import op_check_dims\n"
+            "names = ['cross_entropy_exp_backward', 'rope_backward_rowscale_stat']\n"
+            "seen = []\n"
+            "for op, case, kw in example_cases(op_check_dims('tiny'), 'cpu', dtype=torch.float32, ops=names):\n"
+            "    rows = check_case(op, case, kw, getattr(ew, op.name))\n"
+            "    assert rows and all(r['ok'] for r in rows), (case, rows)\n"
+            "    seen.append(case)\n"
+            "assert len(seen) == 3, seen\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=600,
                    env=dict(ENV, TRITON_INTERPRET="1"))
