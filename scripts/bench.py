@@ -661,6 +661,8 @@ def main() -> None:
     p.add_argument("--profile-steps", type=int, default=3, help="profiled coda steps (0: no breakdown)")
     p.add_argument("--tag", default="", help="suffix of the JSON name (bench_<shape><tag>.json), e.g. for a profile-only run")
     p.add_argument("--out", type=Path, default=Path("runs/bench"))
+    p.add_argument("--logits-chunk-mib", type=int, default=None,
+                   help="bound on one chunk of CODA's LM-head exponentials, MiB (default coda.LOGITS_CHUNK_BYTES)")
     args = p.parse_args()
     variants = args.variants.split(",")
     unknown = [v for v in variants if v not in MODEL_VARIANTS and v != "floor"]
@@ -668,7 +670,12 @@ def main() -> None:
         p.error(f"unknown variants {unknown}")
     if not torch.cuda.is_available() and args.shape != "smoke":
         p.error("bench.py times GPU steps; run it on the GPU machine (only --shape smoke runs on CPU)")
+    from coda_train.model import coda
+
+    if args.logits_chunk_mib is not None:
+        coda.LOGITS_CHUNK_BYTES = args.logits_chunk_mib << 20
     result = run(args.shape, variants, args.iters, args.warmup, args.profile_steps)
+    result["logits_chunk_mib"] = coda.LOGITS_CHUNK_BYTES >> 20
     skipped = [v for v in (*MODEL_VARIANTS, "floor") if v not in variants]
     result["not_run"] = skipped
     args.out.mkdir(parents=True, exist_ok=True)

@@ -12,11 +12,16 @@ at the bench shapes on one Hopper GPU, three ways, against the floor of its thre
               two GEMMs. It leaves the last chunk's weight gradient out (its backward), so it is one
               GEMM short of the others.
 
-Each variant is the median of triton.testing.do_bench; the kernels of one call are listed with
-their times (torch.profiler). Prints a table and writes bench_lm_head.json / .md under --out
-(default $OUT).
+Each variant is the median of triton.testing.do_bench, with the peak memory one call allocates
+above its inputs; the kernels of one call are listed with their times (torch.profiler). Prints a
+table and writes bench_lm_head.json / .md under --out (default $OUT).
 
-  python scripts/bench_lm_head.py [--presets llama3_125m,llama3_1b,llama3_8b] [--out DIR]
+--chunk-mib 1024,2048 repeats every variant at each bound on one chunk of logits (coda.LOGITS_CHUNK_BYTES,
+default the model's): fewer, larger chunks mean fewer read-add-writes of the fp32 weight gradient
+and a larger transient buffer.
+
+  python scripts/bench_lm_head.py [--presets llama3_125m,llama3_1b,llama3_8b] [--variants coda,floor]
+                                  [--chunk-mib 1024,2048] [--out DIR]
 """
 
 from __future__ import annotations
@@ -50,6 +55,17 @@ def kernels(fn, top: int = 8) -> list[tuple[str, float]]:
         if e.device_type == torch.autograd.DeviceType.CUDA:
             total[e.name[:90]] += e.device_time_total / 1e3
     return sorted(total.items(), key=lambda kv: -kv[1])[:top]
+
+
+def peak_gib(fn, t: dict) -> float:
+    """GiB one call of fn allocates at its peak above its inputs (the gradients of an earlier call freed)."""
+    t["x"].grad = t["norm"].grad = t["w"].grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
 def inputs(preset: str):
@@ -125,46 +141,60 @@ def write(rows: list[dict], out: str, meta: dict) -> None:
         json.dump(dict(meta, rows=rows), f, indent=1)
     with open(os.path.join(out, "bench_lm_head.md"), "w") as f:
         f.write(f"`{meta['command']}` on {meta['gpu']}, {meta['date']}\n\n")
-        f.write("| preset | variant | rows x vocab x dim | chunk rows | ms | / floor |\n|---|---|---|---:|---:|---:|\n")
+        f.write("| preset | variant | rows x vocab x dim | chunk rows | ms | / floor | peak GiB above inputs |\n"
+                "|---|---|---|---:|---:|---:|---:|\n")
         for r in rows:
             if "ms" in r:
                 f.write(f"| {r['preset']} | {r['variant']} | {r['shape']} | {r['chunk_rows']} | {r['ms']:.3f} | "
-                        f"{r.get('per_floor', float('nan')):.2f} |\n")
+                        f"{r.get('per_floor', float('nan')):.2f} | {r['peak_gib']:.2f} |\n")
             else:
-                f.write(f"| {r['preset']} | {r['variant']} | - | - | failed: {r['error'][:80]} | - |\n")
+                f.write(f"| {r['preset']} | {r['variant']} | - | {r['chunk_rows']} | failed: {r['error'][:80]} | - | - |\n")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", default="llama3_125m,llama3_1b,llama3_8b")
+    ap.add_argument("--variants", default="coda,quack-exp,quack-base,floor",
+                    help="of coda, quack-exp, quack-base, floor (the three cuBLAS GEMMs)")
+    ap.add_argument("--chunk-mib", default=str(coda.LOGITS_CHUNK_BYTES >> 20),
+                    help="comma-separated bounds on one chunk of bf16 logits, MiB (coda.LOGITS_CHUNK_BYTES)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    wanted = args.variants.split(",")
     meta = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 command="python " + " ".join(sys.argv))
     rows = []
     for preset in args.presets.split(","):
         t = inputs(preset)
-        runs, chunk = variants(t)
-        floor_ms = None
-        for name, fn in runs:
-            try:
-                ms = do_bench(fn)
-                top = kernels(fn)
-            except Exception as e:  # a variant that cannot run this shape is reported, not fatal
-                print(f"{preset:12s} {name:24s} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                rows.append(dict(preset=preset, variant=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
-                continue
-            if name.startswith("floor"):
-                floor_ms = ms
-            rows.append(dict(preset=preset, variant=name, ms=ms, shape=f"{t['M']} x {t['V']} x {t['d']}",
-                             chunk_rows=chunk, kernels=top))
-            print(f"{preset:12s} {name:24s} {ms:8.3f} ms", flush=True)
-            for k, kms in top:
-                print(f"{'':38s} {kms:8.3f}  {k}", flush=True)
-        for row in rows:
-            if row["preset"] == preset and "ms" in row and floor_ms:
-                row["per_floor"] = row["ms"] / floor_ms
-        write(rows, args.out, meta)
+        for mib in (int(m) for m in args.chunk_mib.split(",")):
+            coda.LOGITS_CHUNK_BYTES = mib << 20
+            runs, chunk = variants(t)
+            floor_ms, first = None, len(rows)
+            for name, fn in runs:
+                if name.split()[0] not in wanted:
+                    continue
+                try:
+                    ms = do_bench(fn)
+                    top = kernels(fn)
+                    peak = peak_gib(fn, t)
+                except Exception as e:  # a variant that cannot run this shape is reported, not fatal
+                    print(f"{preset:12s} {name:24s} chunk {chunk:6d} failed: {type(e).__name__}: {str(e)[:200]}",
+                          flush=True)
+                    rows.append(dict(preset=preset, variant=name, chunk_rows=chunk, chunk_mib=mib,
+                                     error=f"{type(e).__name__}: {str(e)[:300]}"))
+                    continue
+                if name.startswith("floor"):
+                    floor_ms = ms
+                rows.append(dict(preset=preset, variant=name, ms=ms, shape=f"{t['M']} x {t['V']} x {t['d']}",
+                                 chunk_rows=chunk, chunk_mib=mib, peak_gib=peak, kernels=top))
+                print(f"{preset:12s} {name:24s} chunk {chunk:6d} {ms:8.3f} ms  peak {peak:6.2f} GiB", flush=True)
+                for k, kms in top:
+                    print(f"{'':38s} {kms:8.3f}  {k}", flush=True)
+            for row in rows[first:]:
+                if "ms" in row and floor_ms:
+                    row["per_floor"] = row["ms"] / floor_ms
+            write(rows, args.out, meta)
+            torch.cuda.empty_cache()
         del t
         torch.cuda.empty_cache()
     print("\n" + open(os.path.join(args.out, "bench_lm_head.md")).read())

@@ -5,6 +5,11 @@
 Each RUN_DIR holds `metrics.jsonl` (one JSON line per logged step, from train.py) and
 `config.yaml` (the resolved config; its model.impl names the run). The first run is the reference for the difference panel and the |Δloss| columns.
 Writes the PNG, and the table as Markdown (`.md`) and JSON (`.json`) beside it.
+
+With three runs or more (e.g. eager twice and coda twice: `python train.py -m model.impl=eager,coda,eager,coda`)
+a second table lists every pair's smoothed difference over the last 10% of steps, split into pairs of
+the same model (what two runs of one model differ by: the run-to-run noise of the setting) and pairs
+across models, so "coda vs eager" can be read against that noise.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import yaml
 @dataclass
 class Run:
     name: str
+    impl: str | None
     steps: np.ndarray
     loss: np.ndarray
     tokens: np.ndarray
@@ -48,7 +54,7 @@ def read_run(run_dir: Path) -> Run:
     name = f"{impl} ({run_dir.name})" if impl else run_dir.name
     tps = [r["tokens_per_s"] for r in train if r.get("tokens_per_s")]
     # Steady-state throughput: median over the second half of the run (skips compile/warm-up).
-    return Run(name=name,
+    return Run(name=name, impl=impl,
                steps=np.array([r["step"] for r in train]),
                loss=np.array([r["loss"] for r in train], dtype=np.float64),
                tokens=np.array([r.get("tokens", math.nan) for r in train], dtype=np.float64),
@@ -98,6 +104,35 @@ def compare(runs: list[Run], window: int) -> list[dict]:
             "tokens_per_s": run.tokens_per_s,
         })
     return table
+
+
+def pairs(runs: list[Run], window: int) -> list[dict]:
+    """Every pair of runs: mean and max |Δ| of the smoothed losses over the last 10% of the steps both
+    logged, and whether the two runs are of the same model (model.impl)."""
+    rows = []
+    for i, a in enumerate(runs):
+        for b in runs[i + 1:]:
+            row = compare([a, b], window)[1]
+            rows.append({"a": a.name, "b": b.name,
+                         "same_model": a.impl is not None and a.impl == b.impl,
+                         "mean_abs_dloss_smoothed_last10pct": row["mean_abs_dloss_smoothed_last10pct"],
+                         "max_abs_dloss_smoothed_last10pct": row["max_abs_dloss_smoothed_last10pct"]})
+    return rows
+
+
+def pairs_markdown(rows: list[dict]) -> str:
+    lines = ["| run | run | same model | mean |Δ| smoothed, last 10% | max |Δ| smoothed, last 10% |",
+             "|---|---|---|---:|---:|"]
+    lines += [f"| {r['a']} | {r['b']} | {'yes' if r['same_model'] else 'no'} | "
+              f"{r['mean_abs_dloss_smoothed_last10pct']:.5f} | {r['max_abs_dloss_smoothed_last10pct']:.5f} |"
+              for r in rows if r["mean_abs_dloss_smoothed_last10pct"] is not None]
+    for same, what in ((True, "same model (run-to-run noise)"), (False, "across models")):
+        m = [r["mean_abs_dloss_smoothed_last10pct"] for r in rows
+             if r["same_model"] == same and r["mean_abs_dloss_smoothed_last10pct"] is not None]
+        if m:
+            lines.append(f"\n{what}: {len(m)} pair{'s' * (len(m) != 1)}, mean |Δ| smoothed over the last 10% "
+                         f"{min(m):.5f} to {max(m):.5f} (average {sum(m) / len(m):.5f})")
+    return "\n".join(lines)
 
 
 def markdown(table: list[dict], window: int) -> str:
@@ -171,8 +206,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     table = compare(runs, window)
     plot(runs, window, args.x, out)
     md = markdown(table, window)
+    result = {"smooth_window": window, "runs": table}
+    if len(runs) >= 3:
+        result["pairs"] = pairs(runs, window)
+        md += "\n\nEvery pair:\n\n" + pairs_markdown(result["pairs"])
     out.with_suffix(".md").write_text(md + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"smooth_window": window, "runs": table}, indent=2) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     print(md)
     print(f"\nwrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.json')}")
     return table

@@ -8,6 +8,9 @@
 # floor, and coda/reference is the same hand-written schedule on plain torch ops (the four runs took
 # over 330 s on an H200 on 2026-11-30: give the call the whole 600 s, or a 2-GPU host, where eager and coda
 # run side by side, one GPU each).
+# LR (default 1e-3) and SEED (default 1337) set optim.lr and trainer.seed; IMPLS (default eager,coda, one
+# GPU only) lists the runs, e.g. IMPLS=eager,eager,coda runs eager twice: the second eager run is the
+# run-to-run noise floor of that setting.
 # Everything lands in $OUT (default runs/h200): at most 8 files, as the device tool returns them.
 set -uo pipefail
 STEPS=${1:-1000}
@@ -18,22 +21,26 @@ mkdir -p "$OUT"
 rm -rf "$RUNS" && mkdir -p "$RUNS"
 NGPU=${NGPU:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
 MODEL=${MODEL:-llama3_125m}
+LR=${LR:-1e-3}
+SEED=${SEED:-1337}
+IMPLS=${IMPLS:-eager,coda}
 multirun() {  # IMPLS RUN_DIR [GPU]; two at once share the data cache (preparation takes turns on a lock)
   CUDA_VISIBLE_DEVICES=${3:-0} timeout "${TRAIN_TIMEOUT:-1200}" python3 train.py -m model="$MODEL" model.impl="$1" ${EXTRA:-} \
     kernels.backend="$BACKENDS" trainer.max_steps="$STEPS" trainer.batch_size=16 trainer.seq_len=1024 trainer.log_every=1 \
     trainer.eval_every=100 trainer.eval_batches=4 trainer.ckpt_every=0 trainer.progress_bar=false \
-    optim.lr=1e-3 optim.warmup_steps=100 data.cache_dir=/tmp/coda-data trainer.run_dir="$2" > "$2.log" 2>&1; }
+    optim.lr="$LR" trainer.seed="$SEED" optim.warmup_steps=100 data.cache_dir=/tmp/coda-data trainer.run_dir="$2" > "$2.log" 2>&1; }
 if [ "$NGPU" -gt 1 ]; then  # one multirun per impl, each on its own GPU
   multirun eager "$RUNS/eager" 0 & multirun coda "$RUNS/coda" 1; wait
   JOBS=$(ls -d "$RUNS"/eager/[0-9]* | sort -V; ls -d "$RUNS"/coda/[0-9]* | sort -V)
   cat "$RUNS"/eager.log "$RUNS"/coda.log > "$RUNS.log"
 else
-  multirun eager,coda "$RUNS"
+  multirun "$IMPLS" "$RUNS"
   JOBS=$(ls -d "$RUNS"/[0-9]* | sort -V)  # (the multirun's log is $RUNS.log)
 fi
 grep -v "^{" "$RUNS.log" | tail -n 40 > "$OUT/train.log"
-for job in $JOBS; do  # <impl>_<backend>_metrics.jsonl
+i=0
+for job in $JOBS; do  # <job>_<impl>_<backend>_metrics.jsonl
   name=$(python3 -c "import yaml, sys; c = yaml.safe_load(open(sys.argv[1])); print(c['model']['impl'] + '_' + c['kernels']['backend'])" "$job/config.yaml")
-  cp "$job/metrics.jsonl" "$OUT/${name}_metrics.jsonl"
+  cp "$job/metrics.jsonl" "$OUT/${i}_${name}_metrics.jsonl"; i=$((i + 1))
 done
 python3 scripts/compare_runs.py $JOBS --out "$OUT/compare.png"

@@ -13,11 +13,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_bench_smoke_runs_every_cpu_variant(tmp_path):
     proc = subprocess.run([sys.executable, "scripts/bench.py", "--shape", "smoke", "--variants", "eager,coda,floor,coda-graphs",
-                           "--iters", "2", "--warmup", "1", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
+                           "--iters", "2", "--warmup", "1", "--logits-chunk-mib", "1", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})  # this checkout's coda_train
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "bench_smoke.json").read_text())
     assert set(result["variants"]) == {"eager", "coda", "floor"}
+    assert result["logits_chunk_mib"] == 1  # CODA's LM head in chunks of at most 1 MiB of logits here
     assert "CUDA graphs need a CUDA device" in result["failed"]["coda-graphs"]  # reported with its reason, not dropped
     coda, floor = result["variants"]["coda"], result["variants"]["floor"]
     assert coda["over_coda"] == 1.0 and floor["over_floor"] == 1.0

@@ -56,3 +56,31 @@ def test_run_name_is_model_impl_read_as_yaml(tmp_path):
     (run / "config.yaml").write_text("model: [impl: coda\n")
     with pytest.raises(SystemExit, match="is not valid YAML"):
         compare_runs.read_run(run)
+
+
+def test_three_runs_or_more_add_every_pair_split_by_model(tmp_path):
+    """eager twice and coda once: every pair's smoothed tail difference, with the same-model pairs (the
+    run-to-run noise) told apart from the pairs across models."""
+    compare_runs = compare_runs_module()
+    offsets = {"e0": ("eager", 0.0), "e1": ("eager", 0.01), "c0": ("coda", 0.03)}
+    dirs = []
+    for name, (impl, offset) in offsets.items():
+        run = tmp_path / name
+        run.mkdir()
+        (run / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": s, "loss": 5.0 - 0.01 * s + offset, "tokens_per_s": 10.0}) + "\n" for s in range(1, 101)))
+        (run / "config.yaml").write_text(f"model: {{impl: {impl}}}\n")
+        dirs.append(str(run))
+    out = tmp_path / "cmp" / "compare.png"
+    compare_runs.main([*dirs, "--out", str(out)])
+    result = json.loads(out.with_suffix(".json").read_text())
+    got = {(p["a"], p["b"]): (p["same_model"], p["mean_abs_dloss_smoothed_last10pct"]) for p in result["pairs"]}
+    assert got.keys() == {("eager (e0)", "eager (e1)"), ("eager (e0)", "coda (c0)"), ("eager (e1)", "coda (c0)")}
+    for (a, b), (same, mean) in got.items():
+        want = abs(offsets[a[a.index("(") + 1:-1]][1] - offsets[b[b.index("(") + 1:-1]][1])
+        assert same == (a.split()[0] == b.split()[0]) and mean == pytest.approx(want, abs=1e-12), (a, b, mean)
+    md = out.with_suffix(".md").read_text()
+    assert "same model (run-to-run noise): 1 pair," in md and "across models: 2 pairs" in md
+    # two runs: no pair table (the one pair is the run table's |Δ| row)
+    compare_runs.main([*dirs[:2], "--out", str(tmp_path / "two.png")])
+    assert "pairs" not in json.loads((tmp_path / "two.json").read_text())
