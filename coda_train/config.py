@@ -22,6 +22,7 @@ from omegaconf import MISSING, OmegaConf
 from coda_train.data import DataConfig
 from coda_train.errors import ConfigError
 from coda_train.kernels import BACKENDS
+from coda_train.kernels.tile_configs import TUNE
 from coda_train.model import IMPLS, RECOMPUTE, LlamaConfig, preset
 from coda_train.trainer.device import COMPUTE_DTYPES, DEVICES
 from coda_train.trainer.distributed import PARALLEL
@@ -52,6 +53,10 @@ ModelConfig = _model_schema()
 @dataclass
 class KernelsConfig:
     backend: str = "auto"  # one of coda_train.kernels.BACKENDS; auto: cute on a Hopper GPU, else reference
+    # one of kernels/tile_configs.py TUNE: GEMM shapes the tile config table lacks for this GPU (another width,
+    # token count or GPU) run a safe default (off) or are tuned before the run starts, once, into the user's
+    # cache, which every later run reads (once; a few minutes; docs/kernels.md)
+    tune: str = "off"
 
 
 @dataclass
@@ -141,6 +146,7 @@ def check_config(cfg: Config) -> None:
                           f"(e.g. {key}={works})")
     _choose("model.impl", cfg.model.impl, tuple(IMPLS))
     _choose("kernels.backend", cfg.kernels.backend, BACKENDS)
+    _choose("kernels.tune", cfg.kernels.tune, TUNE)
     _choose("optim.name", o.name, OPTIMIZERS)
     _choose("optim.schedule", o.schedule, SCHEDULES)
     _choose("trainer.device", t.device, DEVICES)

@@ -18,6 +18,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _no_user_tile_cache(tmp_path_factory, monkeypatch):
+    """Tests read the shipped tile config table, never this machine's user cache (kernels.tune=once
+    writes one under ~/.cache): $CODA_TILE_CACHE names a file no test writes unless it sets its own."""
+    from coda_train.kernels import tile_configs
+
+    monkeypatch.setenv(tile_configs.CACHE_ENV, str(tmp_path_factory.getbasetemp() / "no_user_tile_cache.json"))
+    tile_configs.reload()
+    yield
+    tile_configs.reload()  # a test's variables are gone: the next test reads its own
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory) -> list[str]:
     """Overrides for a 2-layer dim-64 model on a prepared 60-document corpus with a 300-token BPE."""

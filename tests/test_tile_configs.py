@@ -49,11 +49,12 @@ def user_table(tmp_path, monkeypatch):
         path = tmp_path / "table.json"
         path.write_text(json.dumps({"gpus": {gpu: entries}}))
         monkeypatch.setenv(T.TABLE_ENV, str(path))
+        T.reload()
         return path
 
-    T._tables.cache_clear()
+    T.reload()
     yield write
-    T._tables.cache_clear()
+    T.reload()
 
 
 def test_config_strings_round_trip_and_bad_ones_say_the_form():
@@ -138,7 +139,7 @@ def test_bad_tables_name_the_entry_and_the_fix(user_table, entries, words):
 
 
 def test_unreadable_table_says_how_to_fix(tmp_path, monkeypatch):
-    T._tables.cache_clear()
+    T.reload()
     bad = tmp_path / "t.json"
     bad.write_text("{not json")
     monkeypatch.setenv(T.TABLE_ENV, str(bad))
@@ -146,11 +147,11 @@ def test_unreadable_table_says_how_to_fix(tmp_path, monkeypatch):
         with pytest.raises(ConfigError, match="unset it"):
             T.tables()
         bad.write_text('{"H200": []}')
-        T._tables.cache_clear()
+        T.reload()
         with pytest.raises(ConfigError, match='expected {"gpus"'):
             T.tables()
     finally:
-        T._tables.cache_clear()
+        T.reload()
 
 
 def test_shipped_table_lists_every_tuned_launch_with_a_valid_config():
@@ -364,3 +365,136 @@ for cfg in (Cfg(128, 192), Cfg(128, 128)):
     usage = dict(json.loads(line) for line in out.splitlines() if line.startswith("["))
     assert usage["128x192 c2x1 pingpong"]["spill_stores"] > 0, usage
     assert usage["128x128 c2x1 pingpong"]["spill_stores"] == 0 and usage["128x128 c2x1 pingpong"]["registers"] > 0, usage
+
+
+@pytest.fixture
+def tile_cache(tmp_path, monkeypatch):
+    """The user's tile config cache ($CODA_TILE_CACHE) as a fresh file path for the test."""
+    path = tmp_path / "cache" / "tile_configs.json"
+    monkeypatch.setenv(T.CACHE_ENV, str(path))
+    monkeypatch.delenv(T.TABLE_ENV, raising=False)
+    T.reload()
+    yield path
+    T.reload()
+
+
+def _entry(op, m, n, k, config):
+    return dict(op=op, m=m, n=n, k=k, config=config)
+
+
+def test_the_user_cache_sits_between_the_shipped_table_and_the_env_file(tile_cache, monkeypatch, tmp_path):
+    shipped = next(e for e in json.loads(T.SHIPPED_TABLE.read_text())["gpus"]["H200"] if e["op"] == "gemm_dswiglu_rowscale_stat")
+    args = ("gemm_dswiglu_rowscale_stat", shipped["m"], shipped["n"], shipped["k"])
+    other = next(str(c) for c in (Cfg(128, 128), Cfg(128, 256, 2, 1, False)) if str(c) != shipped["config"])
+    assert str(T.lookup(*args, "H200")) == shipped["config"] and not tile_cache.exists()
+    T.add_to_cache("H200", [_entry(*args, other)])
+    assert str(T.lookup(*args, "H200")) == other  # the cache over the shipped table, read again after the add
+    env = tmp_path / "env.json"
+    env.write_text(json.dumps({"gpus": {"H200": [_entry(*args, "256x192 c2x1 cooperative")]}}))
+    monkeypatch.setenv(T.TABLE_ENV, str(env))
+    T.reload()
+    assert str(T.lookup(*args, "H200")) == "256x192 c2x1 cooperative"  # $CODA_TILE_CONFIGS over both
+    # a shape neither lists: the default; on a GPU only the cache lists: the cache
+    assert T.lookup("gemm_dswiglu_rowscale_stat", 64, 384, 128, "H200") == T.default_cfg("gemm_dswiglu_rowscale_stat")
+    T.add_to_cache("H100 80GB HBM3", [_entry("matmul_tn", 384, 128, 64, "cublas")])
+    assert T.lookup("matmul_tn", 384, 128, 64, "H100 80GB HBM3") is None and T.untuned([("matmul_tn", (384, 128, 64))],
+                                                                                       "H100 80GB HBM3") == []
+
+
+def test_adding_to_the_cache_replaces_a_shape_class_keeps_the_rest_and_refuses_bad_entries(tile_cache):
+    a = _entry("gemm_rmsnorm_backward", 4096, 64, 192, "128x128 c2x1 pingpong")
+    b = _entry("matmul", 4096, 192, 64, "cublas")
+    assert T.add_to_cache("H200", [a, b]) == tile_cache
+    T.add_to_cache("H100", [a])
+    a2 = dict(a, m=4000, config="128x256 c1x2 cooperative")  # 4000 rows: the same class as 4096
+    T.add_to_cache("H200", [a2])
+    gpus = json.loads(tile_cache.read_text())["gpus"]
+    assert gpus["H200"] == [b, a2] and gpus["H100"] == [a]
+    assert not list(tile_cache.parent.glob("*.tmp")) and not tile_cache.with_name(tile_cache.name + ".lock").exists()
+    before = tile_cache.read_text()
+    with pytest.raises(ConfigError, match="is not an SM90 tile quack runs"):
+        T.add_to_cache("H200", [_entry("gemm_rmsnorm_backward", 4096, 64, 192, "128x64 c2x1 pingpong")])
+    assert tile_cache.read_text() == before  # nothing invalid gets in
+
+
+def test_a_corrupt_cache_names_the_file_and_the_fix(tile_cache):
+    tile_cache.parent.mkdir(parents=True)
+    tile_cache.write_text('{"gpus": {"H200": [')
+    with pytest.raises(ConfigError, match=rf"{tile_cache}.*delete {tile_cache}"):
+        T.lookup("matmul", 4096, 192, 64, "H200")
+    tile_cache.write_text(json.dumps({"gpus": {"H200": [_entry("matmul", 4096, 192, 64, "huge")]}}))
+    T.reload()
+    with pytest.raises(ConfigError, match="fix or delete the entry"):
+        T.lookup("matmul", 4096, 192, 64, "H200")
+
+
+FAKE_TUNER = """
+import json, sys
+from pathlib import Path
+from coda_train.kernels import tile_configs as T
+args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+with open(Path(sys.argv[0]).with_name("calls.txt"), "a") as f:
+    f.write(args["--launches"] + "\\n")
+if Path(sys.argv[0]).with_name("fail").exists():
+    print("tuner exploded"); sys.exit(3)
+launches = json.loads(Path(args["--launches"]).read_text())
+skip = int(Path(sys.argv[0]).with_name("skip").read_text()) if Path(sys.argv[0]).with_name("skip").exists() else 0
+entries = [dict(l, config="cublas" if l["op"] in T.PLAIN_GEMMS else "128x128 c1x2 pingpong" if l["op"] != "gemm_rowscale_exp_cross_entropy" else "128x128 c2x1 pingpong",
+                default_ms=1.0, best_ms=0.9) for l in launches["launches"][skip:]]
+table = json.loads(T.SHIPPED_TABLE.read_text())
+table["gpus"][launches["gpu"]] = table["gpus"].get(launches["gpu"], []) + entries
+Path(args["--out"], "tile_configs.json").write_text(json.dumps(table))
+"""
+
+
+@pytest.fixture
+def fake_tuner(tmp_path, monkeypatch):
+    """scripts/tune_gemm.py replaced by a stand-in (same arguments and output file; no GPU): it records
+    each call, fails where a `fail` file exists, and leaves the first `skip` launches untuned."""
+    from coda_train.trainer import build
+
+    path = tmp_path / "tuner" / "tune_gemm.py"
+    path.parent.mkdir()
+    path.write_text(FAKE_TUNER)
+    monkeypatch.setattr(build, "TUNER", path)
+    return path.parent
+
+
+def test_tune_once_tunes_the_missing_shapes_into_the_cache_and_later_runs_reuse_them(tile_cache, fake_tuner, caplog):
+    from coda_train.config import TrainerConfig
+    from coda_train.trainer.build import report_untuned_gemms, tune_untuned_gemms
+    from coda_train.trainer.distributed import World
+
+    t = TrainerConfig(batch_size=2, seq_len=64)
+    missing = T.untuned(tune.step_gemm_shapes(PRESETS["tiny"].kernel_dims(128, 64)), "H200")
+    assert missing
+    (fake_tuner / "skip").write_text("1")  # a tuner out of budget: the first shape stays untuned
+    with caplog.at_level("INFO"):
+        added = tune_untuned_gemms(PRESETS["tiny"], t, "H200", World())
+    assert len(added) == len(missing) - 1 and f"{len(missing) - 1} of {len(missing)} shape(s) tuned into {tile_cache}" in caplog.text
+    assert T.untuned(tune.step_gemm_shapes(PRESETS["tiny"].kernel_dims(128, 64)), "H200") == missing[:1]
+    (fake_tuner / "skip").unlink()
+    assert len(tune_untuned_gemms(PRESETS["tiny"], t, "H200", World())) == 1  # the next run tunes the rest
+    calls = (fake_tuner / "calls.txt").read_text().split()
+    assert len(calls) == 2 and not any(Path(c).exists() for c in calls)  # its input lived in a temp dir, gone
+    assert tune_untuned_gemms(PRESETS["tiny"], t, "H200", World()) == []  # covered: no tuner call
+    assert len((fake_tuner / "calls.txt").read_text().split()) == 2
+    assert report_untuned_gemms(PRESETS["tiny"], t, "H200", tile_cache.parent) == []
+    assert T.lookup(*missing[0], "H200") != T.default_cfg(missing[0][0]) or missing[0][0] in T.PLAIN_GEMMS
+
+
+def test_tune_once_survives_a_failing_tuner_and_needs_a_checkout(tile_cache, fake_tuner, caplog, monkeypatch):
+    from coda_train.config import TrainerConfig
+    from coda_train.trainer import build
+    from coda_train.trainer.distributed import World
+
+    t = TrainerConfig(batch_size=2, seq_len=64)
+    (fake_tuner / "fail").write_text("")
+    with caplog.at_level("WARNING"):
+        assert build.tune_untuned_gemms(PRESETS["tiny"], t, "H200", World()) == []
+    assert "the tuner failed (exit 3)" in caplog.text and "tuner exploded" in caplog.text and not tile_cache.exists()
+    assert build.tune_untuned_gemms(PRESETS["tiny"], t, "H200", World(rank=1, world_size=1)) == []  # not main: no tuning
+    monkeypatch.setattr(build, "TUNER", fake_tuner / "missing.py")
+    with pytest.raises(ConfigError, match="kernels.tune=once runs scripts/tune_gemm.py of a source checkout"):
+        build.tune_untuned_gemms(PRESETS["tiny"], t, "H200", World())
+    assert build.TUNER.name == "missing.py" and Path(build.__file__).resolve().parents[2].joinpath("scripts", "tune_gemm.py").is_file()

@@ -7,8 +7,10 @@ A table entry is keyed by GPU, op and shape class: the GPU as `gpu_key(torch.cud
 `gemm_rowscale`, the same program), and the GEMM D[M, N] = A[M, K] B[K, N] with the token count
 (M; K for the weight gradient `matmul_tn`) rounded to the nearest power of two and the other two
 dims, model widths, exact (`shape_class`). Its value is a `Cfg` ("128x192 c2x1 pingpong") or, for the
-plain GEMMs `matmul` / `matmul_tn`, "cublas". The file named by $CODA_TILE_CONFIGS (a tune run's
-output) overrides the shipped table entry by entry. docs/kernels.md describes the format.
+plain GEMMs `matmul` / `matmul_tn`, "cublas". Over the shipped table, entry by entry: the user's
+cache (`cache_path()`, which `kernels.tune=once` fills with the shapes a run needed and the table
+lacked), then the file named by $CODA_TILE_CONFIGS (a tune run's output). docs/kernels.md describes
+the format.
 """
 
 from __future__ import annotations
@@ -23,11 +25,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
+from ..durable import exclusive_lock, write_synced
 from ..errors import ConfigError
 from .declare import OPS, STAT_TILE_N
 
 SHIPPED_TABLE = Path(__file__).with_name("tile_configs.json")
 TABLE_ENV = "CODA_TILE_CONFIGS"
+CACHE_ENV = "CODA_TILE_CACHE"  # the user's cache file; default under $XDG_CACHE_HOME or ~/.cache
+# kernels.tune: off = a GEMM shape the table lacks runs default_cfg (logged, with the tuning command);
+# once = the run tunes such shapes before it starts and adds them to the user's cache, read by every later run
+TUNE = ("off", "once")
 CUBLAS = "cublas"  # a plain GEMM's table value when torch.matmul (cuBLAS) is the faster one
 
 
@@ -158,30 +165,93 @@ def parse_entries(entries: list, where: str) -> dict[Key, Optional[Cfg]]:
     return table
 
 
-def load_table(path) -> dict[str, dict[Key, Optional[Cfg]]]:
-    """{GPU: {shape_class: config}} from a table file ({"gpus": {GPU: [entry, ...]}})."""
+_ENV_FIX = f"point ${TABLE_ENV} at a file written by scripts/tune_gemm.py, or unset it"
+
+
+def _read_table_file(path, fix: str) -> dict:
+    """A table file's JSON ({"gpus": {GPU: [entry, ...]}}); ConfigError naming the file and `fix`."""
     try:
         with open(path) as f:
             data = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"cannot read the tile config table {path}: {e}; point ${TABLE_ENV} at a file "
-                          "written by scripts/tune_gemm.py, or unset it") from None
+        raise ConfigError(f"cannot read the tile config table {path}: {e}; {fix}") from None
     if not isinstance(data, dict) or not isinstance(data.get("gpus"), dict):
-        raise ConfigError(f"tile config table {path}: expected {{\"gpus\": {{GPU name: [entries]}}}}")
+        raise ConfigError(f"tile config table {path}: expected {{\"gpus\": {{GPU name: [entries]}}}}; {fix}")
+    return data
+
+
+def load_table(path, fix: str = _ENV_FIX) -> dict[str, dict[Key, Optional[Cfg]]]:
+    """{GPU: {shape_class: config}} from a table file ({"gpus": {GPU: [entry, ...]}})."""
+    data = _read_table_file(path, fix)
     return {gpu: parse_entries(entries, f"{path}: gpus.{gpu}") for gpu, entries in data["gpus"].items()}
 
 
+def cache_path() -> Path:
+    """The user's tile config cache: $CODA_TILE_CACHE, else $XDG_CACHE_HOME (default ~/.cache)
+    /coda_train/tile_configs.json. kernels.tune=once adds to it; every run reads it if it exists."""
+    return _cache_path(os.environ.get(CACHE_ENV) or None, os.environ.get("XDG_CACHE_HOME") or None)
+
+
+def _cache_path(explicit: Optional[str], xdg: Optional[str]) -> Path:
+    if explicit:
+        return Path(explicit)
+    return Path(xdg or Path.home() / ".cache") / "coda_train" / "tile_configs.json"
+
+
+def _cache_fix(path) -> str:
+    return f"delete {path} (kernels.tune=once writes it again) or point ${CACHE_ENV} elsewhere"
+
+
 @functools.lru_cache(maxsize=None)
-def _tables(user_path: Optional[str]) -> dict[str, dict[Key, Optional[Cfg]]]:
+def _tables(user_path: Optional[str], cache_env: Optional[str], xdg: Optional[str]) -> dict[str, dict[Key, Optional[Cfg]]]:
+    cache = _cache_path(cache_env, xdg)
     tables = load_table(SHIPPED_TABLE)
-    for gpu, entries in (load_table(user_path) if user_path else {}).items():
-        tables[gpu] = {**tables.get(gpu, {}), **entries}
+    layers = [load_table(cache, _cache_fix(cache))] if Path(cache).is_file() else []
+    layers += [load_table(user_path)] if user_path else []
+    for layer in layers:
+        for gpu, entries in layer.items():
+            tables[gpu] = {**tables.get(gpu, {}), **entries}
     return tables
 
 
+_current: Optional[dict[str, dict[Key, Optional[Cfg]]]] = None  # tables() as first read: every GEMM launch asks
+
+
 def tables() -> dict[str, dict[Key, Optional[Cfg]]]:
-    """The shipped table with $CODA_TILE_CONFIGS's entries over it (read once per path)."""
-    return _tables(os.environ.get(TABLE_ENV) or None)
+    """The shipped table, the user's cache over it, $CODA_TILE_CONFIGS's entries over both: files and
+    variables read at the first call; reload() reads them again."""
+    global _current
+    if _current is None:
+        env = os.environ
+        _current = _tables(env.get(TABLE_ENV) or None, env.get(CACHE_ENV) or None, env.get("XDG_CACHE_HOME") or None)
+    return _current
+
+
+def reload() -> None:
+    """Read the table files and their variables again at the next lookup (after a tune, or a change of
+    $CODA_TILE_CONFIGS / $CODA_TILE_CACHE)."""
+    global _current
+    _current = None
+    _tables.cache_clear()
+
+
+def add_to_cache(gpu: str, entries: list[dict]) -> Path:
+    """Merge table entries (scripts/tune_gemm.py's) into `gpu`'s list of the user's cache, replacing
+    entries of the same shape class; under a lock, written whole and renamed into place, so concurrent
+    runs and a crash leave a complete file. Returns the cache's path."""
+    path = cache_path()
+    parse_entries(entries, f"entries for {path}")  # nothing invalid gets in
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with exclusive_lock(path.with_name(path.name + ".lock"), wait=True):
+        data = _read_table_file(path, _cache_fix(path)) if path.is_file() else {"gpus": {}}
+        key = lambda e: shape_class(e["op"], e["m"], e["n"], e["k"])  # noqa: E731
+        new = {key(e) for e in entries}
+        data["gpus"][gpu] = [e for e in data["gpus"].get(gpu, []) if key(e) not in new] + list(entries)
+        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+        write_synced(tmp, (json.dumps(data, indent=1) + "\n").encode())
+        os.replace(tmp, path)
+    reload()
+    return path
 
 
 _forced: dict[str, Optional[Cfg]] = {}

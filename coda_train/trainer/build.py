@@ -6,6 +6,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -21,6 +24,7 @@ from .state import TrainState, seed_all
 
 log = logging.getLogger(__name__)
 UNTUNED_FILE = "untuned_gemms.json"  # in the run dir: the input of scripts/tune_gemm.py --launches
+TUNER = Path(__file__).resolve().parents[2] / "scripts" / "tune_gemm.py"  # kernels.tune=once runs it (a source checkout's)
 
 
 def check_compute(cfg: Config, backend: str, compute_dtype: torch.dtype) -> None:
@@ -98,23 +102,81 @@ def build_train_state(cfg: Config, llama: LlamaConfig, data: PreparedData, backe
     return TrainState(model, optimizer, scheduler, build_loader(data, "train", cfg.trainer, world))
 
 
-def report_untuned_gemms(llama: LlamaConfig, t: TrainerConfig, gpu: str, run_dir: Path) -> list:
-    """The GEMM shapes of this run's CODA step that the tile config table has no entry for on `gpu`
-    (they run quack's default config): logged with the command that tunes them, and written to the
-    run dir as that command's input. Returns them ([] when the table covers the run)."""
-    from coda_train.kernels.tile_configs import TABLE_ENV, untuned
+def _untuned(llama: LlamaConfig, t: TrainerConfig, gpu: str):
+    """(kernel dims, the shape classes of this run's CODA step the tile config table lacks on `gpu`)."""
+    from coda_train.kernels.tile_configs import untuned
     from coda_train.model.coda import step_gemm_shapes
 
     dims = llama.kernel_dims(t.batch_size * t.seq_len, t.seq_len)
-    missing = untuned(step_gemm_shapes(dims), gpu)
+    return dims, untuned(step_gemm_shapes(dims), gpu)
+
+
+def _write_launches(path: Path, gpu: str, dims, missing: list) -> None:
+    """The input of scripts/tune_gemm.py --launches: the GPU, the run's kernel dims, the launches to tune."""
+    path.write_text(json.dumps({"gpu": gpu, "dims": dataclasses.asdict(dims),
+                                "launches": [dict(op=op, m=m, n=n, k=k) for op, m, n, k in missing]}, indent=1))
+
+
+def tune_untuned_gemms(llama: LlamaConfig, t: TrainerConfig, gpu: str, world: World) -> list:
+    """kernels.tune=once: the main process tunes this run's GEMM shapes that the tile config table
+    lacks on `gpu` (scripts/tune_gemm.py on this GPU, before the model is built: a few minutes) and adds
+    the winners to the user's cache (tile_configs.cache_path()), which this and every later run read;
+    then every process reads the extended table. A tuner that fails or runs out of its time budget
+    leaves those shapes on the default config (logged), never stops the run. Returns what was added."""
+    from coda_train.kernels import tile_configs
+
+    added = []
+    if world.is_main:
+        dims, missing = _untuned(llama, t, gpu)
+        if missing and not TUNER.is_file():
+            raise ConfigError(f"kernels.tune=once runs scripts/tune_gemm.py of a source checkout, and there is none at "
+                              f"{TUNER}; run from the repository, or use kernels.tune=off")
+        if missing:
+            added = _run_tuner(gpu, dims, missing)
+    barrier(world)
+    tile_configs.reload()
+    return added
+
+
+def _run_tuner(gpu: str, dims, missing: list) -> list:
+    from coda_train.kernels import tile_configs
+
+    log.info("kernels.tune=once: tuning %d GEMM shape(s) the tile config table lacks for %s (scripts/tune_gemm.py, "
+             "a few minutes on this GPU; once: the results go to %s): %s", len(missing), gpu, tile_configs.cache_path(),
+             ", ".join(f"{op} {m}x{n}x{k}" for op, m, n, k in missing))
+    with tempfile.TemporaryDirectory(prefix="coda-tune-") as tmp:
+        _write_launches(Path(tmp) / UNTUNED_FILE, gpu, dims, missing)
+        proc = subprocess.run([sys.executable, str(TUNER), "--launches", str(Path(tmp) / UNTUNED_FILE), "--out", tmp],
+                              capture_output=True, text=True)
+        out = Path(tmp) / "tile_configs.json"
+        if proc.returncode != 0 or not out.is_file():
+            log.warning("kernels.tune=once: the tuner failed (exit %d), so these shapes run the default tile config; "
+                        "its output ends:\n%s", proc.returncode, (proc.stdout + proc.stderr)[-3000:])
+            return []
+        wanted = set(missing)
+        entries = [e for e in json.loads(out.read_text())["gpus"].get(gpu, [])
+                   if tile_configs.shape_class(e["op"], e["m"], e["n"], e["k"]) in wanted]
+    path = tile_configs.add_to_cache(gpu, entries) if entries else tile_configs.cache_path()
+    log.info("kernels.tune=once: %d of %d shape(s) tuned into %s%s", len(entries), len(missing), path,
+             "" if len(entries) == len(missing) else "; the rest run the default config (the next run tunes them)")
+    return entries
+
+
+def report_untuned_gemms(llama: LlamaConfig, t: TrainerConfig, gpu: str, run_dir: Path) -> list:
+    """The GEMM shapes of this run's CODA step that the tile config table has no entry for on `gpu`
+    (they run quack's default config): logged with the ways to tune them, and written to the run dir
+    as the tuner's input. Returns them ([] when the table covers the run)."""
+    from coda_train.kernels.tile_configs import TABLE_ENV
+
+    dims, missing = _untuned(llama, t, gpu)
     path = run_dir / UNTUNED_FILE
     if not missing:
         path.unlink(missing_ok=True)  # a resumed run whose shapes were tuned since
         return []
-    path.write_text(json.dumps({"gpu": gpu, "dims": dataclasses.asdict(dims),
-                                "launches": [dict(op=op, m=m, n=n, k=k) for op, m, n, k in missing]}, indent=1))
+    _write_launches(path, gpu, dims, missing)
     log.warning("%d GEMM shape(s) of this run have no entry for %s in the tile config table (%s): they run the default "
                 "tile config, which can be well behind a tuned one (docs/kernels.md). To tune them once on this GPU: "
-                "python scripts/tune_gemm.py --launches %s --out DIR, then set %s=DIR/tile_configs.json",
+                "run with kernels.tune=once (every later run reuses the result), or python scripts/tune_gemm.py "
+                "--launches %s --out DIR, then set %s=DIR/tile_configs.json",
                 len(missing), gpu, ", ".join(f"{op} {m}x{n}x{k}" for op, m, n, k in missing), path, TABLE_ENV)
     return missing

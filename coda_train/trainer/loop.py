@@ -24,7 +24,7 @@ from coda_train.model import LlamaConfig
 from coda_train.model.liger import require_liger
 
 from .build import (build_loader, build_train_state, check_compute, check_model_before_data, data_config,
-                    prepare_data, report_untuned_gemms, resolve_model)
+                    prepare_data, report_untuned_gemms, resolve_model, tune_untuned_gemms)
 from .checkpoint import (CHECKPOINTS_DIR, CheckpointError, Checkpointer, check_ckpt_async, check_same_model,
                          find_resume_checkpoint, list_checkpoints, restore, set_aside_newer)
 from .device import pick_compute_dtype, pick_device
@@ -110,6 +110,8 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
     llama = resolve_model(cfg, data.vocab_size, backend)
     if resume_from is not None:
         check_same_model(resume_from, llama)
+    if cfg.model.impl == "coda" and backend == "cute" and cfg.kernels.tune == "once":  # before the model takes GPU memory
+        tune_untuned_gemms(llama, t, gpu_key(torch.cuda.get_device_name(device)), world)
 
     state = build_train_state(cfg, llama, data, backend, device, compute_dtype, world, init_weights=resume_from is None,
                               parallel=parallel)
