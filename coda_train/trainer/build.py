@@ -125,14 +125,11 @@ def tune_untuned_gemms(llama: LlamaConfig, t: TrainerConfig, gpu: str, world: Wo
     leaves those shapes on the default config (logged), never stops the run. Returns what was added."""
     from coda_train.kernels import tile_configs
 
-    added = []
-    if world.is_main:
-        dims, missing = _untuned(llama, t, gpu)
-        if missing and not TUNER.is_file():
-            raise ConfigError(f"kernels.tune=once runs scripts/tune_gemm.py of a source checkout, and there is none at "
-                              f"{TUNER}; run from the repository, or use kernels.tune=off")
-        if missing:
-            added = _run_tuner(gpu, dims, missing)
+    dims, missing = _untuned(llama, t, gpu)
+    if missing and not TUNER.is_file():  # on every rank, so none waits at the barrier for a main that stopped
+        raise ConfigError(f"kernels.tune=once runs scripts/tune_gemm.py of a source checkout, and there is none at "
+                          f"{TUNER}; run from the repository, or use kernels.tune=off")
+    added = _run_tuner(gpu, dims, missing) if missing and world.is_main else []
     barrier(world)
     tile_configs.reload()
     return added
@@ -146,12 +143,16 @@ def _run_tuner(gpu: str, dims, missing: list) -> list:
              ", ".join(f"{op} {m}x{n}x{k}" for op, m, n, k in missing))
     with tempfile.TemporaryDirectory(prefix="coda-tune-") as tmp:
         _write_launches(Path(tmp) / UNTUNED_FILE, gpu, dims, missing)
-        proc = subprocess.run([sys.executable, str(TUNER), "--launches", str(Path(tmp) / UNTUNED_FILE), "--out", tmp],
-                              capture_output=True, text=True)
+        try:
+            proc = subprocess.run([sys.executable, str(TUNER), "--launches", str(Path(tmp) / UNTUNED_FILE), "--out", tmp],
+                                  capture_output=True, text=True)
+            rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-3000:]
+        except OSError as e:  # could not start it: as a failed tuner, the run goes on
+            rc, tail = -1, str(e)
         out = Path(tmp) / "tile_configs.json"
-        if proc.returncode != 0 or not out.is_file():
+        if rc != 0 or not out.is_file():
             log.warning("kernels.tune=once: the tuner failed (exit %d), so these shapes run the default tile config; "
-                        "its output ends:\n%s", proc.returncode, (proc.stdout + proc.stderr)[-3000:])
+                        "its output ends:\n%s", rc, tail)
             return []
         wanted = set(missing)
         entries = [e for e in json.loads(out.read_text())["gpus"].get(gpu, [])
