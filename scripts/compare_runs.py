@@ -28,7 +28,7 @@ import yaml
 @dataclass
 class Run:
     name: str
-    impl: str | None
+    program: str | None  # model.impl, with the kernel backend for coda: what "the same model" means below
     steps: np.ndarray
     loss: np.ndarray
     tokens: np.ndarray
@@ -54,7 +54,7 @@ def read_run(run_dir: Path) -> Run:
     name = f"{impl} ({run_dir.name})" if impl else run_dir.name
     tps = [r["tokens_per_s"] for r in train if r.get("tokens_per_s")]
     # Steady-state throughput: median over the second half of the run (skips compile/warm-up).
-    return Run(name=name, impl=impl,
+    return Run(name=name, program=run_program(run_dir / "config.yaml"),
                steps=np.array([r["step"] for r in train]),
                loss=np.array([r["loss"] for r in train], dtype=np.float64),
                tokens=np.array([r.get("tokens", math.nan) for r in train], dtype=np.float64),
@@ -65,15 +65,27 @@ def read_run(run_dir: Path) -> Run:
 
 def run_impl(config_path: Path) -> str | None:
     """model.impl of a run's config.yaml; None when the file or the key is absent."""
+    return _config_value(config_path, "model", "impl")
+
+
+def run_program(config_path: Path) -> str | None:
+    """What a run computed with: model.impl, and for coda its kernels.backend (coda on cute and coda on
+    the reference are two implementations; eager and liger ignore the backend)."""
+    impl = run_impl(config_path)
+    backend = _config_value(config_path, "kernels", "backend") if impl == "coda" else None
+    return f"{impl}/{backend}" if backend else impl
+
+
+def _config_value(config_path: Path, group: str, key: str) -> str | None:
     if not config_path.is_file():
         return None
     try:
         config = yaml.safe_load(config_path.read_text())
     except yaml.YAMLError as e:
         sys.exit(f"error: {config_path} is not valid YAML ({e}); pass run directories written by train.py")
-    model = config.get("model") if isinstance(config, dict) else None
-    impl = model.get("impl") if isinstance(model, dict) else None
-    return str(impl) if impl is not None else None
+    section = config.get(group) if isinstance(config, dict) else None
+    value = section.get(key) if isinstance(section, dict) else None
+    return str(value) if value is not None else None
 
 
 def smooth(y: np.ndarray, window: int) -> np.ndarray:
@@ -108,13 +120,13 @@ def compare(runs: list[Run], window: int) -> list[dict]:
 
 def pairs(runs: list[Run], window: int) -> list[dict]:
     """Every pair of runs: mean and max |Δ| of the smoothed losses over the last 10% of the steps both
-    logged, and whether the two runs are of the same model (model.impl)."""
+    logged, and whether the two runs are of the same model (model.impl, and for coda kernels.backend)."""
     rows = []
     for i, a in enumerate(runs):
         for b in runs[i + 1:]:
             row = compare([a, b], window)[1]
             rows.append({"a": a.name, "b": b.name,
-                         "same_model": a.impl is not None and a.impl == b.impl,
+                         "same_model": a.program is not None and a.program == b.program,
                          "mean_abs_dloss_smoothed_last10pct": row["mean_abs_dloss_smoothed_last10pct"],
                          "max_abs_dloss_smoothed_last10pct": row["max_abs_dloss_smoothed_last10pct"]})
     return rows

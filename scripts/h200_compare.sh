@@ -8,9 +8,9 @@
 # floor, and coda/reference is the same hand-written schedule on plain torch ops (the four runs took
 # over 330 s on an H200 on 2026-11-30: give the call the whole 600 s, or a 2-GPU host, where eager and coda
 # run side by side, one GPU each).
-# LR (default 1e-3) and SEED (default 1337) set optim.lr and trainer.seed; IMPLS (default eager,coda, one
-# GPU only) lists the runs, e.g. IMPLS=eager,eager,coda runs eager twice: the second eager run is the
-# run-to-run noise floor of that setting.
+# LR (default 1e-3) and SEED (default 1337) set optim.lr and trainer.seed; IMPLS (default eager,coda; other
+# lists on one GPU only, NGPU=1) lists the runs, e.g. IMPLS=eager,coda,eager,coda runs each twice: the
+# same-model pairs are the run-to-run noise of that setting. At most 4 runs (the device returns 8 files).
 # Everything lands in $OUT (default runs/h200): at most 8 files, as the device tool returns them.
 set -uo pipefail
 STEPS=${1:-1000}
@@ -29,6 +29,9 @@ multirun() {  # IMPLS RUN_DIR [GPU]; two at once share the data cache (preparati
     kernels.backend="$BACKENDS" trainer.max_steps="$STEPS" trainer.batch_size=16 trainer.seq_len=1024 trainer.log_every=1 \
     trainer.eval_every=100 trainer.eval_batches=4 trainer.ckpt_every=0 trainer.progress_bar=false \
     optim.lr="$LR" trainer.seed="$SEED" optim.warmup_steps=100 data.cache_dir=/tmp/coda-data trainer.run_dir="$2" > "$2.log" 2>&1; }
+if [ "$NGPU" -gt 1 ] && [ "$IMPLS" != "eager,coda" ]; then
+  echo "IMPLS=$IMPLS needs one GPU (the ${NGPU}-GPU path runs eager and coda once each): set NGPU=1" >&2; exit 2
+fi
 if [ "$NGPU" -gt 1 ]; then  # one multirun per impl, each on its own GPU
   multirun eager "$RUNS/eager" 0 & multirun coda "$RUNS/coda" 1; wait
   JOBS=$(ls -d "$RUNS"/eager/[0-9]* | sort -V; ls -d "$RUNS"/coda/[0-9]* | sort -V)

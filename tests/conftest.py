@@ -27,7 +27,7 @@ def _no_user_tile_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv(tile_configs.CACHE_ENV, str(tmp_path_factory.getbasetemp() / "no_user_tile_cache.json"))
     tile_configs.reload()
     yield
-    tile_configs.reload()  # a test's variables are gone: the next test reads its own
+    tile_configs.forget_tuned()  # and reload: a test's variables and tuned entries are gone for the next test
 
 
 @pytest.fixture(scope="session")

@@ -81,6 +81,15 @@ def test_three_runs_or_more_add_every_pair_split_by_model(tmp_path):
         assert same == (a.split()[0] == b.split()[0]) and mean == pytest.approx(want, abs=1e-12), (a, b, mean)
     md = out.with_suffix(".md").read_text()
     assert "same model (run-to-run noise): 1 pair," in md and "across models: 2 pairs" in md
+    # coda on another kernel backend is another implementation, not the same model run again
+    (tmp_path / "c0" / "config.yaml").write_text("model: {impl: coda}\nkernels: {backend: reference}\n")
+    c1 = tmp_path / "c1"
+    c1.mkdir()
+    (c1 / "metrics.jsonl").write_text((tmp_path / "c0" / "metrics.jsonl").read_text())
+    (c1 / "config.yaml").write_text("model: {impl: coda}\nkernels: {backend: cute}\n")
+    compare_runs.main([*dirs, str(c1), "--out", str(tmp_path / "four.png")])
+    same = {(p["a"], p["b"]) for p in json.loads((tmp_path / "four.json").read_text())["pairs"] if p["same_model"]}
+    assert same == {("eager (e0)", "eager (e1)")}
     # two runs: no pair table (the one pair is the run table's |Δ| row)
     compare_runs.main([*dirs[:2], "--out", str(tmp_path / "two.png")])
     assert "pairs" not in json.loads((tmp_path / "two.json").read_text())

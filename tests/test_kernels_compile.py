@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-ENV = dict(os.environ, QUACK_ARCH="90", CUTE_DSL_ARCH="sm_90a", CUDA_VISIBLE_DEVICES="")
+ENV = dict(os.environ, QUACK_ARCH="90", CUTE_DSL_ARCH="sm_90a", CUDA_VISIBLE_DEVICES="", CODA_TILE_CACHE=os.devnull)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

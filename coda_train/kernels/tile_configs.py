@@ -7,10 +7,10 @@ A table entry is keyed by GPU, op and shape class: the GPU as `gpu_key(torch.cud
 `gemm_rowscale`, the same program), and the GEMM D[M, N] = A[M, K] B[K, N] with the token count
 (M; K for the weight gradient `matmul_tn`) rounded to the nearest power of two and the other two
 dims, model widths, exact (`shape_class`). Its value is a `Cfg` ("128x192 c2x1 pingpong") or, for the
-plain GEMMs `matmul` / `matmul_tn`, "cublas". Over the shipped table, entry by entry: the user's
-cache (`cache_path()`, which `kernels.tune=once` fills with the shapes a run needed and the table
-lacked), then the file named by $CODA_TILE_CONFIGS (a tune run's output). docs/kernels.md describes
-the format.
+plain GEMMs `matmul` / `matmul_tn`, "cublas". The user's cache (`cache_path()`, which
+`kernels.tune=once` fills with the shapes a run needed and the table lacked) fills the shipped
+table's gaps; the file named by $CODA_TILE_CONFIGS (a tune run's output) overrides both entry by
+entry. docs/kernels.md describes the format.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import math
 import os
 import re
@@ -29,6 +30,7 @@ from ..durable import exclusive_lock, write_synced
 from ..errors import ConfigError
 from .declare import OPS, STAT_TILE_N
 
+log = logging.getLogger(__name__)
 SHIPPED_TABLE = Path(__file__).with_name("tile_configs.json")
 TABLE_ENV = "CODA_TILE_CONFIGS"
 CACHE_ENV = "CODA_TILE_CACHE"  # the user's cache file; default under $XDG_CACHE_HOME or ~/.cache
@@ -202,28 +204,52 @@ def _cache_fix(path) -> str:
     return f"delete {path} (kernels.tune=once writes it again) or point ${CACHE_ENV} elsewhere"
 
 
+def _load_cache(path: Path) -> dict[str, dict[Key, Optional[Cfg]]]:
+    """The user's cache as a table; machine-written, so a damaged file or entry (e.g. one the rules of
+    a newer version refuse) is logged with the fix and skipped, never stops a run."""
+    try:
+        data = _read_table_file(path, _cache_fix(path))
+    except ConfigError as e:
+        log.warning("%s; ignoring it", e)
+        return {}
+    table = {}
+    for gpu, entries in data["gpus"].items():
+        table[gpu] = {}
+        for i, e in enumerate(entries if isinstance(entries, list) else []):
+            error = _entry_error(e)
+            if error:
+                log.warning("tile config cache %s: gpus.%s[%d]: %s; skipping the entry (%s)", path, gpu, i, error,
+                            _cache_fix(path))
+                continue
+            table[gpu][shape_class(e["op"], e["m"], e["n"], e["k"])] = None if e["config"] == CUBLAS else Cfg.parse(e["config"])
+    return table
+
+
 @functools.lru_cache(maxsize=None)
 def _tables(user_path: Optional[str], cache_env: Optional[str], xdg: Optional[str]) -> dict[str, dict[Key, Optional[Cfg]]]:
     cache = _cache_path(cache_env, xdg)
-    tables = load_table(SHIPPED_TABLE)
-    layers = [load_table(cache, _cache_fix(cache))] if Path(cache).is_file() else []
-    layers += [load_table(user_path)] if user_path else []
-    for layer in layers:
+    layers = [_load_cache(cache)] if cache.is_file() else []
+    layers += [load_table(SHIPPED_TABLE)] + ([load_table(user_path)] if user_path else [])
+    tables: dict[str, dict[Key, Optional[Cfg]]] = {}
+    for layer in layers:  # each over the ones before it
         for gpu, entries in layer.items():
             tables[gpu] = {**tables.get(gpu, {}), **entries}
     return tables
 
 
 _current: Optional[dict[str, dict[Key, Optional[Cfg]]]] = None  # tables() as first read: every GEMM launch asks
+_tuned_here: dict[str, dict[Key, Optional[Cfg]]] = {}  # remember(): this process's tuned entries
 
 
 def tables() -> dict[str, dict[Key, Optional[Cfg]]]:
-    """The shipped table, the user's cache over it, $CODA_TILE_CONFIGS's entries over both: files and
-    variables read at the first call; reload() reads them again."""
+    """The user's cache, the shipped table over it (the cache only fills its gaps, so a newer shipped
+    table wins), $CODA_TILE_CONFIGS's entries over both; entries this process tuned (remember()) fill
+    the remaining gaps. Files and variables read at the first call; reload() reads them again."""
     global _current
     if _current is None:
         env = os.environ
-        _current = _tables(env.get(TABLE_ENV) or None, env.get(CACHE_ENV) or None, env.get("XDG_CACHE_HOME") or None)
+        merged = _tables(env.get(TABLE_ENV) or None, env.get(CACHE_ENV) or None, env.get("XDG_CACHE_HOME") or None)
+        _current = {gpu: {**_tuned_here.get(gpu, {}), **merged.get(gpu, {})} for gpu in {*merged, *_tuned_here}}
     return _current
 
 
@@ -235,18 +261,36 @@ def reload() -> None:
     _tables.cache_clear()
 
 
+def remember(gpu: str, entries: list[dict]) -> None:
+    """Use these table entries (a tune's) in this process, whatever becomes of the cache file."""
+    _tuned_here.setdefault(gpu, {}).update(parse_entries(entries, f"tuned entries for {gpu}"))
+    reload()
+
+
+def forget_tuned() -> None:
+    """Drop what remember() added (tests)."""
+    _tuned_here.clear()
+    reload()
+
+
 def add_to_cache(gpu: str, entries: list[dict]) -> Path:
     """Merge table entries (scripts/tune_gemm.py's) into `gpu`'s list of the user's cache, replacing
     entries of the same shape class; under a lock, written whole and renamed into place, so concurrent
-    runs and a crash leave a complete file. Returns the cache's path."""
+    runs and a crash leave a complete file (an unreadable one is kept aside as <name>.corrupt).
+    Returns the cache's path; OSError if it cannot be written."""
     path = cache_path()
     parse_entries(entries, f"entries for {path}")  # nothing invalid gets in
     path.parent.mkdir(parents=True, exist_ok=True)
     with exclusive_lock(path.with_name(path.name + ".lock"), wait=True):
-        data = _read_table_file(path, _cache_fix(path)) if path.is_file() else {"gpus": {}}
+        try:
+            data = _read_table_file(path, _cache_fix(path)) if path.is_file() else {"gpus": {}}
+        except ConfigError:
+            os.replace(path, path.with_name(path.name + ".corrupt"))
+            data = {"gpus": {}}
         key = lambda e: shape_class(e["op"], e["m"], e["n"], e["k"])  # noqa: E731
         new = {key(e) for e in entries}
-        data["gpus"][gpu] = [e for e in data["gpus"].get(gpu, []) if key(e) not in new] + list(entries)
+        old = data["gpus"].get(gpu, [])
+        data["gpus"][gpu] = [e for e in (old if isinstance(old, list) else []) if _entry_error(e) or key(e) not in new] + list(entries)
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
         write_synced(tmp, (json.dumps(data, indent=1) + "\n").encode())
         os.replace(tmp, path)

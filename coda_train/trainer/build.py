@@ -18,7 +18,7 @@ from coda_train.data import DataConfig, PreparedData, TokenLoader, prepare
 from coda_train.errors import ConfigError
 from coda_train.model import LlamaConfig, build_model, kernel_shape_errors
 
-from .distributed import World, barrier, shard_model
+from .distributed import World, barrier, from_main, shard_model
 from .optim import build_optimizer, build_scheduler
 from .state import TrainState, seed_all
 
@@ -117,49 +117,82 @@ def _write_launches(path: Path, gpu: str, dims, missing: list) -> None:
                                 "launches": [dict(op=op, m=m, n=n, k=k) for op, m, n, k in missing]}, indent=1))
 
 
+# kernels.tune=once: the tuner's own budget, and when it is stopped (its compile workers with it); both
+# well inside the 10 minutes the other processes may wait at a collective (NCCL's default timeout)
+TUNE_BUDGET_S, TUNE_KILL_S = 240, 420
+
+
 def tune_untuned_gemms(llama: LlamaConfig, t: TrainerConfig, gpu: str, world: World) -> list:
     """kernels.tune=once: the main process tunes this run's GEMM shapes that the tile config table
-    lacks on `gpu` (scripts/tune_gemm.py on this GPU, before the model is built: a few minutes) and adds
-    the winners to the user's cache (tile_configs.cache_path()), which this and every later run read;
-    then every process reads the extended table. A tuner that fails or runs out of its time budget
-    leaves those shapes on the default config (logged), never stops the run. Returns what was added."""
+    lacks on `gpu` (scripts/tune_gemm.py on this GPU, before the model is built: a few minutes); every
+    process then uses the winners, and the first process of each host adds them to its user cache
+    (tile_configs.cache_path()), which later runs read. A tuner that fails, runs out of time or leaves
+    shapes untuned, or a cache that cannot be written, is logged and never stops the run. Returns the
+    entries tuned."""
     from coda_train.kernels import tile_configs
 
     dims, missing = _untuned(llama, t, gpu)
-    if missing and not TUNER.is_file():  # on every rank, so none waits at the barrier for a main that stopped
+    if missing and not TUNER.is_file():  # on every rank, so none waits at a collective for a main that stopped
         raise ConfigError(f"kernels.tune=once runs scripts/tune_gemm.py of a source checkout, and there is none at "
                           f"{TUNER}; run from the repository, or use kernels.tune=off")
-    added = _run_tuner(gpu, dims, missing) if missing and world.is_main else []
+    entries = _run_tuner(gpu, dims, missing) if missing and world.is_main else []
+    entries = from_main(entries, world)
+    if entries:
+        tile_configs.remember(gpu, entries)
+        if world.local_rank == 0:  # one writer per host (hosts may not share a home directory)
+            try:
+                path = tile_configs.add_to_cache(gpu, entries)
+                log.info("kernels.tune=once: %d tuned shape(s) cached in %s for later runs", len(entries), path)
+            except OSError as e:
+                log.warning("kernels.tune=once: could not write the tile config cache (%s); this run uses the tuned "
+                            "configs, later runs tune again (set $%s to a writable file)", e, tile_configs.CACHE_ENV)
     barrier(world)
-    tile_configs.reload()
-    return added
+    return entries
 
 
 def _run_tuner(gpu: str, dims, missing: list) -> list:
+    """scripts/tune_gemm.py on the missing launches, in its own process group (stopped with its
+    compile workers after TUNE_KILL_S); the valid table entries it wrote for them, [] if it failed."""
+    import os
+    import signal
+
     from coda_train.kernels import tile_configs
 
     log.info("kernels.tune=once: tuning %d GEMM shape(s) the tile config table lacks for %s (scripts/tune_gemm.py, "
-             "a few minutes on this GPU; once: the results go to %s): %s", len(missing), gpu, tile_configs.cache_path(),
-             ", ".join(f"{op} {m}x{n}x{k}" for op, m, n, k in missing))
+             "up to %d s on this GPU, once: later runs read them from %s): %s", len(missing), gpu, TUNE_BUDGET_S,
+             tile_configs.cache_path(), ", ".join(f"{op} {m}x{n}x{k}" for op, m, n, k in missing))
     with tempfile.TemporaryDirectory(prefix="coda-tune-") as tmp:
         _write_launches(Path(tmp) / UNTUNED_FILE, gpu, dims, missing)
+        cmd = [sys.executable, str(TUNER), "--launches", str(Path(tmp) / UNTUNED_FILE), "--out", tmp,
+               "--budget-s", str(TUNE_BUDGET_S)]
         try:
-            proc = subprocess.run([sys.executable, str(TUNER), "--launches", str(Path(tmp) / UNTUNED_FILE), "--out", tmp],
-                                  capture_output=True, text=True)
-            rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-3000:]
-        except OSError as e:  # could not start it: as a failed tuner, the run goes on
-            rc, tail = -1, str(e)
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    start_new_session=True)
+            try:
+                output, _ = proc.communicate(timeout=TUNE_KILL_S)
+                rc = proc.returncode
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                output, _ = proc.communicate()
+                rc, output = -9, output + f"\n(stopped after {TUNE_KILL_S} s)"
+        except OSError as e:  # could not start it: as a failed tuner
+            rc, output = -1, str(e)
         out = Path(tmp) / "tile_configs.json"
         if rc != 0 or not out.is_file():
             log.warning("kernels.tune=once: the tuner failed (exit %d), so these shapes run the default tile config; "
-                        "its output ends:\n%s", rc, tail)
+                        "its output ends:\n%s", rc, output[-3000:])
             return []
         wanted = set(missing)
-        entries = [e for e in json.loads(out.read_text())["gpus"].get(gpu, [])
-                   if tile_configs.shape_class(e["op"], e["m"], e["n"], e["k"]) in wanted]
-    path = tile_configs.add_to_cache(gpu, entries) if entries else tile_configs.cache_path()
-    log.info("kernels.tune=once: %d of %d shape(s) tuned into %s%s", len(entries), len(missing), path,
-             "" if len(entries) == len(missing) else "; the rest run the default config (the next run tunes them)")
+        try:
+            entries = [e for e in json.loads(out.read_text())["gpus"].get(gpu, [])
+                       if tile_configs.shape_class(e["op"], e["m"], e["n"], e["k"]) in wanted]
+            tile_configs.parse_entries(entries, f"the tuner's {out}")
+        except (ValueError, KeyError, TypeError, ConfigError) as e:
+            log.warning("kernels.tune=once: the tuner's table is unusable (%s); these shapes run the default config", e)
+            return []
+    log.info("kernels.tune=once: %d of %d shape(s) tuned%s; the tuner's table:\n%s", len(entries), len(missing),
+             "" if len(entries) == len(missing) else " (the rest run the default config; the next run tunes them)",
+             output[output.find("| op |"):][-3000:] if "| op |" in output else "(none printed)")
     return entries
 
 
