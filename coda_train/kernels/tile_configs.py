@@ -155,11 +155,15 @@ def _entry_error(e) -> Optional[str]:
     return "; ".join(config_errors(e["op"], cfg)) or None
 
 
-def parse_entries(entries: list, where: str) -> dict[Key, Optional[Cfg]]:
-    """{shape_class: config} of one GPU's entry list; ConfigError naming `where` and the fix."""
+def parse_entries(entries: list, where: str, skip_fix: Optional[str] = None) -> dict[Key, Optional[Cfg]]:
+    """{shape_class: config} of one GPU's entry list; an invalid entry is a ConfigError naming `where`
+    and the fix, or with `skip_fix` a warning naming that fix, and is left out."""
     table = {}
-    for i, e in enumerate(entries):
+    for i, e in enumerate(entries if isinstance(entries, list) else [entries]):
         error = _entry_error(e)
+        if error and skip_fix:
+            log.warning("tile config table %s[%d]: %s; skipping the entry (%s)", where, i, error, skip_fix)
+            continue
         if error:
             raise ConfigError(f"tile config table {where}[{i}]: {error}; fix or delete the entry "
                               "(scripts/tune_gemm.py writes valid tables)")
@@ -212,17 +216,7 @@ def _load_cache(path: Path) -> dict[str, dict[Key, Optional[Cfg]]]:
     except ConfigError as e:
         log.warning("%s; ignoring it", e)
         return {}
-    table = {}
-    for gpu, entries in data["gpus"].items():
-        table[gpu] = {}
-        for i, e in enumerate(entries if isinstance(entries, list) else []):
-            error = _entry_error(e)
-            if error:
-                log.warning("tile config cache %s: gpus.%s[%d]: %s; skipping the entry (%s)", path, gpu, i, error,
-                            _cache_fix(path))
-                continue
-            table[gpu][shape_class(e["op"], e["m"], e["n"], e["k"])] = None if e["config"] == CUBLAS else Cfg.parse(e["config"])
-    return table
+    return {gpu: parse_entries(entries, f"{path}: gpus.{gpu}", skip_fix=_cache_fix(path)) for gpu, entries in data["gpus"].items()}
 
 
 @functools.lru_cache(maxsize=None)
