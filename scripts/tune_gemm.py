@@ -50,7 +50,7 @@ from bench import SHAPES, GpuClocks  # noqa: E402  (the benchmark's shapes: the 
 
 from coda_train.kernels import Dims, Example  # noqa: E402
 from coda_train.kernels.tile_configs import (  # noqa: E402
-    CUBLAS, PLAIN_GEMMS, SHIPPED_TABLE, Cfg, config_errors, default_cfg, gpu_key, shape_class)
+    CUBLAS, PLAIN_GEMMS, SHIPPED_TABLE, Cfg, config_errors, default_cfg, gpu_key, merge_entries, shape_class)
 from coda_train.model.coda import logits_chunk_rows, step_gemm_shapes  # noqa: E402
 from coda_train.model.config import PRESETS  # noqa: E402
 
@@ -284,10 +284,7 @@ def best_of(tuned: dict) -> Optional[dict]:
 
 def merged_table(table: dict, gpu: str, entries: list[dict]) -> dict:
     """`table` ({"gpus": {GPU: [entries]}}) with `gpu`'s entries of the same shape class replaced."""
-    key = lambda e: shape_class(e["op"], e["m"], e["n"], e["k"])  # noqa: E731
-    new = {key(e) for e in entries}
-    kept = [e for e in table.get("gpus", {}).get(gpu, []) if key(e) not in new]
-    return dict(table, gpus={**table.get("gpus", {}), gpu: kept + entries})
+    return dict(table, gpus={**table.get("gpus", {}), gpu: merge_entries(table.get("gpus", {}).get(gpu, []), entries)})
 
 
 def write_outputs(out: Path, gpu: str, tuned: list[dict], meta: dict) -> list[dict]:

@@ -267,6 +267,14 @@ def forget_tuned() -> None:
     reload()
 
 
+def merge_entries(old: list, new: list[dict]) -> list:
+    """A GPU's entry list `old` with its entries of the shape classes in `new` replaced by `new`'s
+    (entries too damaged to key are kept as they are: the loaders report them)."""
+    key = lambda e: shape_class(e["op"], e["m"], e["n"], e["k"])  # noqa: E731
+    replaced = {key(e) for e in new}
+    return [e for e in old if _entry_error(e) or key(e) not in replaced] + list(new)
+
+
 def add_to_cache(gpu: str, entries: list[dict]) -> Path:
     """Merge table entries (scripts/tune_gemm.py's) into `gpu`'s list of the user's cache, replacing
     entries of the same shape class; under a lock, written whole and renamed into place, so concurrent
@@ -281,10 +289,8 @@ def add_to_cache(gpu: str, entries: list[dict]) -> Path:
         except ConfigError:
             os.replace(path, path.with_name(path.name + ".corrupt"))
             data = {"gpus": {}}
-        key = lambda e: shape_class(e["op"], e["m"], e["n"], e["k"])  # noqa: E731
-        new = {key(e) for e in entries}
         old = data["gpus"].get(gpu, [])
-        data["gpus"][gpu] = [e for e in (old if isinstance(old, list) else []) if _entry_error(e) or key(e) not in new] + list(entries)
+        data["gpus"][gpu] = merge_entries(old if isinstance(old, list) else [], entries)
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
         write_synced(tmp, (json.dumps(data, indent=1) + "\n").encode())
         os.replace(tmp, path)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -153,9 +155,6 @@ def tune_untuned_gemms(llama: LlamaConfig, t: TrainerConfig, gpu: str, world: Wo
 def _run_tuner(gpu: str, dims, missing: list) -> list:
     """scripts/tune_gemm.py on the missing launches, in its own process group (stopped with its
     compile workers after TUNE_KILL_S); the valid table entries it wrote for them, [] if it failed."""
-    import os
-    import signal
-
     from coda_train.kernels import tile_configs
 
     log.info("kernels.tune=once: tuning %d GEMM shape(s) the tile config table lacks for %s (scripts/tune_gemm.py, "
