@@ -433,9 +433,11 @@ def profile_coda(cfg, state: dict, batch, steps: int = 3) -> dict:
         model(tokens, targets).backward()
 
     plain = timeline(_profiled(fwd_bwd, steps), steps)
-    graphed = timeline(_profiled(fwd_bwd_fn(model, CUDA_GRAPH, tokens, targets), steps), steps)
+    graph_prof = _profiled(fwd_bwd_fn(model, CUDA_GRAPH, tokens, targets), steps)
+    graphed = timeline(graph_prof, steps)
     plain["graph"] = {k: graphed[k] for k in ("kernel_ms_per_step", "busy_ms_per_step", "launches_per_step",
                                               "gpu_window_ms_per_step", "gpu_idle_fraction")}
+    plain["graph"]["sequence"] = kernel_sequence(graph_prof, steps)
     model.ops = annotated(model.ops)
     by_op = timeline(_profiled(fwd_bwd, steps), steps)
     return {"version": PROFILE_VERSION, **plain, "by_owner_ms": by_op["by_owner_ms"],
@@ -479,8 +481,7 @@ def timeline(prof, steps: int) -> dict:
     from torch.autograd import DeviceType
 
     events = prof.events()
-    device = [e for e in events if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
-              and not e.name.startswith("coda::")]
+    device = _device_work(events)
     cpu = [e for e in events if e.device_type == DeviceType.CPU]
     launched_at = {e.id: e.time_range.start for e in cpu if e.name.startswith(("cuda", "cu")) and e.id}
     op_ranges = sorted((e.time_range.start, e.time_range.end, e.name.removeprefix("coda::"))
@@ -498,6 +499,29 @@ def timeline(prof, steps: int) -> dict:
             "gpu_idle_fraction": 1 - busy / window if window else None,
             "by_owner_ms": dict(sorted(by_owner.items(), key=lambda kv: -kv[1])),
             "launches_by_owner": dict(sorted(launches.items(), key=lambda kv: -kv[1]))}
+
+
+def _device_work(events) -> list:
+    """The profiler's device events that are work (kernels, memcpy, memset), not the GPU-side
+    copies of profiler ranges."""
+    from torch.autograd import DeviceType
+
+    return [e for e in events if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+            and not e.name.startswith("coda::")]
+
+
+def kernel_sequence(prof, steps: int) -> list[dict]:
+    """The last profiled step's device work in launch order: each kernel's name (shortened), its
+    time and the idle gap before it (us), so the costly boundaries between kernels can be read."""
+    device = sorted(_device_work(prof.events()), key=lambda e: e.time_range.start)
+    last = device[len(device) - len(device) // steps:] if steps else device
+    out, prev_end = [], None
+    for e in last:
+        start, end = e.time_range.start, e.time_range.end
+        out.append({"kernel": e.name[:90], "us": round(end - start, 2),
+                    "gap_us": None if prev_end is None else round(start - prev_end, 2)})
+        prev_end = end if prev_end is None else max(prev_end, end)
+    return out
 
 
 def _union_and_window(spans: list[tuple[float, float]]) -> tuple[float, float]:

@@ -8,8 +8,7 @@ table coda_train/kernels/tile_configs.py reads (format: docs/kernels.md).
 train.py writes RUN_DIR/untuned_gemms.json (and logs this command) when the table has no entry for some of
 its GEMM shapes on its GPU; then `CODA_TILE_CONFIGS=DIR/tile_configs.json python train.py ...` runs them tuned.
 For each bench.py shape (batch x seq of a preset) the launches are the model's (model/coda.py step_gemm_shapes):
-every fused GEMM op, the v-column launch of the RoPE op (keyed `gemm_rowscale`, its program), the
-o-projection dgrad `matmul` and the five weight gradients `matmul_tn`; identical shape classes
+every fused GEMM op, the o-projection dgrad `matmul` and the five weight gradients `matmul_tn`; identical shape classes
 (tile_configs.shape_class) across shapes are tuned once. Candidates per op: the default first, then a pruned set of
 quack SM90 configs (CANDIDATE_TILES x CANDIDATE_CLUSTERS) the op can run (tile_configs.config_errors),
 and cuBLAS for the plain GEMMs.
@@ -19,7 +18,7 @@ and cuBLAS for the plain GEMMs.
 2. Time, on random inputs (bf16, fp32 row statistics): each candidate's first call runs with
    NaN-poisoned outputs and is compared with the default's outputs (partial sums summed; relative
    error <= 1e-2 and finite, else the candidate is discarded), then the median of
-   triton.testing.do_bench. The RoPE op is timed whole (its v-column launch included).
+   triton.testing.do_bench.
 3. Write <out>/tile_configs.json (the shipped table with this GPU's measured entries replaced:
    copy it over coda_train/kernels/tile_configs.json to ship it), tune_gemm.json (every timing)
    and tune_gemm.md (op, shape, default ms, best ms, best config, speedup).
@@ -78,7 +77,7 @@ def model_gemms(d: Dims) -> list[tuple[str, tuple[int, int, int], Callable[[Exam
     order (model/coda.py step_gemm_shapes); inputs(x) builds the op's kwargs from an Example of the same dims."""
     M, D, F, V, qkv = d.rows, d.dim, d.ffn_dim, d.vocab_size, d.qkv_dim
     C = min(M, logits_chunk_rows(V, 2))
-    kv, rope = d.n_kv_heads * d.head_dim, d.n_rope_cols
+    rope = d.n_rope_cols
 
     def rms_bwd(n_in: int, rows: int, residual: bool):
         return lambda x: dict(g_y_scaled=x.act(rows, n_in), w=x.weight(n_in, D), residual_grad=x.act(M, D) if residual else None,
@@ -87,8 +86,6 @@ def model_gemms(d: Dims) -> list[tuple[str, tuple[int, int, int], Callable[[Exam
     def inputs(op: str, m: int, n: int, k: int) -> Callable[[Example], dict]:
         if op == "gemm_rowscale_rope":
             return lambda x: dict(h=x.act(M, D), r=x.rowscale(), w=x.weight(qkv, D), rope=x.rope(), n_rope_cols=rope)
-        if op == "gemm_rowscale":
-            return lambda x: dict(h=x.act(M, D), r=x.rowscale(), w=x.weight(kv, D))
         if op == "gemm_residual_rmsnorm_partial":
             return lambda x: dict(a=x.act(M, k), w=x.weight(D, k), residual=x.act(M, D), gamma=x.gamma(D))
         if op == "gemm_rowscale_swiglu":

@@ -33,3 +33,27 @@ def test_bench_smoke_runs_every_cpu_variant(tmp_path):
     assert coda["over_floor_back_to_back"] == coda["fwd_bwd"]["median_ms"] / floor["back_to_back"]["median_ms"]
     assert "compile-max-autotune" in result["not_run"] and "coda_profile" not in result  # profile: GPU only
     assert "smoke" in proc.stdout and "floor" in proc.stdout
+
+
+def test_kernel_sequence_lists_the_last_steps_kernels_with_the_gaps_before_them():
+    """bench.py's kernel_sequence (the graphed step's kernels in order): the last of `steps` steps,
+    each kernel's time and the idle gap before it, overlapping kernels giving a negative gap."""
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench
+
+    def kernel(name, start, end):
+        return NS(name=name, device_type=DeviceType.CUDA, is_user_annotation=False,
+                  time_range=NS(start=start, end=end))
+
+    events = [kernel("gemm", 0, 10), kernel("rstd", 12, 13), kernel("flash", 13, 18),  # step 1
+              kernel("gemm", 20, 30), kernel("rstd", 34, 35), kernel("flash", 34.5, 40),  # step 2 (PDL overlap)
+              NS(name="coda::gemm", device_type=DeviceType.CUDA, is_user_annotation=True, time_range=NS(start=0, end=1)),
+              NS(name="cudaLaunchKernel", device_type=DeviceType.CPU, time_range=NS(start=0, end=1))]
+    prof = NS(events=lambda: events)
+    seq = bench.kernel_sequence(prof, 2)
+    assert [(k["kernel"], k["us"], k["gap_us"]) for k in seq] == [
+        ("gemm", 10, None), ("rstd", 1, 4), ("flash", 5.5, -0.5)], seq

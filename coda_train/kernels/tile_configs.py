@@ -3,8 +3,7 @@ package (tile_configs.json, written by scripts/tune_gemm.py on that GPU), with s
 any GPU or shape the table does not list. Imports neither cutlass nor quack (CPU-testable).
 
 A table entry is keyed by GPU, op and shape class: the GPU as `gpu_key(torch.cuda.get_device_name())`
-("H200"), the op's name (the launch of `gemm_rowscale_rope` over the v columns is keyed as
-`gemm_rowscale`, the same program), and the GEMM D[M, N] = A[M, K] B[K, N] with the token count
+("H200"), the op's name, and the GEMM D[M, N] = A[M, K] B[K, N] with the token count
 (M; K for the weight gradient `matmul_tn`) rounded to the nearest power of two and the other two
 dims, model widths, exact (`shape_class`). Its value is a `Cfg` ("128x192 c2x1 pingpong") or, for the
 plain GEMMs `matmul` / `matmul_tn`, "cublas". The user's cache (`cache_path()`, which

@@ -160,13 +160,12 @@ def logits_chunk_rows(vocab_size: int, itemsize: int) -> int:
 def step_gemm_shapes(d: Dims) -> list[tuple[str, tuple[int, int, int]]]:
     """(op, (m, n, k)) of every GEMM launch of one training step at kernel sizes d, in model order:
     the shapes the tile config table is keyed by (kernels/tile_configs.py; scripts/tune_gemm.py tunes
-    them). The LM head runs chunk by chunk of C rows, all three of its GEMMs in the forward; the RoPE
-    op's v-column launch is `gemm_rowscale`."""
+    them). The LM head runs chunk by chunk of C rows, all three of its GEMMs in the forward."""
     M, D, F, V = d.rows, d.dim, d.ffn_dim, d.vocab_size
     C = min(M, logits_chunk_rows(V, 2))  # bf16 logits
-    attn, kv, qkv, rope = d.n_heads * d.head_dim, d.n_kv_heads * d.head_dim, d.qkv_dim, d.n_rope_cols
+    attn, qkv = d.n_heads * d.head_dim, d.qkv_dim
     return [
-        ("gemm_rowscale_rope", (M, rope, D)), ("gemm_rowscale", (M, kv, D)),                        # F1
+        ("gemm_rowscale_rope", (M, qkv, D)),                                                        # F1
         ("gemm_residual_rmsnorm_partial", (M, D, attn)),                                            # F3
         ("gemm_rowscale_swiglu", (M, 2 * F, D)),                                                    # F5
         ("gemm_residual_rmsnorm_partial", (M, D, F)),                                               # F6

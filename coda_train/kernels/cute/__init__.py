@@ -74,9 +74,8 @@ def need_rope_table(op: str, rope: Tensor, M: int) -> None:
 
 @cute_impl("gemm_rowscale_rope", gpu_blind_compile=True)
 def gemm_rowscale_rope(h: Tensor, r: Tensor, w: Tensor, rope: Tensor, n_rope_cols: int) -> Tensor:
-    """(F1) two launches over column ranges of one output: [0, n_rope_cols) with the
-    row-scale + RoPE epilogue (reading the (M, head_dim) cos/sin table), [n_rope_cols, N) with the
-    row-scale epilogue."""
+    """(F1) one launch over every column with the row-scale + RoPE epilogue (reading the
+    (M, head_dim) cos/sin table), the rotation masked off past n_rope_cols (the v columns)."""
     M, K = h.shape
     N = w.shape[0]
     hd = rope.shape[1]
@@ -87,14 +86,16 @@ def gemm_rowscale_rope(h: Tensor, r: Tensor, w: Tensor, rope: Tensor, n_rope_col
          f"gemm_rowscale_rope: n_rope_cols={n_rope_cols} must be a multiple of head_dim={hd} within N={N}")
     need_rope_head_dim("gemm_rowscale_rope", hd)
     out = empty(M, N, dtype=h.dtype, device=h.device)
-    rv = colvec(r)
-    if n_rope_cols:
-        gemm(E.rowscale_rope, h, w[:n_rope_cols], out[:, :n_rope_cols], cfg=cfg_for("gemm_rowscale_rope", M, n_rope_cols, K),
-             epi={"cs": rope.contiguous(), "r": rv})
-    if n_rope_cols < N:  # the program of gemm_rowscale, tuned under its name
-        gemm(E.rowscale, h, w[n_rope_cols:], out[:, n_rope_cols:], cfg=cfg_for("gemm_rowscale", M, N - n_rope_cols, K),
-             epi={"r": rv})
+    gemm(E.rowscale_rope, h, w, out, cfg=cfg_for("gemm_rowscale_rope", M, N, K),
+         epi={"cs": rope.contiguous(), "r": colvec(r), "rot": _rotated_columns(N, n_rope_cols, h.device)})
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _rotated_columns(N: int, n_rope_cols: int, device: torch.device) -> Tensor:
+    """(1, N) fp32: 1 on the first n_rope_cols columns, 0 after; made once per (N, n_rope_cols,
+    device), outside any step (a per-call mask would add launches)."""
+    return (torch.arange(N, device=device) < n_rope_cols).to(torch.float32).reshape(1, N)
 
 
 @cute_impl("gemm_residual_rmsnorm_partial", gpu_blind_compile=True)
@@ -392,7 +393,7 @@ def matmul_tn(a: Tensor, b: Tensor) -> Tensor:
 
 @cute_impl("gemm_rowscale", gpu_blind_compile=True)
 def gemm_rowscale(h: Tensor, r: Tensor, w: Tensor) -> Tensor:
-    """(L) y = r * h W^T: the `rowscale` epilogue (F1's v columns) over the whole output."""
+    """(L) y = r * h W^T: the `rowscale` epilogue over the whole output."""
     M, K = h.shape
     N = w.shape[0]
     need_bf16("gemm_rowscale", h=h, w=w)

@@ -63,16 +63,20 @@ def as_stored(v):
     return v.to(BFloat16).to(Float32)
 
 
-# F1: qkv = RoPE(r * h W^T) on the q/k columns. `cs` is the interleaved (cos, sin) table with one
-# row per token row (position = row % T expanded on the host, head_dim wide), `r` the row scale.
-@gemm_epilogue(ops={"cs": rotary_cos_sin_load("cs"), "r": ColVecLoad("r")}, mode="acc_pair")
-def rowscale_rope(acc, cs, r):
+# F1: qkv = RoPE(r * h W^T) on the q/k columns, r * h W^T on the v columns, in one launch. `cs` is
+# the interleaved (cos, sin) table with one row per token row (position = row % T expanded on the
+# host, head_dim wide; the table op repeats it across heads), `r` the row scale, `rot` 1 on the
+# rotated columns and 0 on the v columns, where (c, s) becomes (1, 0): the identity, exactly.
+@gemm_epilogue(ops={"cs": rotary_cos_sin_load("cs"), "r": ColVecLoad("r"), "rot": RowVecLoad("rot")}, mode="acc_pair")
+def rowscale_rope(acc, cs, r, rot):
     y0, y1 = unpack(acc * r)
     c, s = unpack(cs)
+    m, _ = unpack(rot)
+    c, s = m * c + (1.0 - m), m * s
     return {"D": pack(y0 * c - y1 * s, y0 * s + y1 * c)}
 
 
-# F1 (v columns, no rotation): y = r * acc.
+# L (inference logits): y = r * acc.
 @gemm_epilogue(ops={"r": ColVecLoad("r")})
 def rowscale(acc, r):
     return {"D": acc * r}
