@@ -236,7 +236,8 @@ assert {(c.cluster_m, c.cluster_n) for c in sm90} <= SM90_CLUSTERS
 def test_every_gemm_op_launches_with_the_looked_up_config(stack, tmp_path):
     """Each launch of model_gemms, run GPU-blind with quack's launch stubbed, uses the forced
     config (cuBLAS: no quack launch); compile_only(gpu) reads that GPU's table entries; the
-    declared partial sums keep their width with a wider N tile, zero past the kernel's columns."""
+    declared partial sums keep their width with a wider N tile, zero past the kernel's columns; the
+    RoPE op's one launch masks the rotation to the q/k columns."""
     table = tmp_path / "t.json"
     table.write_text(json.dumps({"gpus": {"H200": [
         {"op": "gemm_rowscale", "m": 64, "n": 128, "k": 256, "config": "256x128 c1x2 cooperative"}]}}))
@@ -252,9 +253,10 @@ from coda_train.kernels.library import CUTE_IMPLS
 from coda_train.kernels.tile_configs import Cfg, forced
 from coda_train.model.config import PRESETS
 
-seen = []
+seen, epis = [], []
 def stub(mod, A, B, D, C=None, *, epi, cfg, concat=(), add_to_output=False, strip=None):
     seen.append(cfg)
+    epis.append(epi)
     for v in epi.values():  # the sinks: what the kernel would write
         if isinstance(v, torch.Tensor) and v.dtype == torch.float32 and v.dim() == 2 and v._base is not None:
             v.fill_(1.0)
@@ -272,6 +274,13 @@ with _launch.compile_only():
         g_gu, a, stat = C.gemm_dswiglu_rowscale_stat.kernel(**inputs(Example(dims, torch.bfloat16, "cpu", None)))
     assert stat.shape == (64, n_stat_cols(8192)) == (64, 64), stat.shape
     assert (stat[:, :32] == 1).all() and (stat[:, 32:] == 0).all()
+    # F1 in one launch: the rotation mask is 1 on the q/k columns and 0 on the v columns
+    inputs = next(i for op, _, i in tune.model_gemms(dims) if op == "gemm_rowscale_rope")
+    epis.clear()
+    C.gemm_rowscale_rope.kernel(**inputs(Example(dims, torch.bfloat16, "cpu", None)))
+    rot = epis[0]["rot"]
+    assert len(epis) == 1 and rot.shape == (1, dims.qkv_dim) and rot.dtype == torch.float32
+    assert (rot[0, :dims.n_rope_cols] == 1).all() and (rot[0, dims.n_rope_cols:] == 0).all()
     h, r, w = torch.empty(64, 256, dtype=torch.bfloat16), torch.empty(64), torch.empty(128, 256, dtype=torch.bfloat16)
 for gpu, want in (("H200", Cfg(256, 128, 1, 2, False)), (None, _launch.CFG_DEFAULT), ("A100", _launch.CFG_DEFAULT)):
     seen.clear()

@@ -95,7 +95,9 @@ def gemm_rowscale_rope(h: Tensor, r: Tensor, w: Tensor, rope: Tensor, n_rope_col
 def _rotated_columns(N: int, n_rope_cols: int, device: torch.device) -> Tensor:
     """(1, N) fp32: 1 on the first n_rope_cols columns, 0 after; made once per (N, n_rope_cols,
     device), outside any step (a per-call mask would add launches)."""
-    return (torch.arange(N, device=device) < n_rope_cols).to(torch.float32).reshape(1, N)
+    mask = torch.zeros(1, N, dtype=torch.float32, device=device)
+    mask[:, :n_rope_cols] = 1.0
+    return mask
 
 
 @cute_impl("gemm_residual_rmsnorm_partial", gpu_blind_compile=True)
