@@ -167,9 +167,12 @@ def model_config(shape: Shape):
 
 # ---- timing primitives --------------------------------------------------------------------
 
-def step_times(fn: Callable[[], None], iters: int, warmup: int) -> list[float]:
+def step_times(fn: Callable[[], None], iters: int, warmup: int, sync_each: bool = False) -> list[float]:
     """Milliseconds of each of `iters` calls of fn after `warmup` calls: CUDA events on a GPU,
-    the host clock on CPU (the smoke shape)."""
+    the host clock on CPU (the smoke shape). Back to back with one device sync after the last, as
+    train.py runs steps (it syncs on logging steps only), so the host's launch work overlaps the
+    previous step unless the host is the slower side; `sync_each`: a sync after every step, the
+    method of results without a step_timing field, whose steps also pay the host's latency to their first kernel."""
     for _ in range(warmup):
         fn()
     if not torch.cuda.is_available():
@@ -180,15 +183,15 @@ def step_times(fn: Callable[[], None], iters: int, warmup: int) -> list[float]:
             times.append((time.perf_counter() - t0) * 1e3)
         return times
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for start, end in events:
         start.record()
         fn()
         end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
+        if sync_each:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in events]
 
 
 def summary(times: list[float]) -> dict:
@@ -278,6 +281,7 @@ def bench_model(variant: str, cfg, state: dict, batch, iters: int, warmup: int) 
     reset_peak()
     with GpuClocks() as clocks:
         fb = step_times(fwd_bwd, iters, warmup)
+    fb_synced = step_times(fwd_bwd, iters, 0, sync_each=True)  # the earlier method (results without step_timing), for comparison
     peak_fb = peak_memory() - base
 
     from coda_train.config import OptimConfig
@@ -295,7 +299,8 @@ def bench_model(variant: str, cfg, state: dict, batch, iters: int, warmup: int) 
     peak_step = peak_memory() - base
     n_tokens = tokens.numel()
     result = {
-        "variant": variant, "setup_s": setup_s, "fwd_bwd": summary(fb), "clocks": clocks.result, "step": summary(step),
+        "variant": variant, "setup_s": setup_s, "fwd_bwd": summary(fb), "fwd_bwd_synced": summary(fb_synced),
+        "clocks": clocks.result, "step": summary(step),
         "tokens_per_s": n_tokens / statistics.median(step) * 1e3,
         "peak_fwd_bwd_gib": peak_fb / 2**30 if peak_fb else None,
         "peak_above_weights_gib": (peak_fb - weight_bytes) / 2**30 if peak_fb else None,
@@ -573,7 +578,7 @@ def run(shape_name: str, variants: list[str], iters: int, warmup: int, profile_s
     result = {"shape": shape_name, **shape.__dict__, "n_layers": cfg.n_layers, "model": cfg.__dict__,
               "tokens": shape.batch * shape.seq, "flops_per_step": cfg.flops_per_token(shape.seq) * shape.batch * shape.seq,
               "environment": environment(), "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-              "variants": {}, "failed": {}, "memory_accounting": "own"}
+              "variants": {}, "failed": {}, "memory_accounting": "own", "step_timing": "back_to_back"}
     result["gemm_peak_tflops"] = gemm_peak_tflops()
     print(f"{shape_name}: {shape} | bf16 GEMM peak {result['gemm_peak_tflops']['peak']:.0f} TFLOP/s", flush=True)
     for variant in variants:
@@ -635,11 +640,12 @@ def environment() -> dict:
 def print_table(result: dict) -> None:
     print(f"\n{result['shape']}: {result['preset']} {result['n_layers']} layers, {result['batch']} x {result['seq']} on "
           f"{result['environment']['gpu']} ({result['environment']['date']})")
-    print(f"{'variant':22s}{'fwd+bwd ms':>11s}{'min':>8s}{'max':>8s}{'step ms':>9s}{'tok/s':>10s}{'MFU':>6s}"
+    print(f"{'variant':22s}{'fwd+bwd ms':>11s}{'min':>8s}{'max':>8s}{'synced':>8s}{'step ms':>9s}{'tok/s':>10s}{'MFU':>6s}"
           f"{'peak GiB':>9s}{'/coda':>7s}{'/floor':>7s}{'SM MHz':>8s}{'W':>6s}  power-capped")
     for name, r in result["variants"].items():
         fb, st = r["fwd_bwd"], r.get("step")
         cells = [f"{fb['median_ms']:11.2f}", f"{fb.get('min_ms', math.nan):8.2f}", f"{fb.get('max_ms', math.nan):8.2f}",
+                 f"{r['fwd_bwd_synced']['median_ms']:8.2f}" if "fwd_bwd_synced" in r else f"{'-':>8s}",
                  f"{st['median_ms']:9.2f}" if st else f"{'-':>9s}",
                  f"{r['tokens_per_s']:10.0f}" if "tokens_per_s" in r else f"{'-':>10s}",
                  f"{100 * r['mfu_fwd_bwd']:5.1f}%",

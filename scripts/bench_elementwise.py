@@ -4,6 +4,10 @@ _elementwise.py) at the model widths on one Hopper GPU, against the device's cop
   rope_backward_rowscale_stat          (B6a) reads g_qkv and qkv, writes g_y: 3 x M x qkv_dim bf16
   (the cross-entropy pass it also swept until 2026-12-01 is gone: H' works on per-row numbers now)
 
+and times the embedding backward against the torch code it replaced (skip with --no-vs-torch):
+  embedding_backward (E')       g_x rows (M x dim bf16) scatter-added into an fp32 table gradient;
+                                torch: acc.index_add_(0, tokens, g_x.float())
+
 Each pass is timed (median of triton.testing.do_bench) for every candidate launch shape; GB/s counts
 the bytes above once, and "/ copy" divides by a device-to-device copy that moves as many bytes
 (half read, half written; torch's copy_, timed the same way), the practical ceiling of a pass that streams its data once. The shipped
@@ -11,7 +15,7 @@ shape (ROPE_LAUNCH) is marked; --baseline REV also times the kernel module of gi
 revision REV at its own shipped shape. Prints a table and writes bench_elementwise.json / .md under
 --out (default $OUT).
 
-  python scripts/bench_elementwise.py [--presets llama3_1b,llama3_8b] [--baseline HEAD~1] [--out DIR]
+  python scripts/bench_elementwise.py [--presets llama3_125m,llama3_1b,llama3_8b] [--baseline HEAD~1] [--no-vs-torch] [--out DIR]
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from triton.testing import do_bench
 from coda_train.kernels.cute import _elementwise as EW
 from coda_train.model.config import PRESETS
 
-ROWS = {"llama3_1b": 16384, "llama3_8b": 8192}  # the bench shapes' token rows (4 x 4096, 2 x 4096)
+ROWS = {"llama3_125m": 16384, "llama3_1b": 16384, "llama3_8b": 8192}  # the bench shapes' token rows (8 x 2048, 4 x 4096, 2 x 4096)
 ROPE_CANDIDATES = [dict(num_warps=w) for w in (4, 8, 16)]
 
 
@@ -69,11 +73,32 @@ def rope_inputs(preset: str):
     return (g, y, r, rope, (cfg.n_heads + cfg.n_kv_heads) * hd), 3 * g.numel() * 2, f"{M} x {N}"
 
 
+def vs_torch(preset: str) -> list[dict]:
+    """The Triton passes that replaced torch code, each against that code on the same inputs (GB/s
+    counts g_x read once and each fp32 add once)."""
+    cfg = PRESETS[preset]
+    M, d, V = ROWS[preset], cfg.dim, cfg.vocab_size
+    tokens = torch.randint(0, V, (M,), device="cuda")
+    g_x = torch.randn(M, d, device="cuda").bfloat16()
+    acc = torch.zeros(V, d, device="cuda")
+    cases = [("embedding_backward", f"{M} x {d} -> {V} x {d}", M * d * (2 + 4),
+              lambda: EW.embedding_backward(acc, tokens, g_x), lambda: acc.index_add_(0, tokens, g_x.float()))]
+    rows = []
+    for op, shape, nbytes, triton_fn, torch_fn in cases:
+        for label, fn in (("triton (shipped)", triton_fn), ("torch (replaced)", torch_fn)):
+            ms = do_bench(fn)
+            rows.append(dict(preset=preset, op=op, shape=shape, launch=label, ms=ms, gbps=nbytes / ms / 1e6,
+                             per_copy=float("nan"), copy_ms=float("nan")))
+            print(f"{preset:10s} {op:38s} {shape:24s} {label:42s} {ms * 1e3:8.1f} us", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--presets", default="llama3_1b,llama3_8b")
+    ap.add_argument("--presets", default="llama3_125m,llama3_1b,llama3_8b")
     ap.add_argument("--baseline", default=None, help="also time the kernels of this git revision (shipped shapes)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--no-vs-torch", dest="vs_torch", action="store_false", help="skip the passes-vs-torch timings")
     args = ap.parse_args()
     base = baseline_module(args.baseline) if args.baseline else None
     passes = [("rope_backward_rowscale_stat", "ROPE_LAUNCH", ROPE_CANDIDATES, rope_inputs)]
@@ -103,6 +128,8 @@ def main() -> None:
                 rows.append(row)
                 print(f"{preset:10s} {op:38s} {shape:14s} {label:52s} {ms * 1e3:8.1f} us {row['gbps']:7.0f} GB/s "
                       f"{row['per_copy']:5.2f} x copy", flush=True)
+        if args.vs_torch:
+            rows += vs_torch(preset)
     os.makedirs(args.out, exist_ok=True)
     meta = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 command="python " + " ".join(sys.argv))

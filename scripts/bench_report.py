@@ -125,24 +125,30 @@ def clock_reasons(clocks: Optional[dict]) -> str:
     return ", ".join(held) or "nothing"
 
 
+# How bench.py timed its steps (results without "step_timing", the runs up to 2026-12-01 23:40 UTC: each step synced).
+STEP_TIMING = {"synced": "each step timed with a device sync after it (its host launch latency included).",
+               "back_to_back": "steps timed back to back with one sync after the last, as train.py runs them "
+                               "('synced': the same steps with a device sync after each, the earlier runs' method)."}
+
+
 def shape_table(r: dict) -> list[str]:
     env = r["environment"]
     lines = [f"### {r['shape']}: {r['preset']}, {r['n_layers']} layers, {r['batch']} x {r['seq']} tokens",
              "", f"`{r['command']}` on {env['gpu']}, {env['date']}{_code(env)}; bf16 GEMM peak measured in the same run: "
-             f"{r['gemm_peak_tflops']['peak']:.0f} TFLOP/s.", "",
-             "| variant | fwd+bwd ms (median) | min | max | full step ms | tokens/s | MFU (fwd+bwd) | peak GiB | above weights GiB | / coda | / floor | SM MHz (mean) | W (mean) | clock held by |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             f"{r['gemm_peak_tflops']['peak']:.0f} TFLOP/s; " + STEP_TIMING[r.get("step_timing", "synced")], "",
+             "| variant | fwd+bwd ms (median) | min | max | synced ms | full step ms | tokens/s | MFU (fwd+bwd) | peak GiB | above weights GiB | / coda | / floor | SM MHz (mean) | W (mean) | clock held by |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for name, row in r["variants"].items():
         fb = row["fwd_bwd"]
         lines.append(f"| {name} | {fb['median_ms']:.2f} | {fmt(fb.get('min_ms'), '.2f')} | {fmt(fb.get('max_ms'), '.2f')} | "
-                     f"{fmt(_ms(row, 'step'), '.2f')} | {fmt(row.get('tokens_per_s'), ',.0f')} | "
+                     f"{fmt(_ms(row, 'fwd_bwd_synced'), '.2f')} | {fmt(_ms(row, 'step'), '.2f')} | {fmt(row.get('tokens_per_s'), ',.0f')} | "
                      f"{100 * row['mfu_fwd_bwd']:.1f}% | {fmt(row.get('peak_fwd_bwd_gib'), '.1f')} | "
                      f"{fmt(row.get('peak_above_weights_gib'), '.1f')} | {fmt(row.get('over_coda'), '.2f')} | "
                      f"{fmt(row.get('over_floor'), '.2f')} | {fmt((row.get('clocks') or {}).get('sm_mhz_mean'), '.0f')} | "
                      f"{fmt((row.get('clocks') or {}).get('power_w_mean'), '.0f')} | {clock_reasons(row.get('clocks'))} |")
     for name, err in r["failed"].items():
-        lines.append(f"| {name} | failed: {err.splitlines()[0][:160]} | | | | | | | | | | | | |")
+        lines.append(f"| {name} | failed: {err.splitlines()[0][:160]} | | | | | | | | | | | | | |")
     separate = [p for p in _peers(r) if p["separate"]]
     not_run = [v for v in r.get("not_run", []) if v not in {p["name"] for p in separate}]
     if not_run:
@@ -255,14 +261,26 @@ def gap_table(r: dict) -> list[str]:
         lines.append(f"| {label} | {ms:.2f} | {base:.2f} | {ms - base:+.2f} |")
     # against the CUDA-graph step where the profile replayed one (no host in the way), else the eager step
     g, name, ms = prof.get("graph"), "coda", prof["coda_ms"]
+    what = "GPU idle between kernels"
     if g and g["launches_per_step"] and prof.get("coda_graphs_ms"):
         idle, name, ms = idle_ms(g), "coda-graphs", prof["coda_graphs_ms"]
+        if g.get("sequence"):
+            idle, what = graph_idle_ms(g["sequence"]), "GPU idle between the graph's kernels"
     else:
         idle = idle_ms(prof)
-    lines.append(f"| GPU idle between kernels ({name}) | - | - | {idle:+.2f} |")
-    lines.append(f"| **total** | | | **{total_excess + idle:+.2f}** ({name} {ms:.2f} − floor "
-                 f"{floor['fwd_bwd']['median_ms']:.2f} = {ms - floor['fwd_bwd']['median_ms']:+.2f}) |")
+    gap = ms - floor["fwd_bwd"]["median_ms"]
+    lines.append(f"| {what} ({name}) | - | - | {idle:+.2f} |")
+    lines.append(f"| rest: the timed step beyond the profiled kernels and idle (clocks under sustained load; "
+                 f"host latency before a step's first kernel) | - | - | {gap - total_excess - idle:+.2f} |")
+    lines.append(f"| **total** | | | **{gap:+.2f}** ({name} {ms:.2f} − floor {floor['fwd_bwd']['median_ms']:.2f}) |")
     return lines
+
+
+def graph_idle_ms(sequence: list[dict]) -> float:
+    """Idle between the kernels of one replayed graph: the gaps after its first kernel (the batch
+    copies before it, and the host's latency to the replay's start, are not the graph's)."""
+    first = next((i for i, k in enumerate(sequence) if not k["kernel"].startswith("Memcpy")), len(sequence))
+    return sum(k["gap_us"] or 0.0 for k in sequence[first + 1:]) / 1e3
 
 
 def summary_table(results: list[dict]) -> list[str]:

@@ -62,7 +62,8 @@ def test_report_writes_tables_summary_and_chart(tmp_path):
     assert "1 of 2 shapes on quack" in text and "| [copies / casts] | 2.000 |" in text
     # the gap: rope's 7 ms against its floor GEMM (qkv fwd, 12 x 0.5 ms), the casts have no floor, idle 40 - 29
     assert "| gemm_rowscale_rope | 7.00 | 6.00 | +1.00 |" in text and "| [copies / casts] | 2.00 | 0.00 | +2.00 |" in text
-    assert "| GPU idle between kernels (coda) | - | - | +11.00 |" in text and "**+14.00**" in text
+    assert "| GPU idle between kernels (coda) | - | - | +11.00 |" in text and "**+15.00** (coda 40.00 − floor 25.00)" in text
+    assert "host latency before a step's first kernel) | - | - | +1.00 |" in text  # 15 - 3 attributed - 11 idle
     # with the profile's CUDA-graph pass and a coda-graphs timing, the gap is the graphed step's: its idle, its time
     graph_pass = _result("125m")
     graph_pass["variants"]["coda-graphs"] = dict(graph_pass["variants"]["coda"], fwd_bwd={"median_ms": 30.0})
@@ -75,7 +76,19 @@ def test_report_writes_tables_summary_and_chart(tmp_path):
                     "--png", str(tmp_path / "graph" / "b.png")], check=True, cwd=tmp_path)
     graph_text = graph_md.read_text()
     assert "| GPU idle between kernels (coda-graphs) | - | - | +0.75 |" in graph_text
-    assert "**+3.75** (coda-graphs 30.00 − floor 25.00 = +5.00)" in graph_text
+    assert "**+5.00** (coda-graphs 30.00 − floor 25.00)" in graph_text and "| - | - | +1.25 |" in graph_text
+    # with the graph's kernel sequence, the idle is the gaps after its first kernel (not the batch copies' host wait)
+    graph_pass["coda_profile"]["graph"]["sequence"] = [
+        {"kernel": "Memcpy DtoD (Device -> Device)", "us": 1.5, "gap_us": None},
+        {"kernel": "Memcpy DtoD (Device -> Device)", "us": 1.5, "gap_us": 80.0},
+        {"kernel": "fill", "us": 1.0, "gap_us": 900.0}, {"kernel": "gemm", "us": 50.0, "gap_us": 300.0},
+        {"kernel": "attention", "us": 90.0, "gap_us": 200.0}]
+    graph_path.write_text(json.dumps(graph_pass))
+    subprocess.run([sys.executable, str(ROOT / "scripts/bench_report.py"), str(graph_path), "--md", str(graph_md),
+                    "--png", str(tmp_path / "graph" / "b.png")], check=True, cwd=tmp_path)
+    graph_text = graph_md.read_text()
+    assert "| GPU idle between the graph's kernels (coda-graphs) | - | - | +0.50 |" in graph_text
+    assert "| - | - | +1.50 |" in graph_text and "**+5.00**" in graph_text
     assert "replayed as a CUDA graph, 790 launches, 29.50 ms of kernels and 0.75 ms idle between them" in graph_text
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     # results from before bench.py counted each variant's own memory carry a caveat naming their shapes

@@ -35,9 +35,13 @@ from ._launch import cfg_for, colvec, compiling_only, empty, gemm, need_bf16, ro
 
 tables()  # a bad $CODA_TILE_CONFIGS table fails when the backend loads, before any GPU work
 
-# Plain torch is the right implementation of this on the GPU too (an fp32 index_add_ in place, once
-# a step; see docs/kernels.md), so the cute backend runs reference.py's function.
-embedding_backward = cute_impl("embedding_backward")(reference.embedding_backward)
+
+@cute_impl("embedding_backward")
+def embedding_backward(acc: Tensor, tokens: Tensor, g_x: Tensor) -> None:
+    """(E') the row gradients scatter-added into the fp32 table gradient, in place (Triton kernel)."""
+    from ._elementwise import embedding_backward as impl
+
+    impl(acc, tokens, g_x)
 
 
 @cute_impl("embedding_rmsnorm_partial")

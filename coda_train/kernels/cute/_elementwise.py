@@ -4,7 +4,9 @@
   (n/2, 2) blocks);
 - the embedding entry: the gather of each token's row (from the fp32 master table or a bf16
   one), its rounding to the compute dtype, h = x*gamma and the row's sum of squares, in one pass
-  (one row per program) where torch took a gather, two casts, a product and a reduction.
+  (one row per program) where torch took a gather, two casts, a product and a reduction; and its
+  backward, each token's gradient row added into the fp32 table gradient with atomics (one row per
+  program) where torch took a cast and an index_add_.
 Row-sized: the two folds of per-tile partial sums into a row statistic, r (F4) and c (B2), one
 launch each where torch's sum-then-map chain takes four or five (at llama3_125m that is ~170
 launches a step, each costing more in launch gap than in work); and the cross-entropy gradient of
@@ -241,7 +243,7 @@ def rmsnorm_backward_coeff(stat_partials: Tensor, r: Tensor, dim: int) -> Tensor
     return c
 
 
-# ---- the embedding entry ------------------------------------------------------------------------
+# ---- the embedding entry (E) and its backward (E') ----------------------------------------------
 
 @triton.jit
 def _embedding_kernel(tok_ptr, emb_ptr, gamma_ptr, x_ptr, h_ptr, sumsq_ptr, N, BLOCK: tl.constexpr):
@@ -275,6 +277,34 @@ def embedding_rmsnorm_partial(tokens: Tensor, emb: Tensor, gamma: Tensor, dtype:
         _embedding_kernel[(M,)](tok, emb.contiguous(), gamma.contiguous(), x, h, sumsq, N,
                                 BLOCK=triton.next_power_of_2(N), num_warps=4 if N <= 2048 else 8)
     return x, h, sumsq
+
+
+@triton.jit
+def _embedding_bwd_kernel(tok_ptr, g_ptr, acc_ptr, N, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    t = tl.load(tok_ptr + row).to(tl.int64)
+    g = tl.load(g_ptr + row.to(tl.int64) * N + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.atomic_add(acc_ptr + t * N + cols, g, mask=mask, sem="relaxed")  # E': acc[token] += g_x row
+
+
+def embedding_backward(acc: Tensor, tokens: Tensor, g_x: Tensor) -> None:
+    """acc[tokens[i]] += g_x[i] in place, fp32, widening g_x on load: one pass of atomic adds where
+    torch needed a cast of g_x to fp32 and index_add_ (H200: 39 against 133 us at 125M, 109 against
+    330 at 1B and 8B; scripts/bench_elementwise.py). Atomics, so the sum order varies, as index_add_'s."""
+    need(g_x.dim() == 2, f"embedding_backward: g_x must be (rows, dim), got shape {tuple(g_x.shape)}")
+    M, N = g_x.shape
+    need(acc.is_cuda and acc.dtype == torch.float32 and acc.is_contiguous() and acc.dim() == 2 and acc.shape[1] == N,
+         f"embedding_backward: acc must be a contiguous (vocab_size, {N}) float32 CUDA tensor, got "
+         f"{tuple(acc.shape)} {acc.dtype} on {acc.device}")
+    need(g_x.is_cuda and g_x.dtype in (torch.bfloat16, torch.float32),
+         f"embedding_backward: g_x must be a bfloat16 or float32 CUDA tensor, got {g_x.dtype} on {g_x.device}")
+    tok = tokens.reshape(-1).contiguous()
+    need(tok.numel() == M, f"embedding_backward: {tok.numel()} tokens for {M} gradient rows")
+    if M and not compiling_only():
+        _embedding_bwd_kernel[(M,)](tok, g_x.contiguous(), acc, N, BLOCK=triton.next_power_of_2(N),
+                                    num_warps=4 if N <= 2048 else 8)
 
 
 # ---- the LM head's incoming loss gradient (H'') -----------------------------------------------------
