@@ -10,6 +10,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _report(paths: list, md: Path, png: Path, cwd: Path) -> None:
+    """scripts/bench_report.py on `paths`, writing `md` and `png`."""
+    subprocess.run([sys.executable, str(ROOT / "scripts/bench_report.py"), *map(str, paths), "--md", str(md),
+                    "--png", str(png)], check=True, cwd=cwd)
+
+
 def _result(shape: str) -> dict:
     def row(ms, step=None, mem=None):
         r = {"fwd_bwd": {"median_ms": ms, "min_ms": ms * 0.98, "max_ms": ms * 1.05, "n": 8}, "mfu_fwd_bwd": 0.5,
@@ -41,8 +47,7 @@ def test_report_writes_tables_summary_and_chart(tmp_path):
         paths.append(tmp_path / f"bench_{shape}.json")
         paths[-1].write_text(json.dumps(_result(shape)))
     md, png = tmp_path / "benchmarks.md", tmp_path / "benchmarks.png"
-    subprocess.run([sys.executable, str(ROOT / "scripts/bench_report.py"), *map(str, paths), "--md", str(md),
-                    "--png", str(png)], check=True, cwd=tmp_path)
+    _report(paths, md, png, tmp_path)
     text = md.read_text()
     assert text.index("### 125m") < text.index("### 1b-4x4096")  # shapes in size order, not argument order
     # summary: coda 40 ms vs best peer compile 31 ms and floor 25 ms
@@ -52,8 +57,7 @@ def test_report_writes_tables_summary_and_chart(tmp_path):
     graphed["variants"]["coda-graphs"] = dict(graphed["variants"]["coda"], fwd_bwd={"median_ms": 30.0})
     graphed["variants"]["floor"]["back_to_back"] = {"median_ms": 27.0, "clocks": {"sm_mhz_mean": 1500.0}}
     paths[1].write_text(json.dumps(graphed))
-    subprocess.run([sys.executable, str(ROOT / "scripts/bench_report.py"), *map(str, paths), "--md", str(md),
-                    "--png", str(png)], check=True, cwd=tmp_path)
+    _report(paths, md, png, tmp_path)
     text_graphed = md.read_text()
     assert "| 125m | coda-graphs | 30.00 | compile | 31.00 | 0.97 | 25.00 | 1.20 | 27.00 | 1.11 | 3.0 | 4.0 |" in text_graphed
     assert "timed as a step: 27.00 ms at 1500 MHz mean SM clock." in text_graphed
@@ -72,8 +76,7 @@ def test_report_writes_tables_summary_and_chart(tmp_path):
     (tmp_path / "graph").mkdir()
     graph_path, graph_md = tmp_path / "graph" / "bench_125m.json", tmp_path / "graph" / "b.md"
     graph_path.write_text(json.dumps(graph_pass))
-    subprocess.run([sys.executable, str(ROOT / "scripts/bench_report.py"), str(graph_path), "--md", str(graph_md),
-                    "--png", str(tmp_path / "graph" / "b.png")], check=True, cwd=tmp_path)
+    _report([str(graph_path)], graph_md, tmp_path / "graph" / "b.png", tmp_path)
     graph_text = graph_md.read_text()
     assert "| GPU idle between kernels (coda-graphs) | - | - | +0.75 |" in graph_text
     assert "**+5.00** (coda-graphs 30.00 − floor 25.00)" in graph_text and "| - | - | +1.25 |" in graph_text
@@ -84,8 +87,7 @@ def test_report_writes_tables_summary_and_chart(tmp_path):
         {"kernel": "fill", "us": 1.0, "gap_us": 900.0}, {"kernel": "gemm", "us": 50.0, "gap_us": 300.0},
         {"kernel": "attention", "us": 90.0, "gap_us": 200.0}]
     graph_path.write_text(json.dumps(graph_pass))
-    subprocess.run([sys.executable, str(ROOT / "scripts/bench_report.py"), str(graph_path), "--md", str(graph_md),
-                    "--png", str(tmp_path / "graph" / "b.png")], check=True, cwd=tmp_path)
+    _report([str(graph_path)], graph_md, tmp_path / "graph" / "b.png", tmp_path)
     graph_text = graph_md.read_text()
     assert "| GPU idle between the graph's kernels (coda-graphs) | - | - | +0.50 |" in graph_text
     assert "| - | - | +1.50 |" in graph_text and "**+5.00**" in graph_text
@@ -95,8 +97,7 @@ def test_report_writes_tables_summary_and_chart(tmp_path):
     assert "Peak memory of 125m, 1b-4x4096: measured before bench.py counted only each variant's own" in text
     for path in paths:
         path.write_text(json.dumps(dict(json.loads(path.read_text()), memory_accounting="own")))
-    subprocess.run([sys.executable, str(ROOT / "scripts/bench_report.py"), *map(str, paths), "--md", str(md),
-                    "--png", str(png)], check=True, cwd=tmp_path)
+    _report(paths, md, png, tmp_path)
     assert "Peak memory of" not in md.read_text()
 
 
@@ -109,8 +110,7 @@ def test_profile_from_a_profile_only_run_and_old_profiles_ignored(tmp_path):
     for name, r in (("a.json", full), ("b.json", profile_only)):
         (tmp_path / name).write_text(json.dumps(r))
     md = tmp_path / "b.md"
-    subprocess.run([sys.executable, str(ROOT / "scripts/bench_report.py"), str(tmp_path / "a.json"), str(tmp_path / "b.json"),
-                    "--md", str(md), "--png", str(tmp_path / "b.png")], check=True, cwd=tmp_path)
+    _report([tmp_path / "a.json", tmp_path / "b.json"], md, tmp_path / "b.png", tmp_path)
     text = md.read_text()
     assert text.count("### 125m") == 1 and "| compile | 31.00 |" in text  # the variants of the full run
     assert "--tag=-profile" in text and "| rope_backward_rowscale_stat | 9.500 |" in text and "| gemm_rowscale_rope | 7.000 |" not in text
@@ -134,8 +134,7 @@ def test_peers_from_separate_runs_compare_within_their_own_run(tmp_path):
         paths.append(tmp_path / name)
         paths[-1].write_text(json.dumps(r))
     md = tmp_path / "b.md"
-    subprocess.run([sys.executable, str(ROOT / "scripts/bench_report.py"), *map(str, paths), "--md", str(md),
-                    "--png", str(tmp_path / "b.png")], check=True, cwd=tmp_path)
+    _report(paths, md, tmp_path / "b.png", tmp_path)
     text = md.read_text()
     assert text.count("### 125m") == 1 and "2026-12-01 01:00 UTC, code abcabcabca with uncommitted changes (sources f00d)" in text
     # the main run's compile (40 / 31 = 1.29) is closer than max-autotune (38 / 36 = 1.06 in its own run); the old
@@ -149,8 +148,7 @@ def test_peers_from_separate_runs_compare_within_their_own_run(tmp_path):
     # a peer of a separate run that is the closest is named as such
     extra["variants"]["compile-max-autotune"]["fwd_bwd"] = {"median_ms": 28.0}
     paths[2].write_text(json.dumps(extra))
-    subprocess.run([sys.executable, str(ROOT / "scripts/bench_report.py"), *map(str, paths), "--md", str(md),
-                    "--png", str(tmp_path / "b.png")], check=True, cwd=tmp_path)
+    _report(paths, md, tmp_path / "b.png", tmp_path)
     assert "| 125m | coda | 40.00 | compile-max-autotune (separate run) | 28.00 | 1.36 |" in md.read_text()  # 38 / 28
 
 
@@ -197,8 +195,7 @@ def test_a_later_coda_only_run_supersedes_the_coda_peak(tmp_path):
         paths.append(tmp_path / f"bench_125m-{i}.json")
         paths[-1].write_text(json.dumps(r))
     md = tmp_path / "b.md"
-    subprocess.run([sys.executable, str(ROOT / "scripts/bench_report.py"), *map(str, paths), "--md", str(md),
-                    "--png", str(tmp_path / "b.png")], check=True, cwd=tmp_path)
+    _report(paths, md, tmp_path / "b.png", tmp_path)
     text = md.read_text()
     # the newer coda-only run's 2.5 GiB replaces the main run's 3.0; the older one is ignored
     assert "| 125m | coda | 40.00 | compile | 31.00 | 1.29 | 25.00 | 1.60 | - | - | 2.5 | 4.0 |" in text
