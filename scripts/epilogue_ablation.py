@@ -11,6 +11,11 @@ Rows, each the model's g_a = g_out W_down (M x ffn_dim, K = dim) on the op's tun
   op          the op as the model calls it (ops.gemm_dswiglu_rowscale_stat)
   op (tanh)   the op's epilogue with quack's dswiglu_tanh (sigmoid from one tanh: one MUFU op instead of
               exp2 + rcp), a candidate, timed only
+  packed      the op's epilogue on gate/up stored interleaved ((M, 2F), gate j and up j adjacent), read
+              as quack's packed C and written as packed D (mode packed_cd_b16x2: one 32-bit tile load
+              and store per pair where the op has two 16-bit ones each), a candidate layout; its
+              outputs are checked against the op's on the same values
+
 Median of triton.testing.do_bench; prints a table and writes epilogue_ablation.json under --out.
 The programs below are module globals so quack's kernel cache can key them.
 """
@@ -23,7 +28,7 @@ import os
 from pathlib import Path
 
 import torch
-from quack.epilogue.frontend import gemm_epilogue
+from quack.epilogue.frontend import gemm_epilogue, pack, unpack
 from quack.activation import dswiglu_tanh as _dswiglu_tanh
 from quack.epilogue.ops import ColVecLoad, ColVecReduce
 
@@ -46,11 +51,19 @@ def two_loads(acc, gate, up):
 
 @gemm_epilogue(outputs=("g_gate", "g_up"), ops={"r": ColVecLoad("r")})
 def dswiglu_rowscale(acc, gate, up, r):
-    dg, du, a = E.dswiglu(gate, up, acc)
+    dg, du, a = dswiglu(gate, up, acc)
     return {"D": a, "g_gate": dg * r, "g_up": du * r}
 
 
 dswiglu_tanh = E._Library(_dswiglu_tanh)
+dswiglu = E.dswiglu  # a module global with its own cache key, as in _epilogues (not an attribute of a module)
+
+
+@gemm_epilogue(outputs=("a",), ops={"r": ColVecLoad("r")}, reduces={"stat": ColVecReduce("stat")}, mode="packed_cd_b16x2")
+def dswiglu_packed_rowscale_stat(acc, c, r):
+    gate, up = unpack(c)
+    dg, du, a = dswiglu(gate, up, acc)
+    return {"D": pack(dg * r, du * r), "a": a, "stat": dg * gate + du * up}
 
 
 @gemm_epilogue(outputs=("g_gate", "g_up"), ops={"r": ColVecLoad("r")}, reduces={"stat": ColVecReduce("stat")})
@@ -68,6 +81,8 @@ def ablate(M: int, F: int, d: int, rows: list[str]) -> dict:
     cfg = cfg_for("gemm_dswiglu_rowscale_stat", M, F, d)
     a, g_gu = torch.empty(M, F, device=dev, dtype=torch.bfloat16), torch.empty(M, 2 * F, device=dev, dtype=torch.bfloat16)
     gate, up = gu[:, :F], gu[:, F:]
+    gu_i = torch.stack((gate, up), dim=-1).reshape(M, 2 * F)  # the same values, gate j and up j adjacent
+    g_gu_i, a_i, stat_i = torch.empty_like(gu_i), torch.empty_like(a), stat_cols(M, F, cfg, dev)
     ops = op_set("cute")
     runs = {
         "bare": lambda: gemm(E.plain, g_out, w_down.mT, a, cfg=cfg, epi={}),
@@ -79,6 +94,8 @@ def ablate(M: int, F: int, d: int, rows: list[str]) -> dict:
         "op (tanh)": lambda: gemm(dswiglu_tanh_rowscale_stat, g_out, w_down.mT, a, cfg=cfg,
                                   epi={"gate": gate, "up": up, "r": colvec(r), "g_gate": g_gu[:, :F], "g_up": g_gu[:, F:],
                                        "stat": stat_cols(M, F, cfg, dev)[1]}),
+        "packed": lambda: gemm(dswiglu_packed_rowscale_stat, g_out, w_down.mT, g_gu_i, gu_i, cfg=cfg,
+                               epi={"r": colvec(r), "a": a_i, "stat": stat_i[1]}),
     }
     runs = {name: fn for name, fn in runs.items() if name in rows}
     row = {"M": M, "ffn_dim": F, "dim": d, "config": str(cfg), "ms": {}}
@@ -90,6 +107,12 @@ def ablate(M: int, F: int, d: int, rows: list[str]) -> dict:
         runs["op (tanh)"]()
         rel = lambda x, y: float((x.float() - y.float()).norm() / y.float().norm())  # noqa: E731
         row["tanh_rel_err"] = {"a": rel(a, a_op), "g_gu": rel(g_gu, g_gu_op)}
+    if {"op", "packed"} <= set(runs):  # the packed layout computes the op's outputs, interleaved
+        g_gu_op, a_op, stat_op = runs["op"]()
+        runs["packed"]()
+        rel = lambda x, y: float((x.float() - y.float()).norm() / y.float().norm())  # noqa: E731
+        row["packed_rel_err"] = {"a": rel(a_i, a_op), "g_gu": rel(g_gu_i.view(M, F, 2).transpose(1, 2).reshape(M, 2 * F), g_gu_op),
+                                 "stat": rel(stat_i[0].sum(-1), stat_op.sum(-1))}
     if "bare" in row["ms"]:
         row["gemm_tflops"] = 2 * M * F * d / row["ms"]["bare"] / 1e9
     return row
@@ -98,7 +121,7 @@ def ablate(M: int, F: int, d: int, rows: list[str]) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="125m,1b,8b")
-    p.add_argument("--rows", default="bare,3 stores,2 loads,no stat,op,op (tanh)")
+    p.add_argument("--rows", default="bare,3 stores,2 loads,no stat,op,op (tanh),packed")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/ablation")))
     args = p.parse_args()
     rows = {s: ablate(*SHAPES[s], args.rows.split(",")) for s in args.shapes.split(",")}
@@ -108,6 +131,8 @@ def main() -> None:
         print(f"{s:6s}{row['config']:26s}" + "".join(f"{row['ms'][n]:10.3f}" for n in names)
               + (f"   {row['ms']['op'] / row['ms']['bare']:.2f}" if {"op", "bare"} <= set(row["ms"]) else ""))
     for s, row in rows.items():
+        if "packed_rel_err" in row:
+            print(f"{s}: packed vs op, relative error: " + ", ".join(f"{k} {v:.2e}" for k, v in row["packed_rel_err"].items()))
         if "tanh_rel_err" in row:
             print(f"{s}: op (tanh) vs op, relative error: a {row['tanh_rel_err']['a']:.2e}, g_gu {row['tanh_rel_err']['g_gu']:.2e}")
     args.out.mkdir(parents=True, exist_ok=True)
