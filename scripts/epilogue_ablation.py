@@ -33,6 +33,7 @@ from quack.activation import dswiglu_tanh as _dswiglu_tanh
 from quack.epilogue.ops import ColVecLoad, ColVecReduce
 
 from coda_train.kernels import op_set
+from coda_train.kernels.testing import relative_error
 from coda_train.kernels.cute import _epilogues as E
 from coda_train.kernels.cute._launch import cfg_for, colvec, gemm, stat_cols
 
@@ -56,7 +57,7 @@ def dswiglu_rowscale(acc, gate, up, r):
 
 
 dswiglu_tanh = E._Library(_dswiglu_tanh)
-dswiglu = E.dswiglu  # a module global with its own cache key, as in _epilogues (not an attribute of a module)
+dswiglu = E.dswiglu  # the op's helper (an E._Library, which quack's kernel cache can key)
 
 
 @gemm_epilogue(outputs=("a",), ops={"r": ColVecLoad("r")}, reduces={"stat": ColVecReduce("stat")}, mode="packed_cd_b16x2")
@@ -105,14 +106,13 @@ def ablate(M: int, F: int, d: int, rows: list[str]) -> dict:
     if {"op", "op (tanh)"} <= set(runs):  # how far the tanh candidate's outputs are from the op's
         g_gu_op, a_op, _ = runs["op"]()
         runs["op (tanh)"]()
-        rel = lambda x, y: float((x.float() - y.float()).norm() / y.float().norm())  # noqa: E731
-        row["tanh_rel_err"] = {"a": rel(a, a_op), "g_gu": rel(g_gu, g_gu_op)}
+        row["tanh_rel_err"] = {"a": relative_error(a, a_op), "g_gu": relative_error(g_gu, g_gu_op)}
     if {"op", "packed"} <= set(runs):  # the packed layout computes the op's outputs, interleaved
         g_gu_op, a_op, stat_op = runs["op"]()
         runs["packed"]()
-        rel = lambda x, y: float((x.float() - y.float()).norm() / y.float().norm())  # noqa: E731
-        row["packed_rel_err"] = {"a": rel(a_i, a_op), "g_gu": rel(g_gu_i.view(M, F, 2).transpose(1, 2).reshape(M, 2 * F), g_gu_op),
-                                 "stat": rel(stat_i[0].sum(-1), stat_op.sum(-1))}
+        g_gu_halves = g_gu_i.view(M, F, 2).transpose(1, 2).reshape(M, 2 * F)
+        row["packed_rel_err"] = {"a": relative_error(a_i, a_op), "g_gu": relative_error(g_gu_halves, g_gu_op),
+                                 "stat": relative_error(stat_i[0].sum(-1), stat_op.sum(-1))}
     if "bare" in row["ms"]:
         row["gemm_tflops"] = 2 * M * F * d / row["ms"]["bare"] / 1e9
     return row
