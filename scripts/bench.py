@@ -357,9 +357,13 @@ def bench_floor(cfg, shape: Shape, iters: int, warmup: int) -> dict:
     with GpuClocks() as clocks:
         floor = _floor_per_kernel(cfg, shape)
     floor["clocks"] = clocks.result
+    sequence = _floor_sequence(cfg, shape, floor)
     with GpuClocks() as clocks:
-        floor["back_to_back"] = summary(step_times(_floor_sequence(cfg, shape, floor), iters, warmup))
-    floor["back_to_back"]["clocks"] = clocks.result
+        b2b = floor["back_to_back"] = summary(step_times(sequence.step, iters, warmup))
+    b2b["clocks"], b2b["replay"] = clocks.result, sequence.replay
+    if DEVICE.type == "cuda":  # right after the timed steps, at their clocks: the time of each item as a step runs it
+        launches = timeline(_profiled(sequence.ranged, 1), 1, prefix="floor::")["launches_by_owner"]
+        b2b["by_item_ms"] = items_from_sequence(kernel_sequence(_profiled(sequence.step, 2), 2), sequence.names, launches)
     return floor
 
 
@@ -388,9 +392,22 @@ def _floor_per_kernel(cfg, shape: Shape) -> dict:
             "attention_ms": attention, "attention_fwd_ms": attn_fwd, "attention_bwd_ms": attn_bwd, "gemms": rows}
 
 
-def _floor_sequence(cfg, shape: Shape, floor: dict) -> Callable[[], None]:
-    """One call = the floor's kernels in a step's order (every layer's forward GEMMs and attention,
-    the LM head, every layer's backward in reverse), each GEMM on the backend that won it alone."""
+@dataclass
+class FloorSequence:
+    """The floor's kernels in a step's order: `step()` runs one step as the timing does, `ranged()`
+    runs it eagerly with each item in a "floor::<name>" range (profiling only: a range costs host
+    time), `names` the items in order, `replay` how `step` runs them."""
+    step: Callable[[], None]
+    ranged: Callable[[], None]
+    names: list[str]
+    replay: str
+
+
+def _floor_sequence(cfg, shape: Shape, floor: dict) -> FloorSequence:
+    """Every layer's forward GEMMs and attention, the LM head, every layer's backward in reverse,
+    each GEMM on the backend that won it alone. On a GPU the step is captured as one CUDA graph and
+    replayed, as coda-graphs runs: no host work (FA4's interface, quack's launch path) leaves the
+    GPU idle between kernels, idle time that would let a power-capped GPU raise its clock."""
     M = shape.batch * shape.seq
     best = {g["gemm"]: g["best"] for g in floor["gemms"]}
     gemms = {}
@@ -407,12 +424,49 @@ def _floor_sequence(cfg, shape: Shape, floor: dict) -> Callable[[], None]:
     head = ["lm_head fwd", "lm_head dgrad", "lm_head wgrad"]
     backward = ["down dgrad", "down wgrad", "gate_up dgrad", "gate_up wgrad", "o dgrad", "o wgrad", "attention bwd",
                 "qkv dgrad", "qkv wgrad"]
-    order = [gemms[n] for n in forward] * cfg.n_layers + [gemms[n] for n in head] + [gemms[n] for n in backward] * cfg.n_layers
+    names = forward * cfg.n_layers + head + backward * cfg.n_layers
 
     def step() -> None:
-        for fn in order:
-            fn()
-    return step
+        for name in names:
+            gemms[name]()
+
+    def ranged() -> None:
+        for name in names:
+            with torch.profiler.record_function(f"floor::{name}"):
+                gemms[name]()
+
+    if DEVICE.type != "cuda":
+        return FloorSequence(step, ranged, names, "eager")
+    # as the trainer captures a step (trainer/graphs.py): warm on a side stream, then capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return FloorSequence(graph.replay, ranged, names, "one CUDA graph")
+
+
+def items_from_sequence(sequence: list[dict], names: list[str], launches: dict[str, float]) -> dict | None:
+    """Per-item kernel ms of one replayed floor step: its kernels (kernel_sequence, in order) dealt to
+    the items in step order, each taking as many as one call of it launches eagerly (`launches`: per
+    step, from the ranged profile). None when those counts do not fit the sequence exactly."""
+    per_call = {}
+    for name in set(names):
+        n = launches.get(name, 0.0) / names.count(name)
+        if abs(n - round(n)) > 1e-6 or round(n) < 1:
+            return None
+        per_call[name] = round(n)
+    if sum(per_call[n] for n in names) != len(sequence):
+        return None
+    out, i = {}, 0
+    for name in names:
+        out[name] = out.get(name, 0.0) + sum(k["us"] for k in sequence[i:i + per_call[name]]) / 1e3
+        i += per_call[name]
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 # ---- where a coda step's time goes ---------------------------------------------------------
@@ -449,11 +503,20 @@ def profile_coda(cfg, state: dict, batch, steps: int = 3) -> dict:
             "launches_by_owner": by_op["launches_by_owner"], "annotated_kernel_ms_per_step": by_op["kernel_ms_per_step"]}
 
 
+# A profiled pass first runs its step back to back for this long, so that a power-capped GPU profiles
+# it at the clock the timed steps ran at, not at the higher clock of a GPU that was idle before.
+SUSTAIN_S = 2.0
+
+
 def _profiled(fn: Callable[[], None], steps: int):
     from torch.profiler import ProfilerActivity, profile
 
-    fn()
-    fn()
+    start, calls = time.perf_counter(), 0
+    while calls < 2 or (DEVICE.type == "cuda" and time.perf_counter() - start < SUSTAIN_S):
+        fn()
+        calls += 1
+        if calls % 4 == 0:  # the host waits for the GPU now and then, so the clock above is the GPU's
+            sync()
     sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True) as prof:
         for _ in range(steps):
@@ -476,9 +539,9 @@ def annotated(ops):
     return OpSet(ops.backend, {name: wrap(name, getattr(ops, name)) for name in OPS})
 
 
-def timeline(prof, steps: int) -> dict:
-    """Per-step kernel time by owner (the coda op range around the launch, else a kernel-name
-    class), launches, and the GPU idle fraction: 1 - (union of kernel intervals) / (first kernel
+def timeline(prof, steps: int, prefix: str = "coda::") -> dict:
+    """Per-step kernel time by owner (the innermost `prefix` range around the launch: a coda op, or a
+    floor item; else a kernel-name class), launches, and the GPU idle fraction: 1 - (union of kernel intervals) / (first kernel
     start .. last kernel end). Device work = kernels, memcpy and memset, not the GPU-side copies
     of profiler ranges. A device event shares its correlation id with the host runtime call that
     launched it (cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync...); that call's start time
@@ -489,8 +552,8 @@ def timeline(prof, steps: int) -> dict:
     device = _device_work(events)
     cpu = [e for e in events if e.device_type == DeviceType.CPU]
     launched_at = {e.id: e.time_range.start for e in cpu if e.name.startswith(("cuda", "cu")) and e.id}
-    op_ranges = sorted((e.time_range.start, e.time_range.end, e.name.removeprefix("coda::"))
-                       for e in cpu if e.name.startswith("coda::"))
+    op_ranges = sorted((e.time_range.start, e.time_range.end, e.name.removeprefix(prefix))
+                       for e in cpu if e.name.startswith(prefix))
     by_owner: dict[str, float] = {}
     launches: dict[str, float] = {}
     for k in device:
@@ -512,7 +575,7 @@ def _device_work(events) -> list:
     from torch.autograd import DeviceType
 
     return [e for e in events if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
-            and not e.name.startswith("coda::")]
+            and not e.name.startswith(("coda::", "floor::"))]
 
 
 def kernel_sequence(prof, steps: int) -> list[dict]:

@@ -57,3 +57,20 @@ def test_kernel_sequence_lists_the_last_steps_kernels_with_the_gaps_before_them(
     seq = bench.kernel_sequence(prof, 2)
     assert [(k["kernel"], k["us"], k["gap_us"]) for k in seq] == [
         ("gemm", 10, None), ("rstd", 1, 4), ("flash", 5.5, -0.5)], seq
+
+
+def test_floor_items_are_dealt_the_replayed_kernels_in_step_order():
+    """bench.py's items_from_sequence: a replayed floor step's kernels go to its items in order, each
+    call taking as many as it launches eagerly; counts that do not fit the sequence give None."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench
+
+    names = ["qkv fwd", "attention bwd", "qkv fwd", "attention bwd"]
+    launches = {"qkv fwd": 2.0, "attention bwd": 6.0}  # per step: 1 kernel a GEMM call, 3 an attention backward
+    seq = [{"kernel": k, "us": us} for k, us in
+           [("gemm", 10), ("pre", 1), ("bwd", 30), ("post", 2), ("gemm", 11), ("pre", 1), ("bwd", 32), ("post", 2)]]
+    items = bench.items_from_sequence(seq, names, launches)
+    assert list(items) == ["attention bwd", "qkv fwd"]  # largest first
+    assert abs(items["attention bwd"] - 0.068) < 1e-12 and abs(items["qkv fwd"] - 0.021) < 1e-12
+    assert bench.items_from_sequence(seq[:-1], names, launches) is None  # one kernel short
+    assert bench.items_from_sequence(seq, names, {"qkv fwd": 3.0, "attention bwd": 6.0}) is None  # 1.5 a call

@@ -92,6 +92,15 @@ def test_report_writes_tables_summary_and_chart(tmp_path):
     assert "| GPU idle between the graph's kernels (coda-graphs) | - | - | +0.50 |" in graph_text
     assert "| - | - | +1.50 |" in graph_text and "**+5.00**" in graph_text
     assert "replayed as a CUDA graph, 790 launches, 29.50 ms of kernels and 0.75 ms idle between them" in graph_text
+    # the floor's items profiled back to back (at a sustained step's clocks): a second baseline per op
+    graph_pass["variants"]["floor"]["back_to_back"] = {"median_ms": 26.0, "by_item_ms": {"qkv fwd": 6.5, "o fwd": 3.0}}
+    graph_path.write_text(json.dumps(graph_pass))
+    _report([str(graph_path)], graph_md, tmp_path / "graph" / "b.png", tmp_path)
+    graph_text = graph_md.read_text()
+    assert "| gemm_rowscale_rope | 7.00 | 6.00 | +1.00 | 6.50 | +0.50 |" in graph_text
+    assert "| [copies / casts] | 2.00 | 0.00 | +2.00 | 0.00 | +2.00 |" in graph_text
+    # against it: 30 - 26 = 4 ms, of which 2.5 attributed and 0.5 idle, so 1.0 rest
+    assert "| - | - | +1.50 | - | +1.00 |" in graph_text and "**+4.00** (− floor back to back 26.00)" in graph_text
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     # results from before bench.py counted each variant's own memory carry a caveat naming their shapes
     assert "Peak memory of 125m, 1b-4x4096: measured before bench.py counted only each variant's own" in text
