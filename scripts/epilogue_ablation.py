@@ -7,8 +7,12 @@ Rows, each the model's g_a = g_out W_down (M x ffn_dim, K = dim) on the op's tun
   bare        D = acc (one bf16 store): the GEMM alone
   3 stores    D, g_gate, g_up = acc (the op's three bf16 stores, no loads)
   2 loads     D = acc * gate + up (the op's two tile loads, one store)
+  bare+stat   D = acc and the per-row partial sums of acc: the row reduce alone on the bare GEMM
   no stat     the op's epilogue without the per-row partial sums
-  op          the op as the model calls it (ops.gemm_dswiglu_rowscale_stat)
+  stat of acc the op's epilogue with the partial sums of acc instead of dg*gate + du*up: the
+              reduce without the statistic's arithmetic
+  op          the op as the model calls it (ops.gemm_dswiglu_rowscale_stat); the only row through the
+              op's Python path, whose host time do_bench can count on a slow host (docs/kernels.md)
   op (tanh)   the op's epilogue with quack's dswiglu_tanh (sigmoid from one tanh: one MUFU op instead of
               exp2 + rcp), a candidate, timed only
   packed      the op's epilogue on gate/up stored interleaved ((M, 2F), gate j and up j adjacent), read
@@ -50,6 +54,17 @@ def two_loads(acc, gate, up):
     return {"D": acc * gate + up}
 
 
+@gemm_epilogue(reduces={"stat": ColVecReduce("stat")})
+def plain_stat(acc):
+    return {"D": acc, "stat": acc}
+
+
+@gemm_epilogue(outputs=("g_gate", "g_up"), ops={"r": ColVecLoad("r")}, reduces={"stat": ColVecReduce("stat")})
+def dswiglu_rowscale_stat_of_acc(acc, gate, up, r):
+    dg, du, a = dswiglu(gate, up, acc)
+    return {"D": a, "g_gate": dg * r, "g_up": du * r, "stat": acc}
+
+
 @gemm_epilogue(outputs=("g_gate", "g_up"), ops={"r": ColVecLoad("r")})
 def dswiglu_rowscale(acc, gate, up, r):
     dg, du, a = dswiglu(gate, up, acc)
@@ -85,10 +100,15 @@ def ablate(M: int, F: int, d: int, rows: list[str]) -> dict:
     gu_i = torch.stack((gate, up), dim=-1).reshape(M, 2 * F)  # the same values, gate j and up j adjacent
     g_gu_i, a_i, stat_i = torch.empty_like(gu_i), torch.empty_like(a), stat_cols(M, F, cfg, dev)
     ops = op_set("cute")
+    stat = stat_cols(M, F, cfg, dev)[1]  # the partial-sum sink of the rows below that reduce
     runs = {
         "bare": lambda: gemm(E.plain, g_out, w_down.mT, a, cfg=cfg, epi={}),
         "3 stores": lambda: gemm(three_stores, g_out, w_down.mT, a, cfg=cfg, epi={"g_gate": g_gu[:, :F], "g_up": g_gu[:, F:]}),
         "2 loads": lambda: gemm(two_loads, g_out, w_down.mT, a, cfg=cfg, epi={"gate": gate, "up": up}),
+        "bare+stat": lambda: gemm(plain_stat, g_out, w_down.mT, a, cfg=cfg, epi={"stat": stat}),
+        "stat of acc": lambda: gemm(dswiglu_rowscale_stat_of_acc, g_out, w_down.mT, a, cfg=cfg,
+                                    epi={"gate": gate, "up": up, "r": colvec(r), "g_gate": g_gu[:, :F], "g_up": g_gu[:, F:],
+                                         "stat": stat}),
         "no stat": lambda: gemm(dswiglu_rowscale, g_out, w_down.mT, a, cfg=cfg,
                                 epi={"gate": gate, "up": up, "r": colvec(r), "g_gate": g_gu[:, :F], "g_up": g_gu[:, F:]}),
         "op": lambda: ops.gemm_dswiglu_rowscale_stat(g_out, w_down, gu, r),
