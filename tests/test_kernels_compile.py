@@ -118,6 +118,8 @@ f32 = torch.float32
 with compile_only():
     for call, words in [
         (lambda: C.gemm_residual_rmsnorm_partial(e(64, 64, dt=f32), e(64, 64), e(64, 64), e(64)), "bfloat16"),
+        (lambda: C.gemm_residual_rmsnorm_partial(e(64, 64), e(64, 64, 1), e(64, 64), e(64)), "must be 2-D (rows, features), got shape (64, 64, 1)"),
+        (lambda: C.gemm_residual_rmsnorm_partial(e(64, 64), e(64, 64), e(64, 128)[:, ::2], e(64)), "must have a contiguous last dimension"),
         (lambda: C.gemm_residual_rmsnorm_partial(e(64, 60), e(64, 60), e(64, 64), e(64)), "multiple of 8"),
         (lambda: C.gemm_rowscale_rope(e(64, 64), e(64), e(96, 64), e(10, 16, dt=f32), 64), "RoPE table must be (M=64"),
         (lambda: C.gemm_rowscale_rope(e(60, 64), e(60), e(96, 64), e(60, 16, dt=f32), 40), "multiple of head_dim"),
