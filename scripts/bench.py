@@ -362,8 +362,9 @@ def bench_floor(cfg, shape: Shape, iters: int, warmup: int) -> dict:
         b2b = floor["back_to_back"] = summary(step_times(sequence.step, iters, warmup))
     b2b["clocks"], b2b["replay"] = clocks.result, sequence.replay
     if DEVICE.type == "cuda":  # right after the timed steps, at their clocks: the time of each item as a step runs it
-        launches = timeline(_profiled(sequence.ranged, 1), 1, prefix="floor::")["launches_by_owner"]
-        b2b["by_item_ms"] = items_from_sequence(kernel_sequence(_profiled(sequence.step, 2), 2), sequence.names, launches)
+        launches = timeline(_profiled(sequence.ranged, 1, sustain_s=0.0), 1, prefix="floor::")["launches_by_owner"]
+        replayed = kernel_sequence(_profiled(sequence.step, 2), 2)
+        b2b["by_item_ms"] = items_from_sequence(replayed, sequence.names, launches)
     return floor
 
 
@@ -508,11 +509,13 @@ def profile_coda(cfg, state: dict, batch, steps: int = 3) -> dict:
 SUSTAIN_S = 2.0
 
 
-def _profiled(fn: Callable[[], None], steps: int):
+def _profiled(fn: Callable[[], None], steps: int, sustain_s: float = SUSTAIN_S):
+    """The profiler over `steps` calls of fn, after at least two warm-up calls and sustain_s of them
+    back to back on a GPU (0: the two only, e.g. where only launches are counted)."""
     from torch.profiler import ProfilerActivity, profile
 
     start, calls = time.perf_counter(), 0
-    while calls < 2 or (DEVICE.type == "cuda" and time.perf_counter() - start < SUSTAIN_S):
+    while calls < 2 or (DEVICE.type == "cuda" and time.perf_counter() - start < sustain_s):
         fn()
         calls += 1
         if calls % 4 == 0:  # the host waits for the GPU now and then, so the clock above is the GPU's
@@ -541,8 +544,8 @@ def annotated(ops):
 
 def timeline(prof, steps: int, prefix: str = "coda::") -> dict:
     """Per-step kernel time by owner (the innermost `prefix` range around the launch: a coda op, or a
-    floor item; else a kernel-name class), launches, and the GPU idle fraction: 1 - (union of kernel intervals) / (first kernel
-    start .. last kernel end). Device work = kernels, memcpy and memset, not the GPU-side copies
+    floor item; else a kernel-name class), launches, and the GPU idle fraction: 1 - (union of kernel
+    intervals) / (first kernel start .. last kernel end). Device work = kernels, memcpy and memset, not the GPU-side copies
     of profiler ranges. A device event shares its correlation id with the host runtime call that
     launched it (cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync...); that call's start time
     places it inside a coda op range."""
