@@ -100,7 +100,7 @@ def ablate(M: int, F: int, d: int, rows: list[str]) -> dict:
     gu_i = torch.stack((gate, up), dim=-1).reshape(M, 2 * F)  # the same values, gate j and up j adjacent
     g_gu_i, a_i, stat_i = torch.empty_like(gu_i), torch.empty_like(a), stat_cols(M, F, cfg, dev)
     ops = op_set("cute")
-    stat = stat_cols(M, F, cfg, dev)[1]  # the partial-sum sink of the rows below that reduce
+    stat = stat_cols(M, F, cfg, dev)[1]  # the partial-sum sink of the gemm() rows below that reduce (made once)
     runs = {
         "bare": lambda: gemm(E.plain, g_out, w_down.mT, a, cfg=cfg, epi={}),
         "3 stores": lambda: gemm(three_stores, g_out, w_down.mT, a, cfg=cfg, epi={"g_gate": g_gu[:, :F], "g_up": g_gu[:, F:]}),
@@ -114,7 +114,7 @@ def ablate(M: int, F: int, d: int, rows: list[str]) -> dict:
         "op": lambda: ops.gemm_dswiglu_rowscale_stat(g_out, w_down, gu, r),
         "op (tanh)": lambda: gemm(dswiglu_tanh_rowscale_stat, g_out, w_down.mT, a, cfg=cfg,
                                   epi={"gate": gate, "up": up, "r": colvec(r), "g_gate": g_gu[:, :F], "g_up": g_gu[:, F:],
-                                       "stat": stat_cols(M, F, cfg, dev)[1]}),
+                                       "stat": stat}),
         "packed": lambda: gemm(dswiglu_packed_rowscale_stat, g_out, w_down.mT, g_gu_i, gu_i, cfg=cfg,
                                epi={"r": colvec(r), "a": a_i, "stat": stat_i[1]}),
     }
