@@ -1,26 +1,27 @@
-"""Sweep the launch shapes of the cute backend's activation-sized Triton pass (coda_train/kernels/cute/
-_elementwise.py) at the model widths on one Hopper GPU, against the device's copy bandwidth.
+"""Time the cute backend's activation-sized passes outside GEMM epilogues at the model widths on one
+Hopper GPU, against what they replaced:
 
-  rope_backward_rowscale_stat          (B6a) reads g_qkv and qkv, writes g_y: 3 x M x qkv_dim bf16
-  (the cross-entropy pass it also swept until 2026-12-01 is gone: H' works on per-row numbers now)
+  attention_rope_backward_rowscale_stat (B5, B6a): FlashAttention 4's backward with its fp32 -> bf16
+      conversions recorded instead of run, then the CuTeDSL RoPE-backward pass on its accumulators
+      (kernels/cute/_rope_backward.py). Rows: FA4's backward with its conversions (the
+      attention_backward op: the floor's attention backward), with them recorded, and the op; the
+      pass's time is the op's minus the recorded backward's, its GB/s counts its bytes once (the fp32
+      accumulators and qkv read, g_y written; "/ copy" divides by a device copy of as many bytes), for
+      each candidate of the pass's heads per CTA (HEADS_PER_CTA in _rope_backward.py).
+      --baseline REV adds the path of a revision (or a copy of its file) whose _elementwise.py still has the Triton
+      rope_backward_rowscale_stat (before 2026-12-02): FA4's backward with its conversions, then that pass.
+  embedding_backward (E'): the Triton pass against the torch code it replaced (skip with --no-vs-torch).
 
-and times the embedding backward against the torch code it replaced (skip with --no-vs-torch):
-  embedding_backward (E')       g_x rows (M x dim bf16) scatter-added into an fp32 table gradient;
-                                torch: acc.index_add_(0, tokens, g_x.float())
+Each row is the median of triton.testing.do_bench. Prints a table and writes bench_elementwise.json /
+.md under --out (default $OUT).
 
-Each pass is timed (median of triton.testing.do_bench) for every candidate launch shape; GB/s counts
-the bytes above once, and "/ copy" divides by a device-to-device copy that moves as many bytes
-(half read, half written; torch's copy_, timed the same way), the practical ceiling of a pass that streams its data once. The shipped
-shape (ROPE_LAUNCH) is marked; --baseline REV also times the kernel module of git
-revision REV at its own shipped shape. Prints a table and writes bench_elementwise.json / .md under
---out (default $OUT).
-
-  python scripts/bench_elementwise.py [--presets llama3_125m,llama3_1b,llama3_8b] [--baseline HEAD~1] [--no-vs-torch] [--out DIR]
+  python scripts/bench_elementwise.py [--presets llama3_125m,llama3_1b,llama3_8b] [--baseline REV] [--no-vs-torch] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -33,16 +34,23 @@ import torch
 from triton.testing import do_bench
 
 from coda_train.kernels.cute import _elementwise as EW
+from coda_train.kernels.cute import _rope_backward as RB
 from coda_train.model.config import PRESETS
 
 ROWS = {"llama3_125m": 16384, "llama3_1b": 16384, "llama3_8b": 8192}  # the bench shapes' token rows (8 x 2048, 4 x 4096, 2 x 4096)
-ROPE_CANDIDATES = [dict(num_warps=w) for w in (4, 8, 16)]
+SEQ = {"llama3_125m": 2048, "llama3_1b": 4096, "llama3_8b": 4096}
+HEADS_PER_CTA_CANDIDATES = [(1,), (2, 1), (4, 2, 1), (8, 4, 2, 1)]  # RoPE pass: the largest that divides a launch's heads
 
 
 def baseline_module(rev: str):
-    """The _elementwise module of git revision `rev`, importable next to the current one."""
-    src = subprocess.run(["git", "show", f"{rev}:coda_train/kernels/cute/_elementwise.py"], capture_output=True,
-                         text=True, check=True).stdout
+    """The _elementwise module of git revision `rev` (or the file at path `rev`: where there is no git
+    history, as on the device), importable next to the current one."""
+    if os.path.isfile(rev):
+        with open(rev) as f:
+            src = f.read()
+    else:
+        src = subprocess.run(["git", "show", f"{rev}:coda_train/kernels/cute/_elementwise.py"], capture_output=True,
+                             text=True, check=True).stdout
     path = os.path.join(tempfile.mkdtemp(), "_elementwise_baseline.py")
     with open(path, "w") as f:
         f.write(src)
@@ -61,16 +69,69 @@ def copy_ms(nbytes: int) -> float:
     return do_bench(lambda: dst.copy_(src))
 
 
-def rope_inputs(preset: str):
+def attention_inputs(preset: str):
+    """One layer's attention backward operands at the bench shape: g_o, qkv, o, lse, H, G, T."""
+    from coda_train.kernels import op_set
+
     cfg = PRESETS[preset]
-    M, hd = ROWS[preset], cfg.head_dim
-    N = (cfg.n_heads + 2 * cfg.n_kv_heads) * hd
-    g = torch.randn(M, N, device="cuda").bfloat16()
-    y = torch.randn(M, N, device="cuda").bfloat16()
+    M, hd, T, H, G = ROWS[preset], cfg.head_dim, SEQ[preset], cfg.n_heads, cfg.n_kv_heads
+    qkv = torch.randn(M, (H + 2 * G) * hd, device="cuda").bfloat16()
+    o, lse = op_set("cute").attention(qkv, H, G, T)
+    return torch.randn_like(o), qkv, o, lse, H, G, T
+
+
+def attention_rope_backward(preset: str, base) -> list[dict]:
+    """The op and FlashAttention's backward with its conversions; the RoPE pass alone on the
+    accumulators of one recorded backward, for each heads-per-CTA candidate; and (base: a baseline
+    _elementwise module) the replaced path."""
+    from coda_train.kernels import op_set
+    from coda_train.kernels.cute._attention import _fa_backward_recording, rope_passes, run_rope_passes
+
+    ops = op_set("cute")
+    g_o, qkv, o, lse, H, G, T = args = attention_inputs(preset)
+    M, W = qkv.shape
+    hd = W // (H + 2 * G)
     r = torch.rand(M, device="cuda") + 0.5
     a = torch.rand(M, hd // 2, device="cuda") * 6.283
     rope = torch.stack((a.cos(), a.sin()), -1).reshape(M, hd)
-    return (g, y, r, rope, (cfg.n_heads + cfg.n_kv_heads) * hd), 3 * g.numel() * 2, f"{M} x {N}"
+    g = torch.empty_like(qkv)
+    passes = rope_passes(_fa_backward_recording(g_o, qkv, o, lse, g, H, G, T, "bench"), g, H, G)
+    shape, op = f"{M} x {W}", "attention_rope_backward_rowscale_stat"
+    # the pass's bytes: its gradient sources (fp32 accumulators, or bf16 in place), qkv read, g_y written
+    nbytes = M * W * (2 + 2) + sum(M * p.heads * hd * p.source.element_size() for p in passes)
+    copy = copy_ms(nbytes)
+    runs = [("the op (FA4 backward + RoPE pass)",
+             lambda: ops.attention_rope_backward_rowscale_stat(g_o, qkv, o, lse, r, rope, H, G, T)),
+            ("FA4 backward + its conversions (attention_backward)", lambda: ops.attention_backward(*args))]
+    if base is not None:
+        def replaced():
+            g_qkv = ops.attention_backward(*args)
+            return base.rope_backward_rowscale_stat(g_qkv, qkv, r, rope, (H + G) * hd)
+        runs.append(("baseline: FA4 backward + conversions + Triton RoPE pass", replaced))
+        runs.append(("baseline: its Triton RoPE pass alone", lambda: base.rope_backward_rowscale_stat(
+            g, qkv, r, rope, (H + G) * hd)))
+    for cand in HEADS_PER_CTA_CANDIDATES:
+        label = f"RoPE pass alone, heads per CTA {cand}" + (" (shipped)" if cand == RB.HEADS_PER_CTA else "")
+        runs.append((label, functools.partial(with_heads_per_cta, cand, lambda: run_rope_passes(passes, qkv, r, rope, g, T))))
+    rows = []
+    for label, fn in runs:
+        ms = do_bench(fn)
+        alone = label.startswith("RoPE pass alone")
+        rows.append(dict(preset=preset, op=op, shape=shape, launch=label, ms=ms,
+                         gbps=nbytes / ms / 1e6 if alone else float("nan"), per_copy=ms / copy if alone else float("nan"),
+                         copy_ms=copy))
+        print(f"{preset:10s} {label:58s} {shape:14s} {ms * 1e3:8.1f} us {rows[-1]['gbps']:7.0f} GB/s "
+              f"{rows[-1]['per_copy']:5.2f} x copy", flush=True)
+    return rows
+
+
+def with_heads_per_cta(candidates: tuple, fn):
+    saved = RB.HEADS_PER_CTA
+    RB.HEADS_PER_CTA = candidates
+    try:
+        return fn()
+    finally:
+        RB.HEADS_PER_CTA = saved
 
 
 def embedding_backward_vs_torch(preset: str) -> list[dict]:
@@ -95,38 +156,14 @@ def embedding_backward_vs_torch(preset: str) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", default="llama3_125m,llama3_1b,llama3_8b")
-    ap.add_argument("--baseline", default=None, help="also time the kernels of this git revision (shipped shapes)")
+    ap.add_argument("--baseline", default=None, help="also time the replaced path with the Triton RoPE pass of this git revision")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--no-vs-torch", dest="vs_torch", action="store_false", help="skip the embedding backward against torch")
     args = ap.parse_args()
     base = baseline_module(args.baseline) if args.baseline else None
-    passes = [("rope_backward_rowscale_stat", "ROPE_LAUNCH", ROPE_CANDIDATES, rope_inputs)]
     rows = []
     for preset in args.presets.split(","):
-        for op, knob, candidates, make in passes:
-            inputs, nbytes, shape = make(preset)
-            copy = copy_ms(nbytes)
-            shipped = dict(getattr(EW, knob))
-            runs = [(f"{c}" + (" (shipped)" if c == shipped else ""), EW, c) for c in candidates]
-            if shipped not in candidates:
-                runs.insert(0, (f"{shipped} (shipped)", EW, shipped))
-            if base is not None:
-                runs.append((f"baseline {args.baseline}", base, None))
-            for label, mod, launch in runs:
-                saved = dict(getattr(mod, knob, {}))
-                if launch is not None:
-                    setattr(mod, knob, launch)
-                fn = getattr(mod, op)
-                try:
-                    ms = do_bench(lambda: fn(*inputs))
-                finally:
-                    if hasattr(mod, knob):
-                        setattr(mod, knob, saved)
-                row = dict(preset=preset, op=op, shape=shape, launch=label, ms=ms, gbps=nbytes / ms / 1e6,
-                           per_copy=ms / copy, copy_ms=copy)
-                rows.append(row)
-                print(f"{preset:10s} {op:38s} {shape:14s} {label:52s} {ms * 1e3:8.1f} us {row['gbps']:7.0f} GB/s "
-                      f"{row['per_copy']:5.2f} x copy", flush=True)
+        rows += attention_rope_backward(preset, base)
         if args.vs_torch:
             rows += embedding_backward_vs_torch(preset)
     os.makedirs(args.out, exist_ok=True)

@@ -32,7 +32,7 @@ import torch
 
 from coda_train.kernels import OPS, Example, op_set
 from coda_train.kernels.library import CUTE_IMPLS
-from coda_train.kernels.testing import sdpa_attention
+from coda_train.kernels.testing import sdpa_attention, sdpa_attention_rope_backward
 from coda_train.model.config import PRESETS
 
 M, T = 8192, 2048
@@ -50,13 +50,17 @@ def cases(preset: str, dev):
 
 
 def baseline(op, kw):
-    """(label, callable) of what the fused op replaces: the eager SDPA for attention, else the
-    reference in bf16 (the GEMM, then the epilogue math as separate torch kernels)."""
+    """(label, callable) of what the fused op replaces: the eager SDPA for attention (and its backward,
+    with the RoPE backward as torch ops), else the reference in bf16 (the GEMM, then the epilogue math
+    as separate torch kernels)."""
     if op.name == "attention":
         return "SDPA", lambda: sdpa_attention(kw["qkv"], kw["n_heads"], kw["n_kv_heads"], kw["seq_len"])
     if op.name == "attention_backward":
         o, leaf = sdpa_attention(kw["qkv"], kw["n_heads"], kw["n_kv_heads"], kw["seq_len"], requires_grad=True)
         return "SDPA bwd", lambda: torch.autograd.grad(o, leaf, kw["g_o"], retain_graph=True)
+    if op.name == "attention_rope_backward_rowscale_stat":
+        names = ("g_o", "qkv", "r", "rope", "n_heads", "n_kv_heads", "seq_len")
+        return "SDPA bwd + torch RoPE", lambda: sdpa_attention_rope_backward(*(kw[n] for n in names))
     fused = op.gemm is not None and CUTE_IMPLS[op.name].kernel is not op.reference
     return ("torch unfused" if fused else "torch"), lambda: op.reference(**kw)
 

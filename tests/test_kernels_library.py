@@ -228,7 +228,8 @@ def test_partial_widths_follow_the_stat_tile():
     assert widths["gemm_residual_rmsnorm_partial(wide)"] == {2: 2}  # N = V = 200
     assert widths["gemm_dswiglu_rowscale_stat"] == {2: 2}  # ffn_dim = 200
     assert widths["cross_entropy_exp_backward"] == {4: 1}  # the final norm's S
-    assert widths["embedding_rmsnorm_partial"] == {2: 1} and widths["rope_backward_rowscale_stat"] == {1: 1}
+    assert widths["embedding_rmsnorm_partial"] == {2: 1}
+    assert widths["attention_rope_backward_rowscale_stat"] == {1: 4}  # one per head: 2 q + 1 k + 1 v
 
 
 def block_and_loss(tokens, emb, norm, w_qkv, rope, w_o, w_gate_up, w_down, w_lm, targets):

@@ -247,19 +247,23 @@ def test_attention_backward_matches_autograd():
     assert rel(o.detach(), sdpa.transpose(1, 2).reshape(B * T, -1)) < 1e-12
 
 
-def test_rope_backward_and_statistic():
+def test_attention_rope_backward_and_statistic():
+    """B5 + B6a against autograd through RoPE and attention, with and without GQA."""
     g = torch.Generator().manual_seed(5)
-    M, T, n_cols, n_rope, hd = 12, 6, 24, 16, 4
-    y = torch.randn(M, n_cols, generator=g, dtype=torch.float64, requires_grad=True)
-    r = torch.rand(M, generator=g, dtype=torch.float64) + 0.5
-    angles = (torch.rand(T, hd // 2, generator=g, dtype=torch.float64) * 6).repeat(M // T, 1)
-    rope = torch.stack((angles.cos(), angles.sin()), dim=-1).reshape(M, hd)
-    post = R._rotate_pairs(y, rope, n_rope, inverse=False)
-    g_post = torch.randn_like(post)
-    (g_y,) = torch.autograd.grad(post, y, g_post)
-    g_y_scaled, stat = R.rope_backward_rowscale_stat(g_post, post.detach(), r, rope, n_rope)
-    assert rel(g_y_scaled, g_y * r[:, None]) < 1e-13
-    assert rel(stat.sum(-1), (g_y * y).sum(-1)) < 1e-12  # rotation preserves the dot product
+    T, B, hd = 6, 2, 4
+    for H, Hkv in ((4, 2), (2, 2)):
+        M, n_rope = B * T, (H + Hkv) * hd
+        y = torch.randn(M, (H + 2 * Hkv) * hd, generator=g, dtype=torch.float64, requires_grad=True)
+        r = torch.rand(M, generator=g, dtype=torch.float64) + 0.5
+        angles = (torch.rand(T, hd // 2, generator=g, dtype=torch.float64) * 6).repeat(B, 1)
+        rope = torch.stack((angles.cos(), angles.sin()), dim=-1).reshape(M, hd)
+        qkv = R._rotate_pairs(y, rope, n_rope, inverse=False)
+        o, lse = R.attention(qkv, H, Hkv, T)
+        g_o = torch.randn_like(o)
+        (g_y,) = torch.autograd.grad(o, y, g_o)
+        g_y_scaled, stat = R.attention_rope_backward_rowscale_stat(g_o, qkv.detach(), o.detach(), lse, r, rope, H, Hkv, T)
+        assert rel(g_y_scaled, g_y * r[:, None]) < 1e-12
+        assert rel(stat.sum(-1), (g_y * y).sum(-1)) < 1e-12  # rotation preserves the dot product
 
 
 def test_dswiglu_and_norm_backward_match_autograd():

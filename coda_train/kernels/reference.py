@@ -13,6 +13,7 @@ angle for pair i at columns (2i, 2i+1): one row per token row, the layout the cu
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -302,11 +303,10 @@ def _attention_backward_examples(x: Example) -> dict:
     return {"": dict(g_o=x.act(M, H * d.head_dim), qkv=qkv, o=o, lse=lse, n_heads=H, n_kv_heads=G, seq_len=T)}
 
 
-@declare(fake=lambda g_o, qkv, o, lse, n_heads, n_kv_heads, seq_len: _new(qkv, *qkv.shape),
-         examples=_attention_backward_examples)
-def attention_backward(g_o: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, n_heads: int, n_kv_heads: int,
-                       seq_len: int) -> Tensor:
-    """(B5) gradient of attention with respect to the fused qkv rows (M, qkv_dim)."""
+def _attention_grad(g_o: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, n_heads: int, n_kv_heads: int,
+                    seq_len: int) -> Tensor:
+    """The gradient of attention with respect to the fused qkv rows, (M, qkv_dim) in the epilogue
+    precision (not rounded)."""
     q, k, v = _split_heads(qkv, n_heads, n_kv_heads, seq_len)
     B, H, T, hd = q.shape
     scale = hd ** -0.5
@@ -320,21 +320,49 @@ def attention_backward(g_o: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, n_heads
     g_q = (g_s @ k) * scale
     g_k = (g_s.transpose(-1, -2) @ q) * scale
     g_k, g_v = (t.reshape(B, n_kv_heads, group, T, hd).sum(2) for t in (g_k, g_v))
-    return torch.cat([t.transpose(1, 2).reshape(B * T, -1) for t in (g_q, g_k, g_v)], dim=1).to(qkv.dtype)
+    return torch.cat([t.transpose(1, 2).reshape(B * T, -1) for t in (g_q, g_k, g_v)], dim=1)
 
 
-@declare(fake=lambda g_qkv, qkv, r, rope, n_rope_cols: (_new(g_qkv, *g_qkv.shape), _new(g_qkv, g_qkv.shape[0], 1, stat=True)),
-         examples=lambda x: {"": dict(g_qkv=x.act(x.dims.rows, x.dims.qkv_dim), qkv=x.act(x.dims.rows, x.dims.qkv_dim),
-                                      r=x.rowscale(), rope=x.rope(), n_rope_cols=x.dims.n_rope_cols)},
-         partials={1: lambda **_: 1})
-def rope_backward_rowscale_stat(g_qkv: Tensor, qkv: Tensor, r: Tensor, rope: Tensor,
-                                n_rope_cols: int) -> tuple[Tensor, Tensor]:
-    """(B6a) g_y = RoPE^-1(g_qkv), scaled by r for the dgrad/wgrad GEMMs, and the reverse-fusion
-    statistic S = sum_k g_y*y = sum_k g_qkv*qkv (rotation preserves the dot product)."""
-    g = _f(g_qkv)
+@declare(fake=lambda g_o, qkv, o, lse, n_heads, n_kv_heads, seq_len: _new(qkv, *qkv.shape),
+         examples=_attention_backward_examples)
+def attention_backward(g_o: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, n_heads: int, n_kv_heads: int,
+                       seq_len: int) -> Tensor:
+    """(B5 alone) gradient of attention with respect to the fused qkv rows (M, qkv_dim). The model
+    runs B5 with B6a as one op (below); this one is the bare FlashAttention backward of the floor."""
+    return _attention_grad(g_o, qkv, o, lse, n_heads, n_kv_heads, seq_len).to(qkv.dtype)
+
+
+def _attention_rope_backward_examples(x: Example) -> dict:
+    """The dims' heads; every head its own kv head (no GQA: FlashAttention writes dk/dv in bf16
+    itself); and head_dim 256 (FlashAttention's sm90 backward swaps its dK/dV MMA there)."""
+    d = x.dims
+    cases = {}
+    for case, dims in (("", d), ("no GQA", dataclasses.replace(d, n_kv_heads=d.n_heads)),
+                       ("head_dim 256", dataclasses.replace(d, n_heads=max(2, d.dim // 256), dim=max(2, d.dim // 256) * 256,
+                                                            n_kv_heads=1))):
+        ex = Example(dims, x.dtype, x.device, x.gen)
+        (kw,) = _attention_backward_examples(ex).values()
+        cases[case] = dict(kw, r=ex.rowscale(), rope=ex.rope())
+    return cases
+
+
+def _attention_rope_backward_fake(g_o, qkv, o, lse, r, rope, n_heads, n_kv_heads, seq_len):
+    return _new(qkv, *qkv.shape), _new(qkv, qkv.shape[0], n_heads + 2 * n_kv_heads, stat=True)
+
+
+@declare(fake=_attention_rope_backward_fake, examples=_attention_rope_backward_examples,
+         partials={1: lambda n_heads, n_kv_heads, **_: n_heads + 2 * n_kv_heads})
+def attention_rope_backward_rowscale_stat(g_o: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, r: Tensor, rope: Tensor,
+                                          n_heads: int, n_kv_heads: int, seq_len: int) -> tuple[Tensor, Tensor]:
+    """(B5, B6a) g_qkv = the attention gradient of the fused qkv rows, never stored; returns
+    g_y = RoPE^-1(g_qkv) on the q/k heads, scaled by r for the dgrad/wgrad GEMMs that read it, and
+    the reverse-fusion statistic S = sum_k g_y*y = sum_k g_qkv*qkv (rotation preserves the dot
+    product), one partial column per head."""
+    g = _attention_grad(g_o, qkv, o, lse, n_heads, n_kv_heads, seq_len)
     stat = (g * _f(qkv)).sum(-1, keepdim=True)
+    n_rope_cols = (n_heads + n_kv_heads) * rope.shape[1]
     g_y = _rotate_pairs(g, _f(rope), n_rope_cols, inverse=True)
-    return (g_y * r[:, None]).to(g_qkv.dtype), stat
+    return (g_y * r[:, None]).to(qkv.dtype), stat
 
 
 @declare(fake=lambda g_out, w_down, gu, r: (_new(g_out, g_out.shape[0], 2 * w_down.shape[1]),

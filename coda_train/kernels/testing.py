@@ -4,8 +4,9 @@ scripts/check_kernels.py and the tests.
 For every declared op and example case (declare.py), at given dims, on one device:
   * inputs are the op's example inputs in bf16 (fp32 row statistics, int64 token ids);
   * oracle   = the reference on the same values in float64 (on the same device);
-  * baseline = the reference on the inputs as given (bf16), and for attention also torch SDPA in
-               bf16 (the eager model's attention): the error an unfused bf16 op makes;
+  * baseline = the reference on the inputs as given (bf16), and for the attention ops also torch SDPA
+               in bf16 (the eager model's attention; its gradient rounded to bf16 before the RoPE
+               backward): the error an unfused bf16 op makes;
   * impl     = the implementation under test (cute outputs NaN-poisoned, so unwritten tiles show).
 Each call gets its own copy of the inputs the op updates in place (declared `mutates`), and those
 are compared as outputs after the returned ones (an unwritten tile keeps its input value, which
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import reference
 from .declare import OPS, Dims, Example, Op
 
 RATIO, ATOL = 1.5, 1e-4
@@ -88,15 +90,31 @@ def sdpa_attention(qkv: Tensor, n_heads: int, n_kv_heads: int, seq_len: int,
     return o.transpose(1, 2).reshape(M, -1), leaf
 
 
-def _eager_baseline(name: str, kw: dict) -> Optional[Tensor]:
-    """Output 0 of the op as the eager model computes it, where that is not the reference."""
+def sdpa_attention_rope_backward(g_o: Tensor, qkv: Tensor, r: Tensor, rope: Tensor, n_heads: int, n_kv_heads: int,
+                                 seq_len: int) -> tuple[Tensor, Tensor]:
+    """attention_rope_backward_rowscale_stat as the eager model gets it: SDPA's gradient of the fused
+    qkv rows in their dtype, then RoPE^-1, the row scale and S = sum g*qkv (summed) as torch ops."""
+    o, leaf = sdpa_attention(qkv, n_heads, n_kv_heads, seq_len, requires_grad=True)
+    (g,) = torch.autograd.grad(o, leaf, g_o)
+    g = g.float()
+    n_rope = (n_heads + n_kv_heads) * rope.shape[1]
+    g_y = reference._rotate_pairs(g, rope.float(), n_rope, inverse=True) * r[:, None]
+    return g_y.to(qkv.dtype), (g * qkv.float()).sum(-1)
+
+
+def _eager_baseline(name: str, kw: dict) -> tuple[Optional[Tensor], ...]:
+    """The op's outputs (partial sums summed) as the eager model computes them, where that is not
+    the reference (the attention ops: SDPA); () for the others."""
     if name == "attention":
-        return sdpa_attention(kw["qkv"], kw["n_heads"], kw["n_kv_heads"], kw["seq_len"])[0].detach()
+        return (sdpa_attention(kw["qkv"], kw["n_heads"], kw["n_kv_heads"], kw["seq_len"])[0].detach(),)
     if name == "attention_backward":
         o, leaf = sdpa_attention(kw["qkv"], kw["n_heads"], kw["n_kv_heads"], kw["seq_len"], requires_grad=True)
         o.backward(kw["g_o"])
-        return leaf.grad
-    return None
+        return (leaf.grad,)
+    if name == "attention_rope_backward_rowscale_stat":
+        return sdpa_attention_rope_backward(kw["g_o"], kw["qkv"], kw["r"], kw["rope"], kw["n_heads"],
+                                            kw["n_kv_heads"], kw["seq_len"])
+    return ()
 
 
 @contextlib.contextmanager
@@ -140,8 +158,8 @@ def check_case(op: Op, case: str, kwargs: dict[str, Any], impl: Callable) -> lis
         shape_ok = tuple(g.shape) == tuple(o.shape)
         err = relative_error(g, o) if shape_ok else math.inf
         err_base = relative_error(b, o)
-        if eager is not None and i == 0:
-            err_base = max(err_base, relative_error(eager, o))
+        if i < len(eager):
+            err_base = max(err_base, relative_error(eager[i], o))
         ok = finite and shape_ok and g.dtype == b.dtype and passes(err, err_base)
         rows.append(dict(op=case, out=i, M=g.shape[0] if g.dim() else 1, ok=ok, finite=finite, err_cute=err,
                          err_base=err_base, dtype=str(g.dtype).replace("torch.", ""), shape=list(g.shape),

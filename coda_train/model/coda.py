@@ -126,7 +126,7 @@ class CodaBlock(Function):
             qkv, o, lse, x1, h_m, r_m, gu, _ = CodaBlock._to_swiglu(x, h, r, w_qkv, w_o, mlp_norm, w_gate_up, rope,
                                                                    ctx.shape, ctx.ops)
         H, Hkv, T, _ = ctx.shape
-        d, n_rope_cols, ops = x.shape[1], (H + Hkv) * (w_o.shape[1] // H), ctx.ops
+        d, ops = x.shape[1], ctx.ops
 
         g_gu, a, stat_m = ops.gemm_dswiglu_rowscale_stat(g_x2, w_down, gu, r_m)                 # B1
         g_w_down = ops.matmul_tn(g_x2, a)
@@ -136,8 +136,7 @@ class CodaBlock(Function):
 
         g_o = ops.matmul(g_x1, w_o)                                                              # B4
         g_w_o = ops.matmul_tn(g_x1, o)
-        g_qkv = ops.attention_backward(g_o, qkv, o, lse, H, Hkv, T)                              # B5
-        g_y, stat_a = ops.rope_backward_rowscale_stat(g_qkv, qkv, r, rope, n_rope_cols)          # B6a
+        g_y, stat_a = ops.attention_rope_backward_rowscale_stat(g_o, qkv, o, lse, r, rope, H, Hkv, T)  # B5, B6a
         c_a = ops.rmsnorm_backward_coeff(stat_a, r, d)
         g_x, g_attn_norm = ops.gemm_rmsnorm_backward(g_y, w_qkv, g_x1, x, attn_norm, c_a)        # B6b
         g_w_qkv = ops.matmul_tn(g_y, h)

@@ -215,6 +215,18 @@ def attention_backward(g_o: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, n_heads
     return attention_bwd(g_o, qkv, o, lse, n_heads, n_kv_heads, seq_len)
 
 
+@cute_impl("attention_rope_backward_rowscale_stat")
+def attention_rope_backward_rowscale_stat(g_o: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, r: Tensor, rope: Tensor,
+                                          n_heads: int, n_kv_heads: int, seq_len: int) -> tuple[Tensor, Tensor]:
+    """(B5, B6a) FlashAttention 4 backward whose fp32 accumulators a CuTeDSL pass per head group
+    (q, k, v) turns into r * RoPE^-1(g_qkv) and the statistic's per-head partials, in place of
+    FA4's fp32 -> bf16 conversions (no bf16 g_qkv in between)."""
+    from ._attention import attention_rope_bwd
+
+    need_rope_table("attention_rope_backward_rowscale_stat", rope, qkv.shape[0])
+    return attention_rope_bwd(g_o, qkv, o, lse, r, rope, n_heads, n_kv_heads, seq_len)
+
+
 @cute_impl("gemm_dswiglu_rowscale_stat", gpu_blind_compile=True)
 def gemm_dswiglu_rowscale_stat(g_out: Tensor, w_down: Tensor, gu: Tensor, r: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(B1) g_a = g_out W_down with the dSwiGLU epilogue reading the gate/up column halves of gu
@@ -233,16 +245,6 @@ def gemm_dswiglu_rowscale_stat(g_out: Tensor, w_down: Tensor, gu: Tensor, r: Ten
          epi={"gate": gu[:, :F], "up": gu[:, F:], "r": colvec(r), "g_gate": g_gu[:, :F],
               "g_up": g_gu[:, F:], "stat": stat_tiles})
     return g_gu, a, stat
-
-
-@cute_impl("rope_backward_rowscale_stat")
-def rope_backward_rowscale_stat(g_qkv: Tensor, qkv: Tensor, r: Tensor, rope: Tensor,
-                                n_rope_cols: int) -> tuple[Tensor, Tensor]:
-    """(B6a) one elementwise pass + row sum (Triton kernel)."""
-    from ._elementwise import rope_backward_rowscale_stat as impl
-
-    need_rope_table("rope_backward_rowscale_stat", rope, g_qkv.shape[0])
-    return impl(g_qkv, qkv, r, rope, n_rope_cols)
 
 
 @cute_impl("gemm_rmsnorm_backward", gpu_blind_compile=True)

@@ -1,9 +1,14 @@
 """Attention on FlashAttention 4 (flash_attn.cute): causal GQA forward and backward on head views of
 the fused qkv rows. No copies: q/k/v are (B, T, heads, hd) strided views of qkv, o is written in
 place as (M, H*hd), and the backward writes dq/dk/dv into the column slices of one (M, qkv_dim)
-gradient. FA4's lse is already (B, H, T) fp32 natural-log, the op's layout."""
+gradient. FA4's lse is already (B, H, T) fp32 natural-log, the op's layout. In the model's backward
+(attention_rope_bwd) FA4 writes no bf16 gradient: the RoPE-backward pass reads its fp32 accumulators."""
 
 from __future__ import annotations
+
+import functools
+import inspect
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -40,21 +45,138 @@ def attention_fwd(qkv: Tensor, n_heads: int, n_kv_heads: int, seq_len: int) -> t
     return o, lse_out
 
 
-def attention_bwd(g_o: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, n_heads: int, n_kv_heads: int,
-                  seq_len: int) -> Tensor:
+def _fa_backward(g_o: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, g: Tensor, n_heads: int, n_kv_heads: int,
+                 seq_len: int, op: str) -> None:
+    """FlashAttention 4's backward of the causal attention of qkv, dq/dk/dv into the column slices of g."""
     from flash_attn.cute.interface import _flash_attn_bwd
 
-    need_bf16("attention_backward", g_o=g_o, qkv=qkv, o=o)
-    qkv, o, g_o = qkv.contiguous(), o.contiguous(), g_o.contiguous()
-    B, hd, q, k, v = _heads(qkv, n_heads, n_kv_heads, seq_len, "attention_backward")
+    need_bf16(op, g_o=g_o, qkv=qkv, o=o)
+    B, hd, q, k, v = _heads(qkv, n_heads, n_kv_heads, seq_len, op)
     need(tuple(lse.shape) == (B, n_heads, seq_len) and lse.dtype == torch.float32,
-         f"attention_backward: lse must be ({B}, {n_heads}, {seq_len}) float32")
-    g = empty(*qkv.shape, dtype=qkv.dtype, device=qkv.device)
-    _, _, dq, dk, dv = _heads(g, n_heads, n_kv_heads, seq_len, "attention_backward")
+         f"{op}: lse must be ({B}, {n_heads}, {seq_len}) float32")
+    _, _, dq, dk, dv = _heads(g, n_heads, n_kv_heads, seq_len, op)
     shape = (B, seq_len, n_heads, hd)
-    res = _flash_attn_bwd(q, k, v, o.view(shape), g_o.view(shape), lse.contiguous(), hd ** -0.5, True,
-                          dq=dq, dk=dk, dv=dv)
+    res = _flash_attn_bwd(q, k, v, o.contiguous().view(shape), g_o.contiguous().view(shape), lse.contiguous(),
+                          hd ** -0.5, True, dq=dq, dk=dk, dv=dv)
     for want, got in zip((dq, dk, dv), res[:3]):
         if got.data_ptr() != want.data_ptr():
             want.copy_(got)
+
+
+def attention_bwd(g_o: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, n_heads: int, n_kv_heads: int,
+                  seq_len: int) -> Tensor:
+    qkv = qkv.contiguous()
+    g = empty(*qkv.shape, dtype=qkv.dtype, device=qkv.device)
+    _fa_backward(g_o, qkv, o, lse, g, n_heads, n_kv_heads, seq_len, "attention_backward")
     return g
+
+
+def attention_rope_bwd(g_o: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, r: Tensor, rope: Tensor, n_heads: int,
+                       n_kv_heads: int, seq_len: int) -> tuple[Tensor, Tensor]:
+    """FlashAttention 4's backward with its fp32 -> bf16 conversions recorded instead of run, then the
+    RoPE-backward pass (_rope_backward.py) once per head group (q, k, v) on each recorded
+    accumulator; where FA4 wrote a group in bf16 itself (dk/dv without GQA), or converts from an
+    accumulator the pass does not read, the pass rewrites that bf16 in place. Returns g_y and S_a's
+    per-head partials."""
+    op = "attention_rope_backward_rowscale_stat"
+    qkv = qkv.contiguous()
+    M, W = qkv.shape
+    g = empty(M, W, dtype=qkv.dtype, device=qkv.device)  # FA4's bf16 gradient where it writes one; then g_y
+    conversions = _fa_backward_recording(g_o, qkv, o, lse, g, n_heads, n_kv_heads, seq_len, op)
+    passes = rope_passes(conversions, g, n_heads, n_kv_heads)
+    need(not conversions, f"{op}: FlashAttention converted an accumulator this op does not know")
+    stat = run_rope_passes(passes, qkv, r, rope, g, seq_len)
+    return g, stat
+
+
+class RopePass(NamedTuple):
+    """One launch of the RoPE-backward pass: its compiled configuration (_rope_backward.compiled's
+    arguments but the heads per CTA), the gradient's source (an FA4 accumulator, or g itself) and FA4's
+    scale of it, and its heads among qkv's."""
+    config: tuple
+    source: Tensor
+    scale: float
+    first_head: int
+    heads: int
+
+
+def rope_passes(conversions: dict[int, dict], g: Tensor, n_heads: int, n_kv_heads: int) -> list[RopePass]:
+    """The q, k and v launches for FA4's recorded conversions (each one taken out of `conversions`).
+    Where FA4 wrote a group in bf16 itself (dk/dv without GQA), or converts from an accumulator the
+    pass does not read (its conversion is run now), the pass rewrites g's bf16 in place."""
+    H, G = n_heads, n_kv_heads
+    hd = g.shape[1] // (H + 2 * G)
+    passes = []
+    for first, heads, rotate in ((0, H, True), (H, G, True), (H + G, G, False)):
+        call = conversions.pop(g[:, first * hd].data_ptr(), None)
+        layout = call and _accumulator_layout(call, hd)
+        if call is not None and layout is None:
+            _run_conversion(call)
+        if layout is not None:
+            passes.append(RopePass(layout + (True, rotate), call["accum"], float(call["scale"]), first, heads))
+        else:
+            passes.append(RopePass((hd, 128, hd, 256, 2, False, rotate), g, 1.0, first, heads))
+    return passes
+
+
+def run_rope_passes(passes: list[RopePass], qkv: Tensor, r: Tensor, rope: Tensor, g: Tensor, seq_len: int) -> Tensor:
+    """The launches, g_y into g; returns S_a's per-head partials (M, heads) fp32."""
+    from ._rope_backward import compiled, heads_per_cta
+
+    # zeroed where a launch's two warpgroups split a row (threads // 128 > atom_m): they add atomically
+    split = any(p.config[3] // 128 > p.config[4] for p in passes)
+    stat = (torch.zeros if split else empty)(qkv.shape[0], sum(p.heads for p in passes), dtype=torch.float32,
+                                             device=qkv.device)
+    r, rope = r.float().contiguous(), rope.float().contiguous()
+    for p in passes:
+        compiled(*p.config, heads_per_cta(p.heads))(p.source, qkv, r, rope, g, stat, p.scale, p.first_head, p.heads,
+                                                    seq_len)
+    return stat
+
+
+def _fa_backward_recording(g_o: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, g: Tensor, n_heads: int,
+                           n_kv_heads: int, seq_len: int, op: str) -> dict[int, dict]:
+    """FlashAttention 4's backward into g with its fp32 -> bf16 conversion kernels (dq; dk and dv under
+    GQA) recorded instead of run: {data_ptr of the output it would convert into: the call's arguments}."""
+    from flash_attn.cute import interface as fa
+
+    convert, calls = fa._bwd_postprocess_convert, {}
+    names, defaults = _parameters(convert)
+
+    def record(*args, **kwargs) -> None:
+        call = dict(defaults, **dict(zip(names, args)), **kwargs)
+        calls[call["output"].data_ptr()] = call
+
+    fa._bwd_postprocess_convert = record
+    try:
+        _fa_backward(g_o, qkv, o, lse, g, n_heads, n_kv_heads, seq_len, op)
+    finally:
+        fa._bwd_postprocess_convert = convert
+    return calls
+
+
+@functools.lru_cache(maxsize=None)
+def _parameters(fn) -> tuple[list[str], dict]:
+    """fn's parameter names in order and its defaults, read once: Signature.bind took ~15 us a call."""
+    params = inspect.signature(fn).parameters.values()
+    return [p.name for p in params], {p.name: p.default for p in params if p.default is not p.empty}
+
+
+def _run_conversion(call: dict) -> None:
+    from flash_attn.cute import interface as fa
+
+    fa._bwd_postprocess_convert(**call)
+
+
+def _accumulator_layout(call: dict, hd: int) -> Optional[tuple]:
+    """(head_dim, tile_m, tile_hd, num_threads, atom_m) of a recorded conversion whose accumulator the
+    pass reads: FA4's sm90 non-swapped MMA layout, one 64-row atom per warpgroup along the rows, the
+    head not padded, no varlen or sink; None otherwise."""
+    tile_m, threads, atom_m = call["block_size"], call["num_threads"], call["atom_layout"]
+    mult = call["hdim_multiple_of"]
+    tile_hd = -(-call["hdim"] // mult) * mult
+    readable = (call["arch"] // 10 == 9 and not call["swap_ab"] and call["accum_order"] is None
+                and not call["use_2cta_instrs"] and call["cu_seqlens"] is None and call["seqused"] is None
+                and call["sink_tensors"] is None and threads % 128 == 0 and (threads // 128) % atom_m == 0
+                and tile_m == 64 * atom_m and tile_hd == call["hdim"] == hd and not call["fake_mode"])
+    return (hd, tile_m, tile_hd, threads, atom_m) if readable else None

@@ -10,8 +10,9 @@ gpu_blind_compile=True is called on uninitialized CPU tensors inside `compile_on
 validation, operand layout and plan code as on the GPU runs, quack traces and compiles the sm_90a
 kernel against its symbolic-shape fakes (one compile per program and config, shared by every
 M/N/K), and the launch is skipped. --gpu compiles the tile configs the table lists for that GPU
-(../tile_configs.py) at these shapes; without it, the defaults. FlashAttention 4 and the Triton RoPE-backward kernel compile on
-first use on the GPU instead.
+(../tile_configs.py) at these shapes; without it, the defaults. FlashAttention 4 and the Triton passes compile on
+first use on the GPU instead; the CuTeDSL RoPE-backward pass compiles GPU-blind too
+(_rope_backward.compiled, tests/test_kernels_compile.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Work that no GEMM epilogue can see, as Triton passes. Activation-sized:
-- the RoPE backward (inverse rotation of the q/k gradient pairs, row scale, and the attention-norm
-  statistic sum_k g*qkv), after FlashAttention's backward (one row per program, pairs loaded as
-  (n/2, 2) blocks);
+"""Work that no GEMM epilogue can see, as Triton passes (the RoPE backward is a CuTeDSL pass:
+_rope_backward.py). Activation-sized:
 - the embedding entry: the gather of each token's row (from the fp32 master table or a bf16
   one), its rounding to the compute dtype, h = x*gamma and the row's sum of squares, in one pass
   (one row per program) where torch took a gather, two casts, a product and a reduction; and its
@@ -29,56 +27,6 @@ from ..cute_limits import need, need_embedding_dim
 from ..declare import STAT_TILE_N, STRIP_COLS
 from ..reference import MAX_OCTAVES
 from ._launch import compiling_only, empty, need_bf16
-
-
-@triton.jit
-def _rope_bwd_kernel(g_ptr, y_ptr, r_ptr, cs_ptr, out_ptr, stat_ptr,
-                     N, HALF, N_ROPE, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    j = tl.arange(0, BLOCK)  # pair index within the row
-    lane = tl.arange(0, 2)
-    cols = j[:, None] * 2 + lane[None, :]
-    mask = cols < N
-    base = row.to(tl.int64) * N
-    g = tl.load(g_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
-    y = tl.load(y_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
-    stat = tl.sum(tl.sum(g * y, axis=1), axis=0)
-    g0, g1 = tl.split(g)
-    i = j % HALF
-    rot = (j * 2) < N_ROPE
-    cs = cs_ptr + row.to(tl.int64) * (2 * HALF) + 2 * i  # (cos, sin) of pair i at row's columns (2i, 2i+1)
-    c = tl.load(cs, mask=rot, other=1.0)
-    s = tl.load(cs + 1, mask=rot, other=0.0)
-    r = tl.load(r_ptr + row)
-    out = tl.join((g0 * c + g1 * s) * r, (g1 * c - g0 * s) * r)
-    tl.store(out_ptr + base + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(stat_ptr + row, stat)
-
-
-# Launch shape of the RoPE pass, swept at the model widths by scripts/bench_elementwise.py on the H200
-# (docs/kernels.md): its warps (empty: 4 up to 2048 columns, else 8).
-ROPE_LAUNCH: dict = {}
-
-
-def rope_backward_rowscale_stat(g_qkv: Tensor, qkv: Tensor, r: Tensor, rope: Tensor,
-                                n_rope_cols: int) -> tuple[Tensor, Tensor]:
-    """rope: the (M, head_dim) fp32 table, (cos, sin) of pair i at columns (2i, 2i+1)."""
-    M, N = g_qkv.shape
-    half = rope.shape[1] // 2
-    need_bf16("rope_backward_rowscale_stat", g_qkv=g_qkv, qkv=qkv)
-    need(N % 2 == 0 and n_rope_cols % (2 * half) == 0 and n_rope_cols <= N,
-         f"rope_backward_rowscale_stat: n_rope_cols={n_rope_cols} must be a multiple of head_dim={2 * half} "
-         f"within the (even) width {N}")
-    out = empty(*g_qkv.shape, dtype=g_qkv.dtype, device=g_qkv.device)
-    stat = empty(M, 1, dtype=torch.float32, device=g_qkv.device)
-    if compiling_only():
-        return out, stat
-    _rope_bwd_kernel[(M,)](
-        g_qkv.contiguous(), qkv.contiguous(), r.float().contiguous(), rope.float().contiguous(),
-        out, stat, N, half, n_rope_cols,
-        BLOCK=triton.next_power_of_2(N // 2), num_warps=ROPE_LAUNCH.get("num_warps", 4 if N <= 2048 else 8))
-    return out, stat
-
 
 
 @triton.jit
