@@ -170,13 +170,14 @@ def _run_conversion(call: dict) -> None:
 
 def _accumulator_layout(call: dict, hd: int) -> Optional[tuple]:
     """(head_dim, tile_m, tile_hd, num_threads, atom_m) of a recorded conversion whose accumulator the
-    pass reads: FA4's sm90 non-swapped MMA layout, one 64-row atom per warpgroup along the rows, the
-    head not padded, no varlen or sink; None otherwise."""
+    pass reads: FA4's sm90 non-swapped MMA layout, one 64-row atom per warpgroup along the rows, at
+    most two warpgroups along the columns, the head not padded, no varlen or sink; None otherwise."""
     tile_m, threads, atom_m = call["block_size"], call["num_threads"], call["atom_layout"]
     mult = call["hdim_multiple_of"]
     tile_hd = -(-call["hdim"] // mult) * mult
     readable = (call["arch"] // 10 == 9 and not call["swap_ab"] and call["accum_order"] is None
                 and not call["use_2cta_instrs"] and call["cu_seqlens"] is None and call["seqused"] is None
                 and call["sink_tensors"] is None and threads % 128 == 0 and (threads // 128) % atom_m == 0
+                and threads // 128 // atom_m <= 2
                 and tile_m == 64 * atom_m and tile_hd == call["hdim"] == hd and not call["fake_mode"])
     return (hd, tile_m, tile_hd, threads, atom_m) if readable else None

@@ -44,6 +44,7 @@ class RopeBackwardPass:
         num_wg = num_threads // 128
         assert num_threads % 128 == 0 and num_wg % atom_m == 0 and tile_hd == head_dim
         assert tile_m == 64 * atom_m, "one 64-row WGMMA atom per warpgroup along M"
+        assert num_wg // atom_m <= 2, "at most two warpgroups share a row: its atomic sum stays order-free"
         self.head_dim, self.tile_m, self.tile_hd, self.num_threads = head_dim, tile_m, tile_hd, num_threads
         self.num_wg, self.atom = num_wg, (atom_m, num_wg // atom_m)
         self.from_accumulator, self.rotate, self.heads_per_cta = from_accumulator, rotate, heads_per_cta
