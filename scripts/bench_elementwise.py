@@ -3,11 +3,11 @@ Hopper GPU, against what they replaced:
 
   attention_rope_backward_rowscale_stat (B5, B6a): FlashAttention 4's backward with its fp32 -> bf16
       conversions recorded instead of run, then the CuTeDSL RoPE-backward pass on its accumulators
-      (kernels/cute/_rope_backward.py). Rows: FA4's backward with its conversions (the
-      attention_backward op: the floor's attention backward), with them recorded, and the op; the
-      pass's time is the op's minus the recorded backward's, its GB/s counts its bytes once (the fp32
-      accumulators and qkv read, g_y written; "/ copy" divides by a device copy of as many bytes), for
-      each candidate of the pass's heads per CTA (HEADS_PER_CTA in _rope_backward.py).
+      (kernels/cute/_rope_backward.py). Rows: the op, and FA4's backward with its conversions (the
+      attention_backward op: the floor's attention backward); the pass is also timed alone on one recorded backward's accumulators, for each candidate of its heads
+      per CTA (HEADS_PER_CTA in _rope_backward.py) and launch by launch (q, k, v); its GB/s counts its
+      bytes once (the fp32 accumulators and qkv read, g_y written; "/ copy" divides by a device copy of
+      as many bytes).
       --baseline REV adds the path of a revision (or a copy of its file) whose _elementwise.py still has the Triton
       rope_backward_rowscale_stat (before 2026-12-02): FA4's backward with its conversions, then that pass.
   embedding_backward (E'): the Triton pass against the torch code it replaced (skip with --no-vs-torch).
@@ -82,8 +82,8 @@ def attention_inputs(preset: str):
 
 def attention_rope_backward(preset: str, base) -> list[dict]:
     """The op and FlashAttention's backward with its conversions; the RoPE pass alone on the
-    accumulators of one recorded backward, for each heads-per-CTA candidate; and (base: a baseline
-    _elementwise module) the replaced path."""
+    accumulators of one recorded backward, for each heads-per-CTA candidate and launch by launch; and
+    (base: a baseline _elementwise module) the replaced path."""
     from coda_train.kernels import op_set
     from coda_train.kernels.cute._attention import _fa_backward_recording, rope_passes, run_rope_passes
 
@@ -100,26 +100,33 @@ def attention_rope_backward(preset: str, base) -> list[dict]:
     # the pass's bytes: its gradient sources (fp32 accumulators, or bf16 in place), qkv read, g_y written
     nbytes = M * W * (2 + 2) + sum(M * p.heads * hd * p.source.element_size() for p in passes)
     copy = copy_ms(nbytes)
+    # (label, call, bytes it streams where GB/s and "/ copy" apply: the pass's own, else None)
     runs = [("the op (FA4 backward + RoPE pass)",
-             lambda: ops.attention_rope_backward_rowscale_stat(g_o, qkv, o, lse, r, rope, H, G, T)),
-            ("FA4 backward + its conversions (attention_backward)", lambda: ops.attention_backward(*args))]
+             lambda: ops.attention_rope_backward_rowscale_stat(g_o, qkv, o, lse, r, rope, H, G, T), None),
+            ("FA4 backward + its conversions (attention_backward)", lambda: ops.attention_backward(*args), None)]
     if base is not None:
         def replaced():
             g_qkv = ops.attention_backward(*args)
             return base.rope_backward_rowscale_stat(g_qkv, qkv, r, rope, (H + G) * hd)
-        runs.append(("baseline: FA4 backward + conversions + Triton RoPE pass", replaced))
-        runs.append(("baseline: its Triton RoPE pass alone", lambda: base.rope_backward_rowscale_stat(
-            g, qkv, r, rope, (H + G) * hd)))
+        runs.append(("baseline: FA4 backward + conversions + Triton RoPE pass", replaced, None))
+        runs.append(("baseline: its Triton RoPE pass alone",
+                     lambda: base.rope_backward_rowscale_stat(g, qkv, r, rope, (H + G) * hd), 3 * M * W * 2))
     for cand in HEADS_PER_CTA_CANDIDATES:
         label = f"RoPE pass alone, heads per CTA {cand}" + (" (shipped)" if cand == RB.HEADS_PER_CTA else "")
-        runs.append((label, functools.partial(with_heads_per_cta, cand, lambda: run_rope_passes(passes, qkv, r, rope, g, T))))
+        runs.append((label, functools.partial(with_heads_per_cta, cand, lambda: run_rope_passes(passes, qkv, r, rope, g, T)),
+                     nbytes))
+    for p, group in zip(passes, "qkv"):  # each launch at the shipped heads per CTA: where the pass's time goes
+        runs.append((f"RoPE pass launch {group} ({'accumulator' if p.config[5] else 'bf16 in place'}, "
+                     f"tile {p.config[1]} x {p.config[2]}, {p.config[3]} threads)",
+                     functools.partial(run_rope_passes, [p], qkv, r, rope, g, T),
+                     M * p.heads * hd * (p.source.element_size() + 2 + 2)))  # its source, qkv columns, g_y columns
     rows = []
-    for label, fn in runs:
+    for label, fn, streamed in runs:
         ms = do_bench(fn)
-        alone = label.startswith("RoPE pass alone")
+        ref = copy_ms(streamed) if streamed not in (None, nbytes) else copy
         rows.append(dict(preset=preset, op=op, shape=shape, launch=label, ms=ms,
-                         gbps=nbytes / ms / 1e6 if alone else float("nan"), per_copy=ms / copy if alone else float("nan"),
-                         copy_ms=copy))
+                         gbps=streamed / ms / 1e6 if streamed else float("nan"),
+                         per_copy=ms / ref if streamed else float("nan"), copy_ms=ref if streamed else float("nan")))
         print(f"{preset:10s} {label:58s} {shape:14s} {ms * 1e3:8.1f} us {rows[-1]['gbps']:7.0f} GB/s "
               f"{rows[-1]['per_copy']:5.2f} x copy", flush=True)
     return rows

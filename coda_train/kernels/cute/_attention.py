@@ -120,13 +120,14 @@ def rope_passes(conversions: dict[int, dict], g: Tensor, n_heads: int, n_kv_head
 
 
 def run_rope_passes(passes: list[RopePass], qkv: Tensor, r: Tensor, rope: Tensor, g: Tensor, seq_len: int) -> Tensor:
-    """The launches, g_y into g; returns S_a's per-head partials (M, heads) fp32."""
+    """The launches, g_y into g; returns S_a's per-head partials (M, heads) fp32 (a column per head
+    up to the last one launched: all of them for the op, fewer where a benchmark launches one group)."""
     from ._rope_backward import compiled, heads_per_cta
 
     # zeroed where a launch's two warpgroups split a row (threads // 128 > atom_m): they add atomically
     split = any(p.config[3] // 128 > p.config[4] for p in passes)
-    stat = (torch.zeros if split else empty)(qkv.shape[0], sum(p.heads for p in passes), dtype=torch.float32,
-                                             device=qkv.device)
+    stat = (torch.zeros if split else empty)(qkv.shape[0], max(p.first_head + p.heads for p in passes),
+                                             dtype=torch.float32, device=qkv.device)
     r, rope = r.float().contiguous(), rope.float().contiguous()
     for p in passes:
         compiled(*p.config, heads_per_cta(p.heads))(p.source, qkv, r, rope, g, stat, p.scale, p.first_head, p.heads,
