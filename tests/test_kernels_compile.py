@@ -268,6 +268,15 @@ for swap, gqa, want in ((False, True, [(True, 0.125), (True, 0.125), (True, 1.0)
     assert all((p.source is g) != p.config[5] for p in passes)
     # an unreadable accumulator is converted by FA4 itself (into g's k and v columns) before the in-place pass
     assert run == ([g[:, H * hd].data_ptr(), g[:, (H + G) * hd].data_ptr()] if swap else []), run
+
+def renamed(accum, out, scale, *rest):  # an FA4 whose conversion takes other arguments
+    pass
+
+try:
+    A._parameters(renamed)
+    raise SystemExit("no error for a conversion without the arguments the plan reads")
+except RuntimeError as e:
+    assert "flash-attn-4" in str(e) and "'output'" in str(e), e
 print("ok")
 '''
 
@@ -275,7 +284,8 @@ print("ok")
 def test_rope_pass_plan_reads_fa4_accumulators_or_rewrites_its_bf16(stack):
     """attention_rope_bwd's plan from FA4's conversion calls (a stand-in backward making them as FA4's sm90 one
     does, head_dim 64): each readable accumulator is read by the pass; a swapped one (FA4's dK/dV MMA at head_dim
-    > 128) is converted by FA4 and rewritten in place, as are dk/dv without GQA, which FA4 writes itself."""
+    > 128) is converted by FA4 and rewritten in place, as are dk/dv without GQA, which FA4 writes itself; a
+    conversion with other arguments (another flash-attn-4) fails naming the version to install."""
     run = subprocess.run([sys.executable, "-c", ROPE_PASS_PLAN], env=ENV, cwd=ROOT, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]

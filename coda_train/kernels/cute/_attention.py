@@ -156,11 +156,23 @@ def _fa_backward_recording(g_o: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, g: 
     return calls
 
 
+# The arguments of FA4's conversion that the plan reads (rope_passes, _accumulator_layout).
+CONVERSION_ARGS = frozenset({"accum", "output", "scale", "cu_seqlens", "seqused", "arch", "hdim", "block_size",
+                             "num_threads", "atom_layout", "swap_ab", "use_2cta_instrs", "sink_tensors",
+                             "hdim_multiple_of", "accum_order", "fake_mode"})
+
+
 @functools.lru_cache(maxsize=None)
 def _parameters(fn) -> tuple[list[str], dict]:
     """fn's parameter names in order and its defaults, read once: Signature.bind took ~15 us a call."""
     params = inspect.signature(fn).parameters.values()
-    return [p.name for p in params], {p.name: p.default for p in params if p.default is not p.empty}
+    names = [p.name for p in params]
+    missing = sorted(CONVERSION_ARGS - set(names))
+    if missing:
+        raise RuntimeError(f"attention_rope_backward_rowscale_stat: FlashAttention 4's _bwd_postprocess_convert has no "
+                           f"argument {missing}: not the flash-attn-4 version this op reads (pyproject.toml pins it; "
+                           "reinstall that version)")
+    return names, {p.name: p.default for p in params if p.default is not p.empty}
 
 
 def _run_conversion(call: dict) -> None:
