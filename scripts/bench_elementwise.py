@@ -116,8 +116,8 @@ def attention_rope_backward(preset: str, base) -> list[dict]:
         runs.append((label, functools.partial(with_heads_per_cta, cand, lambda: run_rope_passes(passes, qkv, r, rope, g, T)),
                      nbytes))
     for p, group in zip(passes, "qkv"):  # each launch at the shipped heads per CTA: where the pass's time goes
-        runs.append((f"RoPE pass launch {group} ({'accumulator' if p.config[5] else 'bf16 in place'}, "
-                     f"tile {p.config[1]} x {p.config[2]}, {p.config[3]} threads)",
+        runs.append((f"RoPE pass launch {group} ({'accumulator' if p.from_accumulator else 'bf16 in place'}, "
+                     f"tile {p.layout.tile_m} x {p.layout.tile_hd}, {p.layout.num_threads} threads)",
                      functools.partial(run_rope_passes, [p], qkv, r, rope, g, T),
                      M * p.heads * hd * (p.source.element_size() + 2 + 2)))  # its source, qkv columns, g_y columns
     rows = []

@@ -261,11 +261,11 @@ for swap, gqa, want in ((False, True, [(True, 0.125), (True, 0.125), (True, 1.0)
     passes = A.rope_passes(calls, g, H, G)
     assert not calls, calls
     assert fa._bwd_postprocess_convert is fa_convert  # the recording put FA4's conversion back
-    got = [(p.config[5], p.scale) for p in passes]
+    got = [(p.from_accumulator, p.scale) for p in passes]
     assert got == want, (swap, gqa, got)
-    assert [(p.first_head, p.heads, p.config[6]) for p in passes] == [(0, H, True), (H, G, True), (H + G, G, False)]
-    assert all(p.config[:5] == (hd, 128, hd, 256, 2) for p in passes)  # FA4's layout, or the in-place pass's own
-    assert all((p.source is g) != p.config[5] for p in passes)
+    assert [(p.first_head, p.heads, p.rotate) for p in passes] == [(0, H, True), (H, G, True), (H + G, G, False)]
+    assert all(p.layout == (hd, 128, hd, 256, 2) for p in passes)  # FA4's layout, or the in-place pass's own
+    assert all((p.source is g) != p.from_accumulator for p in passes)
     # an unreadable accumulator is converted by FA4 itself (into g's k and v columns) before the in-place pass
     assert run == ([g[:, H * hd].data_ptr(), g[:, (H + G) * hd].data_ptr()] if swap else []), run
 

@@ -336,10 +336,10 @@ def _attention_rope_backward_examples(x: Example) -> dict:
     """The dims' heads; every head its own kv head (no GQA: FlashAttention writes dk/dv in bf16
     itself); and head_dim 256 (FlashAttention's sm90 backward swaps its dK/dV MMA there)."""
     d = x.dims
+    wide = max(2, d.dim // 256)  # heads of 256 columns
     cases = {}
     for case, dims in (("", d), ("no GQA", dataclasses.replace(d, n_kv_heads=d.n_heads)),
-                       ("head_dim 256", dataclasses.replace(d, n_heads=max(2, d.dim // 256), dim=max(2, d.dim // 256) * 256,
-                                                            n_kv_heads=1))):
+                       ("head_dim 256", dataclasses.replace(d, n_heads=wide, dim=wide * 256, n_kv_heads=1))):
         ex = Example(dims, x.dtype, x.device, x.gen)
         (kw,) = _attention_backward_examples(ex).values()
         cases[case] = dict(kw, r=ex.rowscale(), rope=ex.rope())

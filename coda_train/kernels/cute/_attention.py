@@ -89,11 +89,33 @@ def attention_rope_bwd(g_o: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, r: Tens
     return g, stat
 
 
+class PassLayout(NamedTuple):
+    """A RoPE-backward launch's thread layout: tile_m rows of a head_dim-wide head (tile_hd columns) per
+    CTA, num_threads threads in warpgroups atom_m deep along the rows (_rope_backward.RopeBackwardPass)."""
+    head_dim: int
+    tile_m: int
+    tile_hd: int
+    num_threads: int
+    atom_m: int
+
+    @property
+    def split_cols(self) -> bool:
+        """The head's columns split over two warpgroups, which share each row (the statistic adds
+        atomically, into zeros)."""
+        return self.num_threads // 128 > self.atom_m
+
+
+def in_place_layout(hd: int) -> PassLayout:
+    """The pass's own layout where it reads bf16 rows in place: 128 rows, two warpgroups over them."""
+    return PassLayout(hd, 128, hd, 256, 2)
+
+
 class RopePass(NamedTuple):
-    """One launch of the RoPE-backward pass: its compiled configuration (_rope_backward.compiled's
-    arguments but the heads per CTA), the gradient's source (an FA4 accumulator, or g itself) and FA4's
-    scale of it, and its heads among qkv's."""
-    config: tuple
+    """One launch of the RoPE-backward pass: its layout, its source (an FA4 accumulator, or g itself)
+    and FA4's scale of it, whether it rotates (q, k) or not (v), and its heads among qkv's."""
+    layout: PassLayout
+    from_accumulator: bool
+    rotate: bool
     source: Tensor
     scale: float
     first_head: int
@@ -113,9 +135,9 @@ def rope_passes(conversions: dict[int, dict], g: Tensor, n_heads: int, n_kv_head
         if call is not None and layout is None:
             _run_conversion(call)
         if layout is not None:
-            passes.append(RopePass(layout + (True, rotate), call["accum"], float(call["scale"]), first, heads))
+            passes.append(RopePass(layout, True, rotate, call["accum"], float(call["scale"]), first, heads))
         else:
-            passes.append(RopePass((hd, 128, hd, 256, 2, False, rotate), g, 1.0, first, heads))
+            passes.append(RopePass(in_place_layout(hd), False, rotate, g, 1.0, first, heads))
     return passes
 
 
@@ -124,14 +146,13 @@ def run_rope_passes(passes: list[RopePass], qkv: Tensor, r: Tensor, rope: Tensor
     up to the last one launched: all of them for the op, fewer where a benchmark launches one group)."""
     from ._rope_backward import compiled, heads_per_cta
 
-    # zeroed where a launch's two warpgroups split a row (threads // 128 > atom_m): they add atomically
-    split = any(p.config[3] // 128 > p.config[4] for p in passes)
+    split = any(p.layout.split_cols for p in passes)
     stat = (torch.zeros if split else empty)(qkv.shape[0], max(p.first_head + p.heads for p in passes),
                                              dtype=torch.float32, device=qkv.device)
     r, rope = r.float().contiguous(), rope.float().contiguous()
     for p in passes:
-        compiled(*p.config, heads_per_cta(p.heads))(p.source, qkv, r, rope, g, stat, p.scale, p.first_head, p.heads,
-                                                    seq_len)
+        compiled(*p.layout, p.from_accumulator, p.rotate, heads_per_cta(p.heads))(
+            p.source, qkv, r, rope, g, stat, p.scale, p.first_head, p.heads, seq_len)
     return stat
 
 
@@ -181,10 +202,10 @@ def _run_conversion(call: dict) -> None:
     fa._bwd_postprocess_convert(**call)
 
 
-def _accumulator_layout(call: dict, hd: int) -> Optional[tuple]:
-    """(head_dim, tile_m, tile_hd, num_threads, atom_m) of a recorded conversion whose accumulator the
-    pass reads: FA4's sm90 non-swapped MMA layout, one 64-row atom per warpgroup along the rows, at
-    most two warpgroups along the columns, the head not padded, no varlen or sink; None otherwise."""
+def _accumulator_layout(call: dict, hd: int) -> Optional[PassLayout]:
+    """The layout of a recorded conversion whose accumulator the pass reads: FA4's sm90 non-swapped
+    MMA layout, one 64-row atom per warpgroup along the rows, at most two warpgroups along the
+    columns, the head not padded, no varlen or sink; None otherwise."""
     tile_m, threads, atom_m = call["block_size"], call["num_threads"], call["atom_layout"]
     mult = call["hdim_multiple_of"]
     tile_hd = -(-call["hdim"] // mult) * mult
@@ -193,4 +214,4 @@ def _accumulator_layout(call: dict, hd: int) -> Optional[tuple]:
                 and call["sink_tensors"] is None and threads % 128 == 0 and (threads // 128) % atom_m == 0
                 and threads // 128 // atom_m <= 2
                 and tile_m == 64 * atom_m and tile_hd == call["hdim"] == hd and not call["fake_mode"])
-    return (hd, tile_m, tile_hd, threads, atom_m) if readable else None
+    return PassLayout(hd, tile_m, tile_hd, threads, atom_m) if readable else None
