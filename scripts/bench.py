@@ -208,6 +208,25 @@ def do_bench(fn: Callable[[], None]) -> float:
     return _do_bench(fn, warmup=10, rep=60, return_mode="median")
 
 
+def do_bench_graph(fn: Callable[[], None]) -> float:
+    """do_bench of fn captured as a CUDA graph and replayed: its kernels' time without the host time of
+    launching them (FA4's and quack's Python launch paths outlast a short kernel on a slow host, and
+    do_bench would count the wait), as a captured step runs them."""
+    if not torch.cuda.is_available():
+        return do_bench(fn)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = do_bench(graph.replay)
+    del graph
+    return ms
+
+
 def gemm_peak_tflops() -> dict:
     """The bf16 dense GEMM rate of this GPU, measured now: 8192^3 on cuBLAS and on quack."""
     from quack.gemm_interface import gemm as quack_gemm
@@ -373,12 +392,12 @@ def _floor_per_kernel(cfg, shape: Shape) -> dict:
     rows, total = [], 0.0
     for name, m, n, k, layout, count in step_gemms(cfg, M):
         a, b = gemm_operands(m, n, k, layout)
-        row = {"gemm": name, "m": m, "n": n, "k": k, "count": count, "cublas_ms": do_bench(lambda: a @ b)}
+        row = {"gemm": name, "m": m, "n": n, "k": k, "count": count, "cublas_ms": do_bench_graph(lambda: a @ b)}
         try:
             from quack.gemm_interface import gemm as quack_gemm
 
             quack_gemm(a, b, tuned=False)
-            row["quack_ms"] = do_bench(lambda: quack_gemm(a, b, tuned=False))
+            row["quack_ms"] = do_bench_graph(lambda: quack_gemm(a, b, tuned=False))
         except Exception as e:  # no GPU, or a layout quack's default cannot run: cuBLAS alone
             row["quack_error"] = f"{type(e).__name__}: {e}"[:200]
         row["best_ms"] = min(row["cublas_ms"], row.get("quack_ms", math.inf))
@@ -387,7 +406,7 @@ def _floor_per_kernel(cfg, shape: Shape) -> dict:
         rows.append(row)
         del a, b
     fwd, bwd = attention_calls(cfg, shape)
-    attn_fwd, attn_bwd = do_bench(fwd), do_bench(bwd)
+    attn_fwd, attn_bwd = do_bench_graph(fwd), do_bench_graph(bwd)
     attention = cfg.n_layers * (attn_fwd + attn_bwd)
     return {"variant": "floor", "fwd_bwd": {"median_ms": total + attention}, "gemm_ms": total,
             "attention_ms": attention, "attention_fwd_ms": attn_fwd, "attention_bwd_ms": attn_bwd, "gemms": rows}
@@ -499,9 +518,41 @@ def profile_coda(cfg, state: dict, batch, steps: int = 3) -> dict:
                                               "gpu_window_ms_per_step", "gpu_idle_fraction")}
     plain["graph"]["sequence"] = kernel_sequence(graph_prof, steps)
     model.ops = annotated(model.ops)
-    by_op = timeline(_profiled(fwd_bwd, steps), steps)
+    annotated_prof = _profiled(fwd_bwd, steps)
+    by_op = timeline(annotated_prof, steps)
+    plain["graph"].update(graph_by_owner(plain["graph"]["sequence"], owner_sequence(annotated_prof, steps)))
     return {"version": PROFILE_VERSION, **plain, "by_owner_ms": by_op["by_owner_ms"],
             "launches_by_owner": by_op["launches_by_owner"], "annotated_kernel_ms_per_step": by_op["kernel_ms_per_step"]}
+
+
+def owner_sequence(prof, steps: int, prefix: str = "coda::") -> list[tuple[str, str]]:
+    """The last profiled step's device work in launch order as (kernel name as kernel_sequence shortens
+    it, its owner as timeline assigns it)."""
+    owned = sorted(_owned_device_work(prof, prefix), key=lambda ko: ko[0].time_range.start)
+    last = owned[len(owned) - len(owned) // steps:] if steps else owned
+    return [(k.name[:90], owner) for k, owner in last]
+
+
+def graph_by_owner(sequence: list[dict], owners: list[tuple[str, str]]) -> dict:
+    """Kernel time by op of the step replayed as a CUDA graph (its kernels at the clock of a sustained
+    replay, as coda-graphs is timed): each graph kernel takes the op of the eager annotated step's kernel it
+    aligns with (the longest matching runs of kernel names in launch order); a kernel with no partner
+    (capture-only work) goes to its kernel class."""
+    import difflib
+
+    names = [k["kernel"] for k in sequence]
+    owner_of = [None] * len(names)
+    matcher = difflib.SequenceMatcher(None, names, [n for n, _ in owners], autojunk=False)
+    for block in matcher.get_matching_blocks():
+        for i in range(block.size):
+            owner_of[block.a + i] = owners[block.b + i][1]
+    by_owner: dict[str, float] = {}
+    for k, owner in zip(sequence, owner_of):
+        owner = owner or _kernel_class(k["kernel"])
+        by_owner[owner] = by_owner.get(owner, 0.0) + k["us"] / 1e3
+    matched = sum(o is not None for o in owner_of)
+    return {"by_owner_ms": dict(sorted(by_owner.items(), key=lambda kv: -kv[1])),
+            "kernels_matched": matched, "kernels": len(names)}
 
 
 # A profiled pass first runs its step back to back for this long, so that a power-capped GPU profiles
@@ -549,27 +600,34 @@ def timeline(prof, steps: int, prefix: str = "coda::") -> dict:
     of profiler ranges. A device event shares its correlation id with the host runtime call that
     launched it (cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync...); that call's start time
     places it inside a coda op range."""
-    from torch.autograd import DeviceType
-
-    events = prof.events()
-    device = _device_work(events)
-    cpu = [e for e in events if e.device_type == DeviceType.CPU]
-    launched_at = {e.id: e.time_range.start for e in cpu if e.name.startswith(("cuda", "cu")) and e.id}
-    op_ranges = sorted((e.time_range.start, e.time_range.end, e.name.removeprefix(prefix))
-                       for e in cpu if e.name.startswith(prefix))
+    owned = _owned_device_work(prof, prefix)
     by_owner: dict[str, float] = {}
     launches: dict[str, float] = {}
-    for k in device:
-        t = launched_at.get(k.id)
-        owner = (_innermost(op_ranges, t) if t is not None else None) or _kernel_class(k.name)
+    for k, owner in owned:
         by_owner[owner] = by_owner.get(owner, 0.0) + k.time_range.elapsed_us() / 1e3 / steps
         launches[owner] = launches.get(owner, 0.0) + 1 / steps
+    device = [k for k, _ in owned]
     busy, window = _union_and_window(sorted((k.time_range.start, k.time_range.end) for k in device))
     return {"kernel_ms_per_step": sum(by_owner.values()), "busy_ms_per_step": busy / 1e3 / steps,
             "launches_per_step": len(device) / steps, "gpu_window_ms_per_step": window / 1e3 / steps,
             "gpu_idle_fraction": 1 - busy / window if window else None,
             "by_owner_ms": dict(sorted(by_owner.items(), key=lambda kv: -kv[1])),
             "launches_by_owner": dict(sorted(launches.items(), key=lambda kv: -kv[1]))}
+
+
+def _owned_device_work(prof, prefix: str) -> list:
+    """(device event, its owner) for each piece of device work: the innermost `prefix` range around the
+    host call that launched it (a device event shares its correlation id with that call), else its
+    kernel class."""
+    from torch.autograd import DeviceType
+
+    events = prof.events()
+    cpu = [e for e in events if e.device_type == DeviceType.CPU]
+    launched_at = {e.id: e.time_range.start for e in cpu if e.name.startswith(("cuda", "cu")) and e.id}
+    op_ranges = sorted((e.time_range.start, e.time_range.end, e.name.removeprefix(prefix))
+                       for e in cpu if e.name.startswith(prefix))
+    return [(k, (_innermost(op_ranges, launched_at[k.id]) if k.id in launched_at else None) or _kernel_class(k.name))
+            for k in _device_work(events)]
 
 
 def _device_work(events) -> list:

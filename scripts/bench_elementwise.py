@@ -115,11 +115,16 @@ def attention_rope_backward(preset: str, base) -> list[dict]:
         label = f"RoPE pass alone, heads per CTA {cand}" + (" (shipped)" if cand == RB.HEADS_PER_CTA else "")
         runs.append((label, functools.partial(with_heads_per_cta, cand, lambda: run_rope_passes(passes, qkv, r, rope, g, T)),
                      nbytes))
-    for p, group in zip(passes, "qkv"):  # each launch at the shipped heads per CTA: where the pass's time goes
-        runs.append((f"RoPE pass launch {group} ({'accumulator' if p.from_accumulator else 'bf16 in place'}, "
-                     f"tile {p.layout.tile_m} x {p.layout.tile_hd}, {p.layout.num_threads} threads)",
-                     functools.partial(run_rope_passes, [p], qkv, r, rope, g, T),
-                     M * p.heads * hd * (p.source.element_size() + 2 + 2)))  # its source, qkv columns, g_y columns
+    for p, group in zip(passes, "qkv"):  # each launch alone, at each heads per CTA that divides its heads
+        shipped = RB.heads_per_cta(p.heads)
+        for k in (1, 2, 4, 8):
+            if p.heads % k:
+                continue
+            runs.append((f"RoPE pass launch {group} ({'accumulator' if p.from_accumulator else 'bf16 in place'}, "
+                         f"tile {p.layout.tile_m} x {p.layout.tile_hd}, {p.layout.num_threads} threads), "
+                         f"{k} heads per CTA" + (" (shipped)" if k == shipped else ""),
+                         functools.partial(with_heads_per_cta, (k,), functools.partial(run_rope_passes, [p], qkv, r, rope, g, T)),
+                         M * p.heads * hd * (p.source.element_size() + 2 + 2)))  # its source, qkv columns, g_y columns
     rows = []
     for label, fn, streamed in runs:
         ms = do_bench(fn)

@@ -246,6 +246,14 @@ def gap_table(r: dict) -> list[str]:
     if not prof or not floor:
         return []
     whose = "the same run's floor" if prof.get("floor") else f"the floor of the {r['environment']['date']} run"
+    # the step replayed as a CUDA graph, where the profile attributed it (since 2026-12-02): its kernels at the
+    # clock of a sustained replay, as coda-graphs is timed, not at an eager step's host-gapped clock
+    g = prof.get("graph") or {}
+    graphed = bool(g.get("by_owner_ms") and g["launches_per_step"] and prof.get("coda_graphs_ms"))
+    ops_ms = g["by_owner_ms"] if graphed else prof["by_owner_ms"]
+    what_coda = (f"kernel time of the coda step replayed as a CUDA graph, each kernel given the op of the eager "
+                 f"step's kernel it aligns with in launch order ({g['kernels_matched']} of {g['kernels']} aligned; the "
+                 f"rest by kernel class)" if graphed else "kernel time of the profiled coda step")
     part_ms = {g["gemm"]: g["best_ms"] * g["count"] for g in floor["gemms"]}
     part_ms["attention fwd"] = floor["attention_fwd_ms"] * r["n_layers"]
     part_ms["attention bwd"] = floor["attention_bwd_ms"] * r["n_layers"]
@@ -257,7 +265,7 @@ def gap_table(r: dict) -> list[str]:
     if b2b_ms:
         head += " floor back to back ms (same work) | excess over it ms |"
         rule += "---:|---:|"
-    lines = ["", f"Gap from the floor, attributed (kernel time of the profiled coda step against {whose}, for "
+    lines = ["", f"Gap from the floor, attributed ({what_coda} against {whose}, for "
              "the same GEMMs and attention" + ("; and against the floor's kernels profiled back to back, in a step's "
                                                "order right after its timed steps. Under a power cap a kernel's time "
                                                "moves with the clock of the pass that profiled it, so where the two "
@@ -266,11 +274,11 @@ def gap_table(r: dict) -> list[str]:
              + "):",
              "", head, rule]
     total_excess = total_excess_b2b = 0.0
-    parts = FLOOR_PARTS_LOGITS_HEAD if "gemm_rowscale_logits_cross_entropy" in prof["by_owner_ms"] else FLOOR_PARTS
+    parts = FLOOR_PARTS_LOGITS_HEAD if "gemm_rowscale_logits_cross_entropy" in ops_ms else FLOOR_PARTS
     by_row: dict[str, float] = {}
-    for op, ms in prof["by_owner_ms"].items():
+    for op, ms in ops_ms.items():
         by_row[ONE_ROW.get(op, op)] = by_row.get(ONE_ROW.get(op, op), 0.0) + ms
-    merged = {row: [op for op, to in ONE_ROW.items() if to == row and op in prof["by_owner_ms"]] for row in by_row}
+    merged = {row: [op for op, to in ONE_ROW.items() if to == row and op in ops_ms] for row in by_row}
     for op, ms in sorted(by_row.items(), key=lambda kv: -kv[1]):
         base = sum(part_ms[p] for p in parts.get(op, []))
         total_excess += ms - base
@@ -282,7 +290,7 @@ def gap_table(r: dict) -> list[str]:
             row += f" {base_b2b:.2f} | {ms - base_b2b:+.2f} |"
         lines.append(row)
     # against the CUDA-graph step where the profile replayed one (no host in the way), else the eager step
-    g, name, ms = prof.get("graph"), "coda", prof["coda_ms"]
+    name, ms = "coda", prof["coda_ms"]
     what = "GPU idle between kernels"
     if g and g["launches_per_step"] and prof.get("coda_graphs_ms"):
         idle, name, ms = idle_ms(g), "coda-graphs", prof["coda_graphs_ms"]

@@ -74,3 +74,21 @@ def test_floor_items_are_dealt_the_replayed_kernels_in_step_order():
     assert abs(items["attention bwd"] - 0.068) < 1e-12 and abs(items["qkv fwd"] - 0.021) < 1e-12
     assert bench.items_from_sequence(seq[:-1], names, launches) is None  # one kernel short
     assert bench.items_from_sequence(seq, names, {"qkv fwd": 3.0, "attention bwd": 6.0}) is None  # 1.5 a call
+
+
+def test_graph_kernels_take_the_op_of_the_eager_kernel_they_align_with():
+    """bench.py's graph_by_owner: the CUDA-graph step's kernels, in launch order, take the ops of the annotated eager
+    step's kernels where the names align; a kernel only the graph has (capture-only work) goes to its kernel class."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench
+
+    owners = [("gemm_a", "gemm_rowscale_rope"), ("flash_fwd", "attention"), ("gemm_b", "gemm_residual_rmsnorm_partial"),
+              ("rstd", "rstd_from_partials"), ("gemm_a", "matmul_tn")]
+    seq = [{"kernel": k, "us": us} for k, us in
+           [("gemm_a", 100), ("flash_fwd", 50), ("gemm_b", 40), ("elementwise_fill", 3), ("rstd", 2), ("gemm_a", 90)]]
+    got = bench.graph_by_owner(seq, owners)
+    assert got["kernels_matched"] == 5 and got["kernels"] == 6
+    assert got["by_owner_ms"] == {"gemm_rowscale_rope": 0.1, "matmul_tn": 0.09, "attention": 0.05,
+                                  "gemm_residual_rmsnorm_partial": 0.04, "[elementwise]": 0.003,
+                                  "rstd_from_partials": 0.002}
+    assert list(got["by_owner_ms"])[0] == "gemm_rowscale_rope"  # largest first

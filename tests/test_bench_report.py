@@ -101,6 +101,16 @@ def test_report_writes_tables_summary_and_chart(tmp_path):
     assert "| [copies / casts] | 2.00 | 0.00 | +2.00 | 0.00 | +2.00 |" in graph_text
     # against it: 30 - 26 = 4 ms, of which 2.5 attributed and 0.5 idle, so 1.0 rest
     assert "| - | - | +1.50 | - | +1.00 |" in graph_text and "**+4.00** (− floor back to back 26.00)" in graph_text
+    # with the graph's kernels attributed to ops (bench.py graph_by_owner), the gap compares those, not the eager step's
+    graph_pass["coda_profile"]["graph"].update(by_owner_ms={"gemm_rowscale_rope": 7.4, "[copies / casts]": 2.1},
+                                               kernels_matched=780, kernels=790)
+    graph_path.write_text(json.dumps(graph_pass))
+    _report([str(graph_path)], graph_md, tmp_path / "graph" / "b.png", tmp_path)
+    graph_text = graph_md.read_text()
+    assert "replayed as a CUDA graph, each kernel given the op of the eager step's kernel it aligns with" in graph_text
+    assert "(780 of 790 aligned" in graph_text
+    assert "| gemm_rowscale_rope | 7.40 | 6.00 | +1.40 | 6.50 | +0.90 |" in graph_text
+    assert "| - | - | +1.00 | - | +0.50 |" in graph_text  # the rest shrinks by the 0.5 ms the graph's kernels add
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     # results from before bench.py counted each variant's own memory carry a caveat naming their shapes
     assert "Peak memory of 125m, 1b-4x4096: measured before bench.py counted only each variant's own" in text
