@@ -248,11 +248,11 @@ def gap_table(r: dict) -> list[str]:
     whose = "the same run's floor" if prof.get("floor") else f"the floor of the {r['environment']['date']} run"
     # the step replayed as a CUDA graph, where the profile attributed it (since 2026-12-02): its kernels at the
     # clock of a sustained replay, as coda-graphs is timed, not at an eager step's host-gapped clock
-    g = prof.get("graph") or {}
-    graphed = bool(g.get("by_owner_ms") and g["launches_per_step"] and prof.get("coda_graphs_ms"))
-    ops_ms = g["by_owner_ms"] if graphed else prof["by_owner_ms"]
+    graph = prof.get("graph") or {}
+    graphed = bool(graph.get("by_owner_ms") and graph["launches_per_step"] and prof.get("coda_graphs_ms"))
+    ops_ms = graph["by_owner_ms"] if graphed else prof["by_owner_ms"]
     what_coda = (f"kernel time of the coda step replayed as a CUDA graph, each kernel given the op of the eager "
-                 f"step's kernel it aligns with in launch order ({g['kernels_matched']} of {g['kernels']} aligned; the "
+                 f"step's kernel it aligns with in launch order ({graph['kernels_matched']} of {graph['kernels']} aligned; the "
                  f"rest by kernel class)" if graphed else "kernel time of the profiled coda step")
     part_ms = {g["gemm"]: g["best_ms"] * g["count"] for g in floor["gemms"]}
     part_ms["attention fwd"] = floor["attention_fwd_ms"] * r["n_layers"]
@@ -292,10 +292,10 @@ def gap_table(r: dict) -> list[str]:
     # against the CUDA-graph step where the profile replayed one (no host in the way), else the eager step
     name, ms = "coda", prof["coda_ms"]
     what = "GPU idle between kernels"
-    if g and g["launches_per_step"] and prof.get("coda_graphs_ms"):
-        idle, name, ms = idle_ms(g), "coda-graphs", prof["coda_graphs_ms"]
-        if g.get("sequence"):
-            idle, what = graph_idle_ms(g["sequence"]), "GPU idle between the graph's kernels"
+    if graph and graph["launches_per_step"] and prof.get("coda_graphs_ms"):
+        idle, name, ms = idle_ms(graph), "coda-graphs", prof["coda_graphs_ms"]
+        if graph.get("sequence"):
+            idle, what = graph_idle_ms(graph["sequence"]), "GPU idle between the graph's kernels"
     else:
         idle = idle_ms(prof)
     gap = ms - floor["fwd_bwd"]["median_ms"]
