@@ -208,23 +208,28 @@ def do_bench(fn: Callable[[], None]) -> float:
     return _do_bench(fn, warmup=10, rep=60, return_mode="median")
 
 
+def captured(fn: Callable[[], None], warmups: int) -> torch.cuda.CUDAGraph:
+    """fn captured as a CUDA graph as the trainer captures a step (trainer/graphs.py): warmed on a side
+    stream, then captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def do_bench_graph(fn: Callable[[], None]) -> float:
     """do_bench of fn captured as a CUDA graph and replayed: its kernels' time without the host time of
     launching them (FA4's and quack's Python launch paths outlast a short kernel on a slow host, and
     do_bench would count the wait), as a captured step runs them."""
     if not torch.cuda.is_available():
         return do_bench(fn)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    ms = do_bench(graph.replay)
-    del graph
-    return ms
+    return do_bench(captured(fn, warmups=1).replay)
 
 
 def gemm_peak_tflops() -> dict:
@@ -457,17 +462,7 @@ def _floor_sequence(cfg, shape: Shape, floor: dict) -> FloorSequence:
 
     if DEVICE.type != "cuda":
         return FloorSequence(step, ranged, names, "eager")
-    # as the trainer captures a step (trainer/graphs.py): warm on a side stream, then capture
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return FloorSequence(graph.replay, ranged, names, "one CUDA graph")
+    return FloorSequence(captured(step, warmups=2).replay, ranged, names, "one CUDA graph")
 
 
 def items_from_sequence(sequence: list[dict], names: list[str], launches: dict[str, float]) -> dict | None:
