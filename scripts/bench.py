@@ -524,8 +524,7 @@ def owner_sequence(prof, steps: int, prefix: str = "coda::") -> list[tuple[str, 
     """The last profiled step's device work in launch order as (kernel name as kernel_sequence shortens
     it, its owner as timeline assigns it)."""
     owned = sorted(_owned_device_work(prof, prefix), key=lambda ko: ko[0].time_range.start)
-    last = owned[len(owned) - len(owned) // steps:] if steps else owned
-    return [(k.name[:90], owner) for k, owner in last]
+    return [(short_name(k.name), owner) for k, owner in last_step(owned, steps)]
 
 
 def graph_by_owner(sequence: list[dict], owners: list[tuple[str, str]]) -> dict:
@@ -634,15 +633,24 @@ def _device_work(events) -> list:
             and not e.name.startswith(("coda::", "floor::"))]
 
 
+def last_step(in_order: list, steps: int) -> list:
+    """The last of `steps` equal steps' items, of all the steps' items in launch order."""
+    return in_order[len(in_order) - len(in_order) // steps:] if steps else in_order
+
+
+def short_name(kernel: str) -> str:
+    """A kernel's name as the sequences keep it (its first 90 characters)."""
+    return kernel[:90]
+
+
 def kernel_sequence(prof, steps: int) -> list[dict]:
     """The last profiled step's device work in launch order: each kernel's name (shortened), its
     time and the idle gap before it (us), so the costly boundaries between kernels can be read."""
     device = sorted(_device_work(prof.events()), key=lambda e: e.time_range.start)
-    last = device[len(device) - len(device) // steps:] if steps else device
     out, prev_end = [], None
-    for e in last:
+    for e in last_step(device, steps):
         start, end = e.time_range.start, e.time_range.end
-        out.append({"kernel": e.name[:90], "us": round(end - start, 2),
+        out.append({"kernel": short_name(e.name), "us": round(end - start, 2),
                     "gap_us": None if prev_end is None else round(start - prev_end, 2)})
         prev_end = end if prev_end is None else max(prev_end, end)
     return out

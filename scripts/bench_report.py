@@ -249,7 +249,8 @@ def gap_table(r: dict) -> list[str]:
     # the step replayed as a CUDA graph, where the profile attributed it (since 2026-12-02): its kernels at the
     # clock of a sustained replay, as coda-graphs is timed, not at an eager step's host-gapped clock
     graph = prof.get("graph") or {}
-    graphed = bool(graph.get("by_owner_ms") and graph["launches_per_step"] and prof.get("coda_graphs_ms"))
+    replayed = bool(graph and graph["launches_per_step"] and prof.get("coda_graphs_ms"))  # compared with coda-graphs
+    graphed = replayed and bool(graph.get("by_owner_ms"))
     ops_ms = graph["by_owner_ms"] if graphed else prof["by_owner_ms"]
     what_coda = (f"kernel time of the coda step replayed as a CUDA graph, each kernel given the op of the eager "
                  f"step's kernel it aligns with in launch order ({graph['kernels_matched']} of {graph['kernels']} aligned; the "
@@ -292,7 +293,7 @@ def gap_table(r: dict) -> list[str]:
     # against the CUDA-graph step where the profile replayed one (no host in the way), else the eager step
     name, ms = "coda", prof["coda_ms"]
     what = "GPU idle between kernels"
-    if graph and graph["launches_per_step"] and prof.get("coda_graphs_ms"):
+    if replayed:
         idle, name, ms = idle_ms(graph), "coda-graphs", prof["coda_graphs_ms"]
         if graph.get("sequence"):
             idle, what = graph_idle_ms(graph["sequence"]), "GPU idle between the graph's kernels"
