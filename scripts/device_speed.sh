@@ -4,7 +4,9 @@
 # 1. the GPU tests (GPU 0) alongside scripts/tune_gemm.py (GPU 1, or after the tests on a 1-GPU host);
 #    TESTS, TUNE_SHAPES, TUNE_OPS narrow them (TESTS=none skips the tests), VARIANTS and PAIRS the benches;
 # 2. bench.py at every shape with the tuned table ($CODA_TILE_CONFIGS = the tune run's output):
-#    the strongest peers, coda, coda-graphs and the floor, shapes split over the GPUs.
+#    the strongest peers, coda, coda-graphs and the floor, shapes split over the GPUs (PAIRS= skips them);
+# 3. with AB_SHAPES (space-separated), the shipped table against the tuned one on GPU 0: $AB_VARIANTS
+#    (default coda-graphs) at each shape, alternately, two rounds each, into ab_tables.txt.
 # Logs, the tuned table and the bench JSONs land in $OUT (the device tool returns at most 8 files:
 # the benches' text tables are concatenated into one).
 set -uo pipefail
@@ -27,9 +29,21 @@ bench() {  # GPU SHAPE
 if [ "$NGPU" -gt 1 ]; then tests & tune; wait; else tests; tune; fi
 tail -n 3 "$OUT/gpu_tests.log"
 [ -f /tmp/speed/tune/tile_configs.json ] && export CODA_TILE_CONFIGS=/tmp/speed/tune/tile_configs.json
-for pair in ${PAIRS:-1b-4x4096:125m 1b-2x8192:8b-slice}; do
+for pair in ${PAIRS-1b-4x4096:125m 1b-2x8192:8b-slice}; do
   a=${pair%%:*}; b=${pair##*:}
   if [ "$a" = "$b" ]; then bench 0 "$a"  # PAIRS=SHAPE (no colon): that shape alone
   elif [ "$NGPU" -gt 1 ]; then bench 0 "$a" & bench 1 "$b"; wait; else bench 0 "$a"; bench 0 "$b"; fi
 done
-cat /tmp/speed/bench_*.txt > "$OUT/bench_tables.txt"; grep -E "^(variant|compile|liger|coda|floor|eager)" "$OUT/bench_tables.txt"
+cat /tmp/speed/bench_*.txt > "$OUT/bench_tables.txt" 2>/dev/null; grep -E "^(variant|compile|liger|coda|floor|eager)" "$OUT/bench_tables.txt"
+AB_VARIANTS=${AB_VARIANTS:-coda-graphs}
+for shape in ${AB_SHAPES:-}; do
+  for round in 1 2; do
+    for table in shipped tuned; do
+      ( [ "$table" = shipped ] && unset CODA_TILE_CONFIGS
+        CUDA_VISIBLE_DEVICES=0 timeout ${BENCH_TIMEOUT:-150} python3 scripts/bench.py --shape "$shape" --variants "$AB_VARIANTS" \
+          --profile-steps 0 --out "/tmp/speed/ab_$table$round" 2>&1 ) | grep -E "^($(echo "$AB_VARIANTS" | tr , '|')) " \
+        | sed "s/^/$shape $table$round /" >> "$OUT/ab_tables.txt"
+    done
+  done
+done
+[ -n "${AB_SHAPES:-}" ] && cat "$OUT/ab_tables.txt"

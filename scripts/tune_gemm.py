@@ -16,8 +16,9 @@ and cuBLAS for the plain GEMMs.
 1. Compile: every (op, candidate) kernel, GPU-blind, in --workers subprocesses (QUACK_ARCH=90)
    filling quack's disk cache, so the GPU phase only loads them (--compile-only stops here).
 2. Time, on random inputs (bf16, fp32 row statistics): each candidate's first call runs with
-   NaN-poisoned outputs and is compared with the default's outputs (partial sums summed; relative
-   error <= 1e-2 and finite, else the candidate is discarded), then the median of
+   NaN-poisoned outputs and is compared with the default's outputs (partial sums summed, an op's
+   declared canonical map applied; relative error <= 1e-2 and finite, else the candidate is
+   discarded), then the median of
    triton.testing.do_bench.
 3. Write <out>/tile_configs.json (the shipped table with this GPU's measured entries replaced:
    copy it over coda_train/kernels/tile_configs.json to ship it), tune_gemm.json (every timing)
@@ -243,6 +244,8 @@ def time_launch(launch: dict, deadline: float, bench: Callable, clocks: bool = F
             with forced({op: cfg}):
                 with testing.poisoned_cute_outputs():
                     got = testing.results(OPS[op], impl, kwargs)  # on a fresh copy of what the op mutates
+                if OPS[op].canonical is not None and all(bool(torch.isfinite(g).all()) for g in got):
+                    got = OPS[op].canonical(*got)  # what consumers read, not the config's choice of offsets
                 torch.cuda.synchronize()
                 row["first_call_s"] = round(time.time() - t0, 2)
                 row["err"] = max(relative_error(g, w) for g, w in zip(got, got if want is None else want))

@@ -67,3 +67,20 @@ def test_logits_cute_vs_reference(cute):
         assert got.shape == want.shape and got.dtype == torch.bfloat16 and torch.isfinite(got).all()
         errs[backend] = relative_error(got, want)
     assert passes(errs["cute"], errs["reference"]), errs
+
+
+EXP_CONFIGS = ["128x128 c2x1 pingpong", "256x128 c1x2 cooperative", "128x256 c2x1 cooperative", "128x256 c1x2 cooperative"]
+
+
+@pytest.mark.parametrize("preset", ["llama3_125m", "llama3_1b"])
+@pytest.mark.parametrize("config", EXP_CONFIGS)
+def test_lm_head_exponentials_at_every_offset_tile(cute, preset, config):
+    """The LM head's logits GEMM at each N tile it may be tuned to: a 256-wide tile's one offset
+    spread over its two 128-column groups checks against the reference like a 128-wide tile's."""
+    from coda_train.kernels.tile_configs import Cfg, forced
+
+    op = OPS["gemm_rowscale_exp_cross_entropy"]
+    (_, _, kwargs), = example_cases(op_check_dims(preset), "cuda", ops=[op.name])
+    with forced({op.name: Cfg.parse(config)}), poisoned_cute_outputs():
+        rows = check_case(op, op.name, kwargs, cute.gemm_rowscale_exp_cross_entropy)
+    assert all(r["ok"] and r["finite"] for r in rows), rows

@@ -221,6 +221,39 @@ def test_check_harness_compares_canonical_outputs():
     assert [r["ok"] for r in check_case(op, op.name, kw, wrong_low_row)] == [False, True, True, True]
 
 
+def test_offsets_of_a_wider_tile_pass_as_its_groups():
+    """An LM-head GEMM with a 256-wide N tile has one offset per 256 columns; spread over the
+    declared 128-column groups (reference.exp_stats_per_group) its outputs pass the check against
+    the reference and give H' the same loss. Spread as plain partials (sums in the first columns,
+    like the other ops' wider tiles) they would not."""
+    from coda_train.kernels.testing import check_case
+
+    op = OPS["gemm_rowscale_exp_cross_entropy"]
+    dims = Dims(rows=15, seq_len=5, dim=16, n_heads=2, n_kv_heads=1, ffn_dim=200, vocab_size=512)
+    (_, kw), = op.cases(Example(dims, torch.float32, "cpu", torch.Generator().manual_seed(0)))
+
+    def tile_256(h, r, w_lm, targets, spread=R.exp_stats_per_group):
+        y = (h @ w_lm.t()) * r[:, None]
+        tiles = y.view(y.shape[0], -1, 256)
+        k = torch.round(tiles.amax(-1) * R.LOG2E)
+        e = torch.exp2(tiles * R.LOG2E - k[..., None])
+        return (e.reshape(y.shape).to(h.dtype), *spread(k, e.sum(-1), (e * tiles).sum(-1), 2),
+                y.gather(1, targets.reshape(-1, 1)).squeeze(1))
+
+    def as_partials(k, se, sey, rep):  # sums at the front, zeros after; offsets likewise
+        return tuple(torch.cat([t, torch.zeros_like(t)] if rep == 2 else [t], 1) for t in (k, se, sey))
+
+    ref = op.reference(**kw)
+    wide = tile_256(**kw)
+    assert not torch.equal(wide[1], ref[1])  # the two groups of a tile had offsets of their own
+    assert [row["ok"] for row in check_case(op, op.name, kw, tile_256)] == [True] * 4
+    assert not all(row["ok"] for row in check_case(op, op.name, kw, lambda **a: tile_256(**a, spread=as_partials)))
+    extra = dict(targets=kw["targets"], r=kw["r"], h=kw["h"], grad_scale=torch.tensor(1.0 / dims.rows))
+    loss_ref = R.cross_entropy_exp_backward(*ref, **extra)[0]
+    loss_wide = R.cross_entropy_exp_backward(*wide, **extra)[0]
+    torch.testing.assert_close(loss_wide, loss_ref)
+
+
 def test_partial_widths_follow_the_stat_tile():
     """The contract's widths: one column per 128-wide N tile (one for the elementwise passes)."""
     widths = {case: {i: op.partials[i](**kw) for i in op.partials} for op, case, kw in cases(torch.float64)}

@@ -78,6 +78,10 @@ def test_config_rules():
     for op in ("gemm_residual_rmsnorm_partial", "gemm_dswiglu_rowscale_stat"):
         assert T.config_errors(op, Cfg(128, 128)) == [] and T.config_errors(op, Cfg(128, 256, 1, 2, False)) == []
     assert T.config_errors("gemm_rmsnorm_backward", Cfg(256, 128, 2, 1, False)) == []  # its sums fold in the op
+    # the LM head's offsets: one per N tile, so its tile_N is a whole number of 128-column groups
+    exp = "gemm_rowscale_exp_cross_entropy"
+    assert T.config_errors(exp, Cfg(128, 256, 2, 1, False)) == [] == T.config_errors(exp, Cfg(256, 128, 1, 2, False))
+    assert "multiple of 128" in T.config_errors(exp, Cfg(128, 192, 2, 1, True))[0]
     assert "multiple of 128" in T.config_errors("gemm_rowscale_rope", CFG_DEFAULT)[0]
     assert "multiple of 32" in T.config_errors("gemm_rowscale_swiglu", Cfg(128, 208))[0]
     assert "not a declared GEMM op" in T.config_errors("attention", CFG_DEFAULT)[0]

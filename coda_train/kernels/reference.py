@@ -164,6 +164,19 @@ def _exp_canonical(e: Tensor, k: Tensor, sum_exp: Tensor, sum_exp_y: Tensor, tar
             target_logit)
 
 
+def exp_stats_per_group(k: Tensor, sum_exp: Tensor, sum_exp_y: Tensor, rep: int) -> tuple[Tensor, Tensor, Tensor]:
+    """H's offsets and sums of an implementation whose offset spans `rep` groups of STAT_TILE_N
+    columns (one per row and wider N tile), at the declared width: each group takes its tile's
+    offset, the tile's sums go to its first group and zeros to the others. Every consumer weighs a
+    group's sums by 2^k of that group and adds them up, so the loss and gradient are unchanged."""
+    if rep == 1:
+        return k, sum_exp, sum_exp_y
+    M, T = k.shape
+    zeros_after = (0, rep - 1)  # each tile's one column, then rep - 1 zero columns
+    return (k.unsqueeze(-1).expand(M, T, rep).reshape(M, T * rep),
+            *(F.pad(s.unsqueeze(-1), zeros_after).view(M, T * rep) for s in (sum_exp, sum_exp_y)))
+
+
 def _exp_fake(h, r, w_lm, targets):
     M, V = h.shape[0], w_lm.shape[0]
     return (_new(h, M, V), *(_new(h, M, n_stat_cols(V), stat=True) for _ in range(3)), _new(h, M, stat=True))

@@ -57,7 +57,7 @@ def to_float64(kwargs: dict[str, Any]) -> dict[str, Any]:
 def results(op: Op, fn: Callable, kwargs: dict[str, Any]) -> tuple[Tensor, ...]:
     """fn (an implementation of op) called on kwargs with the inputs op mutates cloned (kwargs stay
     as given): its returned outputs, partial-sum outputs summed over their columns, then the
-    mutated inputs in declared order; or what the op's canonical map makes of those."""
+    mutated inputs in declared order (the op's canonical map, if any, is the caller's to apply)."""
     kwargs = {k: v.clone() if k in op.mutates else v for k, v in kwargs.items()}
     out = fn(**kwargs)
     out = () if out is None else out if isinstance(out, tuple) else (out,)

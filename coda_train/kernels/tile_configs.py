@@ -68,8 +68,8 @@ class Cfg:
 CFG_DEFAULT = Cfg(128, 192)
 CFG_ROPE = Cfg(128, 128)
 # The LM head's three GEMMs (H, H''), as quack's scaled-exp linear cross-entropy runs them: the logits
-# GEMM's N tile is the offset group (STAT_TILE_N); the strip GEMMs scale A in a cooperative
-# register-sourced mainloop.
+# GEMM's N tile (a multiple of STAT_TILE_N) shares one offset; the strip GEMMs scale A in a
+# cooperative register-sourced mainloop.
 CFG_EXP = {"gemm_rowscale_exp_cross_entropy": Cfg(128, STAT_TILE_N, 2, 1, True),
            "gemm_exp_rmsnorm_backward": Cfg(128, 256, 2, 1, False),
            "matmul_tn_exp": Cfg(128, 256, 2, 1, False), "matmul_tn_exp_add": Cfg(128, 256, 2, 1, False)}
@@ -116,8 +116,9 @@ def config_errors(op: str, cfg: Optional[Cfg]) -> list[str]:
         errors.append(f"{op}: tile_N={cfg.tile_N} must be a multiple of {TILE_N_MULTIPLE[op]}")
     if op in STRIP_GEMMS and cfg.tile_M != 128:
         errors.append(f"{op}: tile_M={cfg.tile_M} must be 128 (the strip's rows, and the vocabulary's multiple)")
-    if op == "gemm_rowscale_exp_cross_entropy" and cfg.tile_N != STAT_TILE_N:
-        errors.append(f"{op}: tile_N={cfg.tile_N} must be {STAT_TILE_N} (one power-of-two offset per declared group)")
+    if op == "gemm_rowscale_exp_cross_entropy" and cfg.tile_N % STAT_TILE_N:
+        errors.append(f"{op}: tile_N={cfg.tile_N} must be a multiple of {STAT_TILE_N} (one power-of-two offset "
+                      f"per N tile, shared by its {STAT_TILE_N}-column groups)")
     return errors
 
 

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from .. import reference
 from ..cute_limits import need, need_exp_vocab, need_inner, need_rope_head_dim, need_swiglu_width
-from ..declare import STRIP_COLS
+from ..declare import STAT_TILE_N, STRIP_COLS
 from ..library import cute_impl
 from ..tile_configs import tables
 from . import _epilogues as E
@@ -167,8 +167,10 @@ def gemm_rowscale_cross_entropy(h: Tensor, r: Tensor, w_lm: Tensor, targets: Ten
 @cute_impl("gemm_rowscale_exp_cross_entropy", gpu_blind_compile=True)
 def gemm_rowscale_exp_cross_entropy(h: Tensor, r: Tensor, w_lm: Tensor,
                                     targets: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(H, training) the logits GEMM storing e = 2^(y log2e - k) with its per-(row, 128-column tile)
-    offsets k, sums of e and e*y, and the target logit, all from the epilogue (tile_N = 128)."""
+    """(H, training) the logits GEMM storing e = 2^(y log2e - k) with one offset k per (row, N tile),
+    sums of e and e*y per N tile, and the target logit, all from the epilogue. A tile wider than the
+    declared 128-column group gives each of its groups its offset and puts its sums in its first
+    group (zeros in the others): the same loss and gradient (docs/design.md, "The LM head")."""
     M, K = h.shape
     V = w_lm.shape[0]
     op = "gemm_rowscale_exp_cross_entropy"
@@ -176,13 +178,15 @@ def gemm_rowscale_exp_cross_entropy(h: Tensor, r: Tensor, w_lm: Tensor,
     need_inner(op, K=K)
     need_exp_vocab(op, V)
     cfg = cfg_for(op, M, V, K)
+    need(V % cfg.tile_N == 0, f"{op}: vocab_size={V} is not a multiple of the tile config's tile_N={cfg.tile_N} "
+         f"(one offset per N tile); tune this shape again (scripts/tune_gemm.py) or use a 128-wide config")
     e = empty(M, V, dtype=h.dtype, device=h.device)
     k, sum_exp, sum_exp_y = (empty(M, V // cfg.tile_N, dtype=torch.float32, device=h.device) for _ in range(3))
     target_logit = empty(M, dtype=torch.float32, device=h.device)
     gemm(E.rowscale_exp_target, h, w_lm, e, cfg=cfg,
          epi={"k": cfg.tile_N, "k_out": k, "r": colvec(r), "sum_exp": sum_exp, "sum_exp_y": sum_exp_y,
               "target_logit": target_logit, "target": targets.reshape(1, -1).contiguous()})
-    return e, k, sum_exp, sum_exp_y, target_logit
+    return (e, *reference.exp_stats_per_group(k, sum_exp, sum_exp_y, cfg.tile_N // STAT_TILE_N), target_logit)
 
 
 @cute_impl("cross_entropy_exp_backward")

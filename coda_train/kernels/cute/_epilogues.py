@@ -121,7 +121,8 @@ def rowscale_lse_target(acc, r):
 
 # H (training): y = r * h W_lm^T stored as e = 2^(y log2e - k), k = round(max y log2e) per row and N
 # tile (quack's MaxLog2 prepass over the accumulator, so |e| <= sqrt 2), with per-tile sums of e and
-# e*y and the target logit. The tile is the contract's offset group: tile_N = STAT_TILE_N.
+# e*y and the target logit. k is per whole tile_N (a multiple of the contract's 128-column group;
+# the op hands each group its tile's k: reference.exp_stats_per_group).
 def _rowscale_logits(acc, r):
     return {"k": acc * r}
 
