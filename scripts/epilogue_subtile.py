@@ -1,0 +1,132 @@
+"""Does a narrower epilogue subtile pay? The epilogue-heavy GEMMs on pingpong tiles, with quack's
+default epilogue subtile (64 x 32 on SM90) against a 16-column one, on one Hopper GPU.
+
+    python scripts/epilogue_subtile.py [--shapes 125m,1b,8b] [--out DIR]
+
+A pingpong warpgroup holds its whole accumulator in registers while its epilogue runs; the
+epilogue's own values (loaded tiles, results) come on top, per subtile. At 128 x 192 the dSwiGLU
+epilogue spills ~1 KB a thread with 32-column subtiles and 20 B with 16-column ones
+(`register_audit.py`-style ptxas -v, GPU-blind), so the wider tiles, whose mainloop reads less
+per FLOP, may run without spills. Each row: the op's epilogue program (`_epilogues.py`) at one
+tile config and subtile width, checked against the same config at the default subtile (relative
+error), median of triton.testing.do_bench. Prints a table and writes epilogue_subtile.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+from quack.epilogue.frontend import gemm_epilogue
+from quack.epilogue.ops import ColVecLoad, ColVecReduce, RowVecLoad, TileStore
+from quack.gemm_sm90 import GemmSm90
+
+from coda_train.kernels.cute import _epilogues as E
+from coda_train.kernels.cute._launch import colvec, gemm, rowvec, stat_cols
+from coda_train.kernels.testing import relative_error
+from coda_train.kernels.tile_configs import Cfg
+
+SUBTILE_N = 16
+SHAPES = {"125m": (16384, 2048, 768), "1b": (16384, 8192, 2048), "8b": (8192, 14336, 4096)}  # M, ffn_dim, dim
+CONFIGS = ("128x128 c1x2 pingpong", "128x160 c2x1 pingpong", "128x192 c2x1 pingpong", "128x192 c1x2 pingpong")
+
+
+class NarrowSubtileStore(TileStore):
+    """A tile store that narrows the whole epilogue's subtile to SUBTILE_N columns on SM90 (quack
+    consults its store ops for the kernel's epi tile)."""
+
+    def epi_tile_shape_override(self, arch, cta_tile_shape_mnk, atom_layout_mnk):
+        if arch != 90:
+            return None
+        m, n = GemmSm90._compute_tile_shape_or_override(cta_tile_shape_mnk, atom_layout_mnk, None)
+        return (m, min(n, SUBTILE_N))
+
+    def config_key(self):
+        return super().config_key() + (("subtile_n", SUBTILE_N),)
+
+
+def _dswiglu(acc, gate, up, r):
+    dg, du, a = E.dswiglu(gate, up, acc)
+    return {"D": a, "g_gate": dg * r, "g_up": du * r, "stat": dg * gate + du * up}
+
+
+def _residual(acc, c, gamma):
+    x = E.as_stored(acc + c)
+    return {"D": x, "h": x * gamma, "sumsq": (x, x)}
+
+
+# the op's programs again, with the first aux store narrowing the subtile (module globals: quack keys its cache on them)
+dswiglu_narrow = gemm_epilogue(outputs=(NarrowSubtileStore("g_gate"), "g_up"), ops={"r": ColVecLoad("r")},
+                               reduces={"stat": ColVecReduce("stat")})(_dswiglu)
+residual_narrow = gemm_epilogue(outputs=(NarrowSubtileStore("h"),), ops={"gamma": RowVecLoad("gamma")},
+                                reduces={"sumsq": ColVecReduce("sumsq", scaled=True)})(_residual)
+
+
+def measure(shape: str, configs: list[str]) -> list[dict]:
+    from triton.testing import do_bench
+
+    M, F, d = SHAPES[shape]
+    dev = torch.device("cuda")
+    g = torch.Generator(dev).manual_seed(0)
+    rn = lambda *s: torch.randn(*s, device=dev, dtype=torch.bfloat16, generator=g)  # noqa: E731
+    r = torch.rand(M, device=dev, generator=g) + 0.5
+    g_out, w_down, gu = rn(M, d), rn(d, F) / F ** 0.5, rn(M, 2 * F)
+    a_in, x1, gamma = rn(M, F), rn(M, d), rn(d)
+    rows = []
+    for text in configs:
+        cfg = Cfg.parse(text)
+        dsw = {"D": torch.empty(M, F, device=dev, dtype=torch.bfloat16), "g_gu": torch.empty(M, 2 * F, device=dev, dtype=torch.bfloat16)}
+        res = {"D": torch.empty(M, d, device=dev, dtype=torch.bfloat16), "h": torch.empty(M, d, device=dev, dtype=torch.bfloat16)}
+        cases = {
+            "dswiglu": lambda prog, st: gemm(prog, g_out, w_down.mT, dsw["D"], cfg=cfg,
+                                             epi={"gate": gu[:, :F], "up": gu[:, F:], "r": colvec(r), "g_gate": dsw["g_gu"][:, :F],
+                                                  "g_up": dsw["g_gu"][:, F:], "stat": st}),
+            "residual (K=ffn)": lambda prog, st: gemm(prog, a_in, w_down, res["D"], C=x1, cfg=cfg,
+                                                      epi={"gamma": rowvec(gamma), "h": res["h"], "sumsq": st}),
+        }
+        programs = {"dswiglu": (E.dswiglu_rowscale_stat, dswiglu_narrow),
+                    "residual (K=ffn)": (E.residual_rmsnorm_partial, residual_narrow)}
+        for case, run in cases.items():
+            n_out = F if case == "dswiglu" else d
+            outs = dsw if case == "dswiglu" else res
+            results = {}
+            for label, prog in zip(("default", f"n{SUBTILE_N}"), programs[case]):
+                _, st = stat_cols(M, n_out, cfg, dev)
+                try:
+                    for t in outs.values():
+                        t.fill_(float("nan"))
+                    st.fill_(float("nan"))
+                    run(prog, st)
+                    torch.cuda.synchronize()
+                    got = [t.clone() for t in outs.values()] + [st.sum(-1)]
+                    ms = do_bench(lambda: run(prog, st), warmup=25, rep=100, return_mode="median")
+                    results[label] = (ms, got)
+                    row = dict(shape=shape, case=case, config=text, subtile=label, ms=round(ms, 4))
+                    if label != "default" and "default" in results:
+                        row["err_vs_default"] = max(relative_error(a, b) for a, b in zip(got, results["default"][1]))
+                except Exception as e:  # a config this program cannot run: reported
+                    row = dict(shape=shape, case=case, config=text, subtile=label, error=f"{type(e).__name__}: {str(e)[:200]}")
+                rows.append(row)
+                print(f"{shape:5s} {case:17s} {text:24s} {label:8s} " +
+                      (f"{row['ms']:8.4f} ms" + (f"  err {row['err_vs_default']:.1e}" if "err_vs_default" in row else "")
+                       if "ms" in row else row["error"]), flush=True)
+            del results
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="125m,1b,8b")
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/epilogue_subtile")))
+    args = p.parse_args()
+    rows = [r for s in args.shapes.split(",") for r in measure(s, args.configs.split(","))]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "epilogue_subtile.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
