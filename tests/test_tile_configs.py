@@ -379,6 +379,31 @@ for cfg in (Cfg(128, 192), Cfg(128, 128)):
     assert usage["128x128 c2x1 pingpong"]["spill_stores"] == 0 and usage["128x128 c2x1 pingpong"]["registers"] > 0, usage
 
 
+def test_narrow_epilogue_subtile_removes_the_wide_tile_spills(stack, tmp_path):
+    """scripts/epilogue_subtile.py's dSwiGLU program (16-column epilogue subtiles) compiles GPU-blind
+    and spills at most a few bytes at 128x192 pingpong, where the op's own program spills ~1 KB
+    (docs/kernels.md, "Narrower epilogue subtiles")."""
+    import shutil
+    if shutil.which("ptxas") is None:
+        pytest.skip("no ptxas on PATH")
+    tune = load_tuner()
+    (launch,) = tune.launches(["125m"], ["gemm_dswiglu_rowscale_stat"])
+    out = _run(f'''
+import json, sys
+sys.path.insert(0, "scripts")
+import register_audit as A
+import epilogue_subtile as S
+from coda_train.kernels.tile_configs import Cfg
+launch = json.loads({json.dumps(json.dumps(launch))})
+for name, prog in (("op", S.E.dswiglu_rowscale_stat), ("narrow", S.dswiglu_narrow)):
+    S.E.dswiglu_rowscale_stat = prog  # what the op launches
+    (usage,) = A.compile_and_audit(launch, Cfg(128, 192))
+    print(json.dumps([name, usage]))
+''', env=dict(ENV, QUACK_CACHE_DIR=str(tmp_path / "qc")))
+    usage = dict(json.loads(line) for line in out.splitlines() if line.startswith("["))
+    assert usage["op"]["spill_stores"] > 500 and usage["narrow"]["spill_stores"] <= 64, usage
+
+
 @pytest.fixture
 def tile_cache(tmp_path, monkeypatch):
     """The user's tile config cache ($CODA_TILE_CACHE) as a fresh file path for the test."""
