@@ -355,26 +355,32 @@ def test_a_run_reports_the_gemm_shapes_the_table_lacks_and_the_tuner_tunes_exact
     assert report_untuned_gemms(PRESETS["tiny"], t, "H200", tmp_path) == [] and not path.exists()
 
 
-def test_register_audit_reads_spills_gpu_blind(stack, tmp_path):
-    """scripts/register_audit.py on the dSwiGLU op at the 125m widths: the 128x192 pingpong tile spills
-    its epilogue (192 accumulator registers a thread leave too few), the 128x128 one does not
-    (docs/kernels.md, "Register spills"); a quack or ptxas upgrade that changes this shows up here."""
+def dswiglu_audit(tmp_path, loop: str) -> dict:
+    """Run `loop` (code that prints json [label, usage] lines, with register_audit as A, Cfg and the
+    125m dSwiGLU `launch` in scope) GPU-blind in a subprocess: {label: ptxas usage}."""
     import shutil
     if shutil.which("ptxas") is None:
         pytest.skip("no ptxas on PATH")
-    tune = load_tuner()
-    (launch,) = tune.launches(["125m"], ["gemm_dswiglu_rowscale_stat"])
+    (launch,) = load_tuner().launches(["125m"], ["gemm_dswiglu_rowscale_stat"])
     out = _run(f'''
 import json, sys
 sys.path.insert(0, "scripts")
 import register_audit as A
 from coda_train.kernels.tile_configs import Cfg
 launch = json.loads({json.dumps(json.dumps(launch))})
+''' + loop, env=dict(ENV, QUACK_CACHE_DIR=str(tmp_path / "qc")))
+    return dict(json.loads(line) for line in out.splitlines() if line.startswith("["))
+
+
+def test_register_audit_reads_spills_gpu_blind(stack, tmp_path):
+    """scripts/register_audit.py on the dSwiGLU op at the 125m widths: the 128x192 pingpong tile spills
+    its epilogue (192 accumulator registers a thread leave too few), the 128x128 one does not
+    (docs/kernels.md, "Register spills"); a quack or ptxas upgrade that changes this shows up here."""
+    usage = dswiglu_audit(tmp_path, '''
 for cfg in (Cfg(128, 192), Cfg(128, 128)):
     (usage,) = A.compile_and_audit(launch, cfg)
     print(json.dumps([str(cfg), usage]))
-''', env=dict(ENV, QUACK_CACHE_DIR=str(tmp_path / "qc")))
-    usage = dict(json.loads(line) for line in out.splitlines() if line.startswith("["))
+''')
     assert usage["128x192 c2x1 pingpong"]["spill_stores"] > 0, usage
     assert usage["128x128 c2x1 pingpong"]["spill_stores"] == 0 and usage["128x128 c2x1 pingpong"]["registers"] > 0, usage
 
@@ -383,24 +389,13 @@ def test_narrow_epilogue_subtile_removes_the_wide_tile_spills(stack, tmp_path):
     """scripts/epilogue_subtile.py's dSwiGLU program (16-column epilogue subtiles) compiles GPU-blind
     and spills at most a few bytes at 128x192 pingpong, where the op's own program spills ~1 KB
     (docs/kernels.md, "Narrower epilogue subtiles")."""
-    import shutil
-    if shutil.which("ptxas") is None:
-        pytest.skip("no ptxas on PATH")
-    tune = load_tuner()
-    (launch,) = tune.launches(["125m"], ["gemm_dswiglu_rowscale_stat"])
-    out = _run(f'''
-import json, sys
-sys.path.insert(0, "scripts")
-import register_audit as A
+    usage = dswiglu_audit(tmp_path, '''
 import epilogue_subtile as S
-from coda_train.kernels.tile_configs import Cfg
-launch = json.loads({json.dumps(json.dumps(launch))})
 for name, prog in (("op", S.E.dswiglu_rowscale_stat), ("narrow", S.dswiglu_narrow)):
     S.E.dswiglu_rowscale_stat = prog  # what the op launches
     (usage,) = A.compile_and_audit(launch, Cfg(128, 192))
     print(json.dumps([name, usage]))
-''', env=dict(ENV, QUACK_CACHE_DIR=str(tmp_path / "qc")))
-    usage = dict(json.loads(line) for line in out.splitlines() if line.startswith("["))
+''')
     assert usage["op"]["spill_stores"] > 500 and usage["narrow"]["spill_stores"] <= 64, usage
 
 
