@@ -1,13 +1,14 @@
-"""Does a narrower epilogue subtile pay? The epilogue-heavy GEMMs on pingpong tiles, with quack's
-default epilogue subtile (64 x 32 on SM90) against a 16-column one, on one Hopper GPU.
+"""Does another epilogue subtile pay? The epilogue-heavy GEMMs on pingpong tiles, with quack's
+default epilogue subtile (64 x 32 on SM90) against another one (default 64 x 16), on one Hopper GPU.
 
-    python scripts/epilogue_subtile.py [--shapes 125m,1b,8b] [--out DIR]
+    python scripts/epilogue_subtile.py [--shapes 125m,1b,8b] [--subtile MxN] [--configs ...] [--out DIR]
 
 A pingpong warpgroup holds its whole accumulator in registers while its epilogue runs; the
 epilogue's own values (loaded tiles, results) come on top, per subtile. At 128 x 192 the dSwiGLU
 epilogue spills ~1 KB a thread with 32-column subtiles and 20 B with 16-column ones
 (`register_audit.py`-style ptxas -v, GPU-blind), so the wider tiles, whose mainloop reads less
-per FLOP, may run without spills. Each row: the op's epilogue program (`_epilogues.py`) at one
+per FLOP, may run without spills. A wider subtile (64 x 64, 128 x 32) halves the epilogue's subtiles,
+and with them its per-subtile barriers and pipeline waits, at the cost of more registers. Each row: the op's epilogue program (`_epilogues.py`) at one
 tile config and subtile width, checked against the same config at the default subtile (relative
 error), median of triton.testing.do_bench. Prints a table and writes epilogue_subtile.json under --out.
 """
@@ -20,32 +21,30 @@ import os
 from pathlib import Path
 
 import torch
-from quack.epilogue.frontend import gemm_epilogue
+from quack.epilogue.frontend import gemm_epilogue, unpack
 from quack.epilogue.ops import ColVecLoad, ColVecReduce, RowVecLoad, TileStore
-from quack.gemm_sm90 import GemmSm90
 
 from coda_train.kernels.cute import _epilogues as E
 from coda_train.kernels.cute._launch import colvec, gemm, rowvec, stat_cols
 from coda_train.kernels.testing import relative_error
 from coda_train.kernels.tile_configs import Cfg
 
-SUBTILE_N = 16
+SUBTILE = (64, 16)  # (M, N) of the epilogue subtile the programs below run with; --subtile sets it before any compile
 SHAPES = {"125m": (16384, 2048, 768), "1b": (16384, 8192, 2048), "8b": (8192, 14336, 4096)}  # M, ffn_dim, dim
 CONFIGS = ("128x128 c1x2 pingpong", "128x160 c2x1 pingpong", "128x192 c2x1 pingpong", "128x192 c1x2 pingpong")
 
 
-class NarrowSubtileStore(TileStore):
-    """A tile store that narrows the whole epilogue's subtile to SUBTILE_N columns on SM90 (quack
-    consults its store ops for the kernel's epi tile)."""
+class SubtileStore(TileStore):
+    """A tile store that sets the whole epilogue's subtile to SUBTILE on SM90 (quack consults its
+    store ops for the kernel's epi tile), within the CTA tile."""
 
     def epi_tile_shape_override(self, arch, cta_tile_shape_mnk, atom_layout_mnk):
         if arch != 90:
             return None
-        m, n = GemmSm90._compute_tile_shape_or_override(cta_tile_shape_mnk, atom_layout_mnk, None)
-        return (m, min(n, SUBTILE_N))
+        return (min(SUBTILE[0], cta_tile_shape_mnk[0]), min(SUBTILE[1], cta_tile_shape_mnk[1]))
 
     def config_key(self):
-        return super().config_key() + (("subtile_n", SUBTILE_N),)
+        return super().config_key() + (("subtile", SUBTILE),)
 
 
 def _dswiglu(acc, gate, up, r):
@@ -53,16 +52,24 @@ def _dswiglu(acc, gate, up, r):
     return {"D": a, "g_gate": dg * r, "g_up": du * r, "stat": dg * gate + du * up}
 
 
+def _swiglu(acc, r):
+    g, u = unpack(acc * r)
+    g, u = E.as_stored(g), E.as_stored(u)
+    return {"gate": g, "up": u, "a": E.swiglu(g, u)}
+
+
 def _residual(acc, c, gamma):
     x = E.as_stored(acc + c)
     return {"D": x, "h": x * gamma, "sumsq": (x, x)}
 
 
-# the op's programs again, with the first aux store narrowing the subtile (module globals: quack keys its cache on them)
-dswiglu_narrow = gemm_epilogue(outputs=(NarrowSubtileStore("g_gate"), "g_up"), ops={"r": ColVecLoad("r")},
-                               reduces={"stat": ColVecReduce("stat")})(_dswiglu)
-residual_narrow = gemm_epilogue(outputs=(NarrowSubtileStore("h"),), ops={"gamma": RowVecLoad("gamma")},
-                                reduces={"sumsq": ColVecReduce("sumsq", scaled=True)})(_residual)
+# the op's programs again, with the first aux store setting the subtile (module globals: quack keys its cache on them)
+dswiglu_subtile = gemm_epilogue(outputs=(SubtileStore("g_gate"), "g_up"), ops={"r": ColVecLoad("r")},
+                                reduces={"stat": ColVecReduce("stat")})(_dswiglu)
+swiglu_subtile = gemm_epilogue(outputs=(SubtileStore("gate", gated=True), "up", "a"), ops={"r": ColVecLoad("r")},
+                               mode="acc_pair")(_swiglu)
+residual_subtile = gemm_epilogue(outputs=(SubtileStore("h"),), ops={"gamma": RowVecLoad("gamma")},
+                                 reduces={"sumsq": ColVecReduce("sumsq", scaled=True)})(_residual)
 
 
 def measure(shape: str, configs: list[str]) -> list[dict]:
@@ -74,25 +81,30 @@ def measure(shape: str, configs: list[str]) -> list[dict]:
     rn = lambda *s: torch.randn(*s, device=dev, dtype=torch.bfloat16, generator=g)  # noqa: E731
     r = torch.rand(M, device=dev, generator=g) + 0.5
     g_out, w_down, gu = rn(M, d), rn(d, F) / F ** 0.5, rn(M, 2 * F)
-    a_in, x1, gamma = rn(M, F), rn(M, d), rn(d)
-    a, g_gu, x2, h2 = rn(M, F), rn(M, 2 * F), rn(M, d), rn(M, d)  # outputs, overwritten
+    a_in, x1, gamma, h, w_gate_up = rn(M, F), rn(M, d), rn(d), rn(M, d), rn(2 * F, d) / d ** 0.5
+    a, g_gu, x2, h2, gu_f, a_f = rn(M, F), rn(M, 2 * F), rn(M, d), rn(M, d), rn(M, 2 * F), rn(M, F)  # outputs, overwritten
 
     def dswiglu(prog, cfg, stat):  # B1 as the op launches it
         gemm(prog, g_out, w_down.mT, a, cfg=cfg, epi={"gate": gu[:, :F], "up": gu[:, F:], "r": colvec(r),
                                                       "g_gate": g_gu[:, :F], "g_up": g_gu[:, F:], "stat": stat})
 
+    def swiglu(prog, cfg, stat):  # F5 as the op launches it (no partial sums: stat stays zero)
+        stat.zero_()
+        gemm(prog, h, w_gate_up, None, concat=("B",), cfg=cfg, epi={"gate": gu_f[:, :F], "up": gu_f[:, F:], "a": a_f, "r": colvec(r)})
+
     def residual(prog, cfg, stat):  # F6 as the op launches it
         gemm(prog, a_in, w_down, x2, C=x1, cfg=cfg, epi={"gamma": rowvec(gamma), "h": h2, "sumsq": stat})
 
-    # case: (launch, its two programs (quack's subtile, the narrow one), its stored outputs, its GEMM's N)
-    cases = {"dswiglu": (dswiglu, (E.dswiglu_rowscale_stat, dswiglu_narrow), (a, g_gu), F),
-             "residual (K=ffn)": (residual, (E.residual_rmsnorm_partial, residual_narrow), (x2, h2), d)}
+    # case: (launch, its two programs (quack's subtile, SUBTILE), its stored outputs, its GEMM's N)
+    cases = {"dswiglu": (dswiglu, (E.dswiglu_rowscale_stat, dswiglu_subtile), (a, g_gu), F),
+             "swiglu": (swiglu, (E.rowscale_swiglu, swiglu_subtile), (gu_f, a_f), F),
+             "residual (K=ffn)": (residual, (E.residual_rmsnorm_partial, residual_subtile), (x2, h2), d)}
     rows = []
     for text in configs:
         cfg = Cfg.parse(text)
         for case, (launch, programs, outs, n) in cases.items():
             want = None
-            for label, prog in zip(("default", f"n{SUBTILE_N}"), programs):
+            for label, prog in zip(("default", "x".join(map(str, SUBTILE))), programs):
                 row = dict(shape=shape, case=case, config=text, subtile=label)
                 try:
                     _, stat = stat_cols(M, n, cfg, dev)
@@ -115,14 +127,18 @@ def measure(shape: str, configs: list[str]) -> list[dict]:
 
 
 def main() -> None:
+    global SUBTILE
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="125m,1b,8b")
     p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--subtile", default="x".join(map(str, SUBTILE)), help="the epilogue subtile MxN against quack's")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/epilogue_subtile")))
     args = p.parse_args()
+    SUBTILE = tuple(int(v) for v in args.subtile.split("x"))
     rows = [r for s in args.shapes.split(",") for r in measure(s, args.configs.split(","))]
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "epilogue_subtile.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    name = "epilogue_subtile.json" if SUBTILE == (64, 16) else f"epilogue_subtile_{args.subtile}.json"
+    (args.out / name).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "subtile": args.subtile, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

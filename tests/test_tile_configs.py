@@ -391,12 +391,41 @@ def test_narrow_epilogue_subtile_removes_the_wide_tile_spills(stack, tmp_path):
     (docs/kernels.md, "Narrower epilogue subtiles")."""
     usage = dswiglu_audit(tmp_path, '''
 import epilogue_subtile as S
-for name, prog in (("op", S.E.dswiglu_rowscale_stat), ("narrow", S.dswiglu_narrow)):
+for name, prog in (("op", S.E.dswiglu_rowscale_stat), ("narrow", S.dswiglu_subtile)):  # 64 x 16
     S.E.dswiglu_rowscale_stat = prog  # what the op launches
     (usage,) = A.compile_and_audit(launch, Cfg(128, 192))
     print(json.dumps([name, usage]))
 ''')
     assert usage["op"]["spill_stores"] > 500 and usage["narrow"]["spill_stores"] <= 64, usage
+
+
+def test_epilogue_stage_variants_set_the_split_they_name(stack, tmp_path):
+    """scripts/epilogue_stages.py's variants, applied to the 125m dSwiGLU at 128x128 pingpong
+    (GPU-blind): quack's split is (A/B, store, load) = (5, 2, 5) stages; c8 puts all 8 subtiles of
+    loads in flight for one A/B stage, c8d hands one more A/B stage to the stores (docs/kernels.md,
+    "What sets an epilogue's pace at K = 768"). A quack upgrade that changes the split shows up here."""
+    (launch,) = load_tuner().launches(["125m"], ["gemm_dswiglu_rowscale_stat"])
+    splits = {}
+    for variant in ("ship", "c8", "c8d"):
+        out = _run(f'''
+import json, sys
+sys.path.insert(0, "scripts")
+import epilogue_stages as S
+S.apply({variant!r})
+from quack.gemm_sm90 import GemmSm90
+setup = GemmSm90._setup_attributes
+def recorded(self, epilogue_args):
+    setup(self, epilogue_args)
+    print(json.dumps([self.ab_stage, self.epi_stage, self.epi_c_stage]))
+GemmSm90._setup_attributes = recorded
+from tune_gemm import compile_launch
+from coda_train.kernels.cute._launch import compile_only
+from coda_train.kernels.tile_configs import Cfg
+with compile_only():
+    compile_launch(json.loads({json.dumps(json.dumps(launch))}), Cfg(128, 128, 1, 2, True))
+''', env=dict(ENV, QUACK_CACHE_DIR=str(tmp_path / variant)))  # one cache per variant: the key ignores the split
+        splits[variant] = [json.loads(line) for line in out.splitlines() if line.startswith("[")][-1]
+    assert splits == {"ship": [5, 2, 5], "c8": [4, 2, 8], "c8d": [3, 4, 8]}, splits
 
 
 @pytest.fixture
