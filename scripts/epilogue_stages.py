@@ -17,6 +17,8 @@ coda-graphs step at that shape, the variants alternately, two rounds. Prints a t
 epilogue_stages.json under --out.
 
     python scripts/epilogue_stages.py [--shapes 125m,1b-4x4096] [--step 125m [--op-rounds 0]] [--out DIR]
+
+On the H200 (2026-12-02) neither variant paid: docs/kernels.md, "What sets an epilogue's pace at K = 768".
 """
 
 from __future__ import annotations
