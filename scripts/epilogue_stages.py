@@ -24,11 +24,13 @@ On the H200 (2026-12-02) neither variant paid: docs/kernels.md, "What sets an ep
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import re
 import runpy
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,7 +41,6 @@ from pathlib import Path
 SCRIPTS = Path(__file__).resolve().parent
 VARIANTS = {"ship": (4, False), "c8": (8, False), "c8d": (8, True)}  # (epi_c_stage_base, one A/B stage to D)
 LOAD_OPS = ("gemm_dswiglu_rowscale_stat", "gemm_residual_rmsnorm_partial", "gemm_rmsnorm_backward", "gemm_rowscale_rope")
-CACHE = Path(tempfile.gettempdir()) / "epilogue_stages"
 
 
 def apply(variant: str) -> None:
@@ -125,8 +126,10 @@ def child_time(shapes: list[str]) -> None:
             torch.cuda.empty_cache()
 
 
-def run_child(variant: str, mode: list[str], cpu: bool = False, timeout: int = 400) -> subprocess.CompletedProcess:
-    env = dict(os.environ, QUACK_CACHE_DIR=str(CACHE / variant), QUACK_CACHE_ENABLED="1")
+def run_child(variant: str, mode: list[str], cache: Path, cpu: bool = False, timeout: int = 400) -> subprocess.CompletedProcess:
+    """This script as a child process applying `variant`, with a kernel cache of the variant's own under `cache`
+    (quack's cache key does not see the patched split)."""
+    env = dict(os.environ, QUACK_CACHE_DIR=str(cache / variant), QUACK_CACHE_ENABLED="1")
     if cpu:
         env.update(QUACK_ARCH="90", CUTE_DSL_ARCH="sm_90a", CUDA_VISIBLE_DEVICES="")
     return subprocess.run([sys.executable, __file__, "--variant", variant, *mode], env=env, capture_output=True,
@@ -165,10 +168,12 @@ def main() -> None:
         return
 
     variants, shapes = args.variants.split(","), args.shapes.split(",")
+    cache = Path(tempfile.mkdtemp(prefix="epilogue_stages_"))  # fresh: every kernel compiles, so its split is recorded
+    atexit.register(shutil.rmtree, cache, ignore_errors=True)
     t0 = time.time()
     compile_shapes = ",".join(dict.fromkeys(shapes + ([args.step] if args.step else [])))
     with ThreadPoolExecutor(len(variants)) as pool:  # GPU-blind, one process per variant
-        done = list(pool.map(lambda v: run_child(v, ["--child", "compile", "--shapes", compile_shapes], cpu=True), variants))
+        done = list(pool.map(lambda v: run_child(v, ["--child", "compile", "--shapes", compile_shapes], cache, cpu=True), variants))
     splits = {}
     for v, c in zip(variants, done):
         print(f"compile {v}: rc {c.returncode}" + (f"\n{c.stderr[-1500:]}" if c.returncode else ""), flush=True)
@@ -178,15 +183,29 @@ def main() -> None:
                                                       f"({k['ab']},{k['d']},{k['c']})" for k in kernels if k["c"]), flush=True)
     print(f"compiled in {time.time() - t0:.0f} s", flush=True)
 
-    rows = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(command="python scripts/epilogue_stages.py " + " ".join(sys.argv[1:]),
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), device=gpu_name())
+    rows, steps = [], []
+
+    def write():  # after every measurement: a device call cut short keeps what it measured
+        (out / "epilogue_stages.json").write_text(json.dumps(dict(meta=meta, splits=splits, ops=rows, steps=steps), indent=1) + "\n")
+
+    write()
     for rnd in range(1, args.op_rounds + 1):
         for v in variants:
-            c = run_child(v, ["--child", "time", "--shapes", ",".join(shapes)])
+            try:
+                c = run_child(v, ["--child", "time", "--shapes", ",".join(shapes)], cache, timeout=240)
+            except subprocess.TimeoutExpired as e:  # a variant whose kernel hangs: reported, skipped
+                print(f"time {v}: no result in {e.timeout} s", flush=True)
+                continue
             got = [json.loads(line[7:]) for line in c.stdout.splitlines() if line.startswith("RESULT ")]
             if c.returncode:
                 print(f"time {v}: rc {c.returncode}\n{c.stderr[-1500:]}", flush=True)
             for r in got:
                 rows.append(dict(r, variant=v, round=rnd))
+            write()
     ship = {(r["shape"], r["op"], tuple(r["mnk"])): r["checksums"] for r in rows if r["variant"] == "ship"}
     print(f"\n{'shape':10s} {'op':32s} {'m x n x k':18s} {'config':24s} " + " ".join(f"{v:>14s}" for v in variants))
     for key in dict.fromkeys((r["shape"], r["op"], tuple(r["mnk"]), r["config"]) for r in rows):
@@ -197,21 +216,11 @@ def main() -> None:
             cells.append("/".join(f"{r['ms']:.4f}" for r in mine) + ("" if same else " DIFF"))
         print(f"{key[0]:10s} {key[1]:32s} {'x'.join(map(str, key[2])):18s} {key[3]:24s} " + " ".join(f"{c:>14s}" for c in cells))
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = dict(command="python scripts/epilogue_stages.py " + " ".join(sys.argv[1:]),
-                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), device=gpu_name())
-    steps = []
-
-    def write():  # after every measurement: a device call cut short keeps what it measured
-        (out / "epilogue_stages.json").write_text(json.dumps(dict(meta=meta, splits=splits, ops=rows, steps=steps), indent=1) + "\n")
-
-    write()
     for rnd in range(1, args.step_rounds + 1) if args.step else ():
         for v in variants:
             with tempfile.TemporaryDirectory() as tmp:
                 c = run_child(v, ["--child", "bench", "--bench-args",
-                                  f"--shape {args.step} --variants coda-graphs --profile-steps 0 --out {tmp}"], timeout=300)
+                                  f"--shape {args.step} --variants coda-graphs --profile-steps 0 --out {tmp}"], cache, timeout=300)
             ms = step_ms(c.stdout)
             steps.append(dict(shape=args.step, variant=v, round=rnd, ms=ms))
             write()
