@@ -69,20 +69,9 @@ def apply(variant: str) -> None:
     GemmSm90._compute_stages = classmethod(split)
 
 
-def shape_dims(shape: str):
-    from bench import SHAPES
-
-    from coda_train.model.config import PRESETS
-
-    s = SHAPES[shape]
-    return PRESETS[s.preset].kernel_dims(s.batch * s.seq, s.seq)
-
-
-def child_compile(shapes: list[str]) -> None:
-    """Compile the step's kernels at `shapes` GPU-blind; one SPLIT line per kernel: its stage split."""
+def print_splits() -> None:
+    """From now on, print one SPLIT line (JSON) per GEMM kernel this process sets up: its tile and stage split."""
     from quack.gemm_sm90 import GemmSm90
-
-    from coda_train.kernels.cute._compile import compile_all
 
     quack_setup = GemmSm90._setup_attributes
 
@@ -93,6 +82,15 @@ def child_compile(shapes: list[str]) -> None:
               flush=True)
 
     GemmSm90._setup_attributes = recorded
+
+
+def child_compile(shapes: list[str]) -> None:
+    """Compile the step's kernels at `shapes` GPU-blind; one SPLIT line per kernel."""
+    from tune_gemm import shape_dims
+
+    from coda_train.kernels.cute._compile import compile_all
+
+    print_splits()
     compile_all([shape_dims(s) for s in shapes], verbose=False, gpu="H200")
 
 
@@ -100,9 +98,9 @@ def child_time(shapes: list[str]) -> None:
     """One RESULT line per (shape, op launch): ms, config, output checksums."""
     import torch
     from triton.testing import do_bench
-    from tune_gemm import launches, model_gemms
+    from tune_gemm import launch_inputs, launches
 
-    from coda_train.kernels import OPS, Dims, Example, op_set, testing
+    from coda_train.kernels import OPS, op_set, testing
     from coda_train.kernels.library import CUTE_IMPLS
     from coda_train.kernels.tile_configs import forced, gpu_key, lookup
 
@@ -110,9 +108,9 @@ def child_time(shapes: list[str]) -> None:
     gpu = gpu_key(torch.cuda.get_device_name())
     for shape in shapes:
         for launch in launches([shape], list(LOAD_OPS)):
-            op, dims = launch["op"], Dims(**launch["dims"])
+            op = launch["op"]
             cfg = lookup(op, launch["m"], launch["n"], launch["k"], gpu)
-            kwargs = model_gemms(dims)[launch["index"]][2](Example(dims, torch.bfloat16, "cuda", torch.Generator("cuda").manual_seed(0)))
+            kwargs = launch_inputs(launch)
             impl = CUTE_IMPLS[op].kernel
             with forced({op: cfg}):
                 with testing.poisoned_cute_outputs():

@@ -112,6 +112,18 @@ def model_gemms(d: Dims) -> list[tuple[str, tuple[int, int, int], Callable[[Exam
     return [(op, (m, n, k), inputs(op, m, n, k)) for op, (m, n, k) in step_gemm_shapes(d)]
 
 
+def shape_dims(name: str) -> Dims:
+    """The kernel sizes of bench.py shape `name` (batch x seq token rows of its preset)."""
+    s = SHAPES[name]
+    return PRESETS[s.preset].kernel_dims(s.batch * s.seq, s.seq)
+
+
+def launch_inputs(launch: dict) -> dict:
+    """`launch`'s op kwargs on random CUDA inputs (seed 0), as the tuner times it."""
+    dims = Dims(**launch["dims"])
+    return model_gemms(dims)[launch["index"]][2](Example(dims, torch.bfloat16, "cuda", torch.Generator("cuda").manual_seed(0)))
+
+
 def launches(shapes: list[str], ops: Optional[list[str]], launches_file: Optional[str] = None) -> list[dict]:
     """The distinct launches to tune: {op, m, n, k, shapes, index, dims}; index is the position in
     model_gemms (the same at every row count). With launches_file (a run's untuned_gemms.json, written
@@ -122,8 +134,7 @@ def launches(shapes: list[str], ops: Optional[list[str]], launches_file: Optiona
         wanted = {shape_class(e["op"], e["m"], e["n"], e["k"]) for e in spec["launches"]}
         sizes = [(Path(launches_file).parent.name or "run", Dims(**spec["dims"]))]
     else:
-        sizes = [(name, PRESETS[SHAPES[name].preset].kernel_dims(SHAPES[name].batch * SHAPES[name].seq, SHAPES[name].seq))
-                 for name in shapes]
+        sizes = [(name, shape_dims(name)) for name in shapes]
     found = {}
     for name, dims in sizes:
         for i, (op, (m, n, k), _) in enumerate(model_gemms(dims)):
@@ -230,8 +241,7 @@ def time_launch(launch: dict, deadline: float, bench: Callable, clocks: bool = F
     from coda_train.kernels.tile_configs import forced
 
     op = launch["op"]
-    dims = Dims(**launch["dims"])
-    kwargs = model_gemms(dims)[launch["index"]][2](Example(dims, torch.bfloat16, "cuda", torch.Generator("cuda").manual_seed(0)))
+    kwargs = launch_inputs(launch)
     impl, want, results = CUTE_IMPLS[op].kernel, None, []
     # the timed calls update their own copy of what the op mutates: every candidate's check starts from the same inputs
     timed = {k: v.clone() if k in OPS[op].mutates else v for k, v in kwargs.items()}

@@ -412,19 +412,15 @@ import json, sys
 sys.path.insert(0, "scripts")
 import epilogue_stages as S
 S.apply({variant!r})
-from quack.gemm_sm90 import GemmSm90
-setup = GemmSm90._setup_attributes
-def recorded(self, epilogue_args):
-    setup(self, epilogue_args)
-    print(json.dumps([self.ab_stage, self.epi_stage, self.epi_c_stage]))
-GemmSm90._setup_attributes = recorded
+S.print_splits()
 from tune_gemm import compile_launch
 from coda_train.kernels.cute._launch import compile_only
 from coda_train.kernels.tile_configs import Cfg
 with compile_only():
     compile_launch(json.loads({json.dumps(json.dumps(launch))}), Cfg(128, 128, 1, 2, True))
 ''', env=dict(ENV, QUACK_CACHE_DIR=str(tmp_path / variant)))  # one cache per variant: the key ignores the split
-        splits[variant] = [json.loads(line) for line in out.splitlines() if line.startswith("[")][-1]
+        (split,) = [json.loads(line[6:]) for line in out.splitlines() if line.startswith("SPLIT ")]
+        splits[variant] = [split["ab"], split["d"], split["c"]]
     assert splits == {"ship": [5, 2, 5], "c8": [4, 2, 8], "c8d": [3, 4, 8]}, splits
 
 
