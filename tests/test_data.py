@@ -289,6 +289,18 @@ def test_truncated_shard_or_manifest(tmp_path, docs, damage):
     assert folder_bytes(data.path) == damaged  # the error names the fix; nothing is deleted behind the user's back
 
 
+def test_data_of_another_format_version_names_the_fix(tmp_path, docs):
+    """A folder prepared by another version of this code (after an upgrade) is refused, not misread."""
+    source = write_jsonl(tmp_path / "corpus.jsonl", [{"text": d} for d in docs])
+    data = prepare(config(source, tmp_path / "cache"))
+    manifest = json.loads((data.path / "manifest.json").read_text())
+    (data.path / "manifest.json").write_text(json.dumps({**manifest, "format_version": -1}))
+    before = folder_bytes(data.path)
+    with pytest.raises(DataError, match=rf"{data.path} was prepared by format version -1, this code reads \d+; .*delete"):
+        prepare(config(source, tmp_path / "cache"))
+    assert folder_bytes(data.path) == before
+
+
 def test_failed_run_leaves_prepared_results_alone(tmp_path, docs):
     good = write_jsonl(tmp_path / "good.jsonl", [{"text": d} for d in docs])
     data = prepare(config(good, tmp_path / "cache"))

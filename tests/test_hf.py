@@ -279,7 +279,7 @@ def test_eval_script_reports_loss_and_perplexity_of_the_val_split_and_of_text_fi
     model = load_eager_model(ckpt, torch.device("cpu"), torch.float32)
     expected, count = mean_loss(model, TokenLoader(ckpt.data, "val", 4, 32, seed=0).iter_eval(3), torch.device("cpu"))
     assert count == 384 and loss == pytest.approx(expected, abs=1e-4) and ppl == pytest.approx(math.exp(expected), rel=1e-3)
-    assert 2.0 < loss < math.log(384) + 0.5  # trained a little: below chance, but not memorized
+    assert 2.0 < loss < math.log(384)  # trained a little: below chance (uniform over the vocab), not memorized
 
     text = tmp_path / "doc.py"
     text.write_text(TEXT * 12)

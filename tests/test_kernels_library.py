@@ -77,8 +77,10 @@ def test_fake_tensor_shapes_match_the_cpu_kernel(case, dt):
 
 @pytest.mark.parametrize("dt", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("case", CASE_NAMES)
-def test_cpu_kernel_equals_reference(case, dt):
-    """Exactly the reference; partial-sum outputs have the declared width P and the same row sums."""
+def test_cpu_custom_op_dispatches_to_reference(case, dt):
+    """The custom op's CPU kernel is the reference behind the op wrapper: the same outputs exactly, the
+    inputs it mutates written through, and partial-sum outputs widened to the declared width P (zero
+    columns) with the same row sums."""
     op, kw = case_of(case, dt)
     got, want = call_on_copies(L.CUSTOM_OPS[op.name], op, kw), call_on_copies(op.reference, op, kw)
     assert len(got) == len(want)
@@ -342,4 +344,12 @@ def test_opcheck_cute_kernels_bf16(cute_ops, shape):
 
     preset, M, T = shape
     for op, case, kw in cases(torch.bfloat16, PRESETS[preset].kernel_dims(M, T), "cuda"):
-        torch.library.opcheck(L.CUSTOM_OPS[op.name], (), kw)
+        torch.library.opcheck(L.CUSTOM_OPS[op.name], (), kw, **RUN_TO_RUN_TOLERANCE.get(op.name, {}))
+
+
+# opcheck compares two calls of an op. FlashAttention 4's backward adds dq up with fp32 atomics in the
+# order its CTAs finish, so two calls differ in the last bits: on the H200 (2026-12-03, 30 calls at
+# llama3_1b dims) up to 1e-2 relative on bf16 gradients (3.9e-3 absolute near zero) and 3.6e-3 absolute
+# on the statistic's partials. A call that tracing breaks is off by O(1), far outside these.
+RUN_TO_RUN_TOLERANCE = {op: dict(atol=1e-2, rtol=2e-2)
+                        for op in ("attention_backward", "attention_rope_backward_rowscale_stat")}

@@ -115,9 +115,13 @@ def test_train_state_round_trip_takes_the_same_next_steps(tiny, tmp_path):
         assert torch.equal(loaded.model.state_dict()[name], tensor), name
 
     weights = {k: v.clone() for k, v in loaded.model.state_dict().items()}
+    moments = {(i, n): t.clone() for i, s in loaded.optimizer.state_dict()["state"].items() for n, t in s.items()}
     with pytest.raises(NonFiniteError, match="step 7: loss=nan"):
         TrainStep(loaded, loaded.model, world, cpu, 2, cfg.optim.grad_clip)(poison_loss=True)
-    assert loaded.step == 6 and all(torch.equal(loaded.model.state_dict()[k], v) for k, v in weights.items())
+    assert (loaded.step, loaded.tokens, loaded.scheduler.last_epoch) == (6, 6 * 2 * 4 * 32, 6)
+    assert all(torch.equal(loaded.model.state_dict()[k], v) for k, v in weights.items())
+    now = {(i, n): t for i, s in loaded.optimizer.state_dict()["state"].items() for n, t in s.items()}
+    assert now.keys() == moments.keys() and all(torch.equal(now[k], v) for k, v in moments.items())  # step counts too
 
 
 def test_metrics_line_carries_mfu_only_where_measured():
@@ -291,3 +295,12 @@ def test_wandb_logger_runs_offline_without_network_or_key(tiny, tmp_path):
     assert len(metrics(tmp_path)) == 3
 
 
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message is for a machine without a GPU")
+def test_device_cuda_without_a_gpu_names_the_fix():
+    from coda_train.trainer.device import pick_device
+
+    with pytest.raises(ConfigError, match="trainer.device=cuda but no CUDA GPU is visible; use trainer.device=auto or cpu"):
+        pick_device("cuda")
+    assert pick_device("auto") == torch.device("cpu")

@@ -246,6 +246,34 @@ def test_meta_json_missing_a_key_is_a_checkpoint_error(tiny, tmp_path, caplog):
     assert steps_logged(tmp_path) == [1, 2, 3, 4, 5, 6]
 
 
+def test_resume_by_path_refuses_what_it_cannot_read_and_keeps_the_run(tiny, tmp_path):
+    """trainer.resume=<path> names the fix for a typo'd path, an unreadable or foreign-format meta.json and
+    a verified state.pt of another trainer; each refusal leaves the run's files as they were."""
+    train_in_process(tmp_path, *tiny, "trainer.max_steps=2", "trainer.ckpt_every=2")
+    good = tmp_path / "checkpoints" / "step_00000002"
+    with pytest.raises(CheckpointError, match="is not a checkpoint, a checkpoints dir or a run dir with checkpoints; "
+                                              "pass an existing path"):
+        train_in_process(tmp_path, *tiny, "trainer.max_steps=4", f"trainer.resume={tmp_path / 'chekpoints'}")
+    # a checkpoint whose state.pt verifies but lacks the optimizer: written by another tool or trainer
+    meta = json.loads((good / "meta.json").read_text())
+    state = torch.load(good / "state.pt", weights_only=True)
+    foreign = save_checkpoint(tmp_path / "checkpoints", 3, {"model": state["model"]},
+                              {k: meta[k] for k in ("model", "impl", "config")}, keep_last=5)
+    damaged = tmp_path / "checkpoints" / "step_00000004"
+    shutil.copytree(good, damaged)
+    cases = [(foreign, None, r"state.pt does not hold this trainer's state .*; choose another checkpoint"),
+             (damaged, "{not json", r"has no readable meta.json .*choose another checkpoint for trainer.resume"),
+             (damaged, json.dumps({**meta, "format": 999}), "has an unknown meta.json format; choose another checkpoint")]
+    for path, meta_text, message in cases:
+        if meta_text is not None:
+            (path / "meta.json").write_text(meta_text)
+        before = snapshot(tmp_path)
+        with pytest.raises(CheckpointError, match=message):
+            train_in_process(tmp_path, *tiny, "trainer.max_steps=4", f"trainer.resume={path}")
+        assert snapshot(tmp_path) == before
+    assert steps_logged(tmp_path) == [1, 2]
+
+
 def test_set_aside_checkpoints_count_against_keep_last(tmp_path):
     def save(step):
         save_checkpoint(tmp_path, step, {"w": torch.full((4,), float(step))}, {"model": {}}, keep_last=3)
