@@ -165,7 +165,7 @@ def test_rows_without_the_text_field_are_counted_and_warned(tmp_path, caplog):
     counts = data.manifest["document_counts"]
     assert counts["documents"] == 5 and counts["missing_field"] == 4
     assert counts["first"]["missing_field"] == f"{source}:2"
-    assert f"4 documents: no text field" in caplog.text and f"(first at {source}:2)" in caplog.text
+    assert "4 documents: no text field" in caplog.text and f"(first at {source}:2)" in caplog.text
     assert documents_in(data, "train") == [d for i, d in enumerate(docs) if i not in (1, 4, 5, 7)]
 
 

@@ -11,7 +11,6 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
-from ..cute_limits import need
 from ..declare import STRIP_COLS, n_stat_cols
 from ..tile_configs import CFG_DEFAULT, CFG_ROPE, Cfg, gpu_key, lookup  # noqa: F401  (Cfg, CFG_*: re-exported)
 
