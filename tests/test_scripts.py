@@ -1,0 +1,20 @@
+"""Every script in scripts/ imports and parses its arguments on a CPU machine (`--help`): most of them
+run only on the GPU machine, where an import error would cost a device call."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*.py"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_script_help_runs_without_a_gpu(script):
+    proc = subprocess.run([sys.executable, f"scripts/{script}", "--help"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=180, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "usage:" in proc.stdout or script == "code_version.py", proc.stdout[-500:]
