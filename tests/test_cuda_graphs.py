@@ -23,7 +23,7 @@ from coda_train.trainer.graphs import use_cuda_graphs
 from coda_train.trainer.optim import build_optimizer
 from coda_train.trainer.step import NonFiniteError, TrainStep
 
-from test_trainer import compose_config, metrics, run_train, train_in_process
+from test_trainer import compose_config, metrics, optimizer_tensors, run_train, train_in_process
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -77,21 +77,17 @@ def test_fused_steps_run_ahead_and_a_non_finite_one_is_never_applied(tiny, tmp_p
 
     state = read_late.state
     weights = {k: v.clone() for k, v in state.model.state_dict().items()}
-    moments = _optimizer_tensors(state.optimizer)
+    moments = optimizer_tensors(state.optimizer)
     pending = [read_late(poison_loss=i == 0) for i in range(3)]  # steps 5 (NaN), 6, 7: nothing reads the device
     assert state.step == 7 and state.scheduler.last_epoch == 7  # the host counters ran ahead
     assert all(torch.equal(state.model.state_dict()[k], v) for k, v in weights.items())
-    now = _optimizer_tensors(state.optimizer)
+    now = optimizer_tensors(state.optimizer)
     assert now.keys() == moments.keys() and all(torch.equal(now[k], v) for k, v in moments.items())  # step counts too
     with pytest.raises(NonFiniteError, match=r"step 5: loss=nan grad_norm=nan is not finite") as error:
         read_late.read(pending[-1])
     assert error.value.step == 5
     with pytest.raises(NonFiniteError, match="step 5: "):
         read_late.check()
-
-
-def _optimizer_tensors(optimizer) -> dict:
-    return {(i, name): t.clone() for i, s in optimizer.state_dict()["state"].items() for name, t in s.items()}
 
 
 def test_a_deferred_non_finite_step_stops_the_loop_at_the_next_read_and_saves_nothing(tiny, tmp_path, fused_adamw):

@@ -55,6 +55,11 @@ def without_timing(lines: list[dict]) -> list[dict]:
     return [{k: v for k, v in line.items() if k not in TIMING_KEYS} for line in lines]
 
 
+def optimizer_tensors(optimizer) -> dict:
+    """Copies of every optimizer state tensor (moments, step counts), keyed by (param index, name)."""
+    return {(i, name): t.clone() for i, s in optimizer.state_dict()["state"].items() for name, t in s.items()}
+
+
 def snapshot(path: Path) -> dict[str, bytes]:
     """The run's files, but .lock and train.log: every attempt on the dir writes its PID and log lines there."""
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))
@@ -115,12 +120,12 @@ def test_train_state_round_trip_takes_the_same_next_steps(tiny, tmp_path):
         assert torch.equal(loaded.model.state_dict()[name], tensor), name
 
     weights = {k: v.clone() for k, v in loaded.model.state_dict().items()}
-    moments = {(i, n): t.clone() for i, s in loaded.optimizer.state_dict()["state"].items() for n, t in s.items()}
+    moments = optimizer_tensors(loaded.optimizer)
     with pytest.raises(NonFiniteError, match="step 7: loss=nan"):
         TrainStep(loaded, loaded.model, world, cpu, 2, cfg.optim.grad_clip)(poison_loss=True)
     assert (loaded.step, loaded.tokens, loaded.scheduler.last_epoch) == (6, 6 * 2 * 4 * 32, 6)
     assert all(torch.equal(loaded.model.state_dict()[k], v) for k, v in weights.items())
-    now = {(i, n): t for i, s in loaded.optimizer.state_dict()["state"].items() for n, t in s.items()}
+    now = optimizer_tensors(loaded.optimizer)
     assert now.keys() == moments.keys() and all(torch.equal(now[k], v) for k, v in moments.items())  # step counts too
 
 
@@ -293,8 +298,6 @@ def test_wandb_logger_runs_offline_without_network_or_key(tiny, tmp_path):
     assert result.returncode == 0, result.stderr
     assert list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(metrics(tmp_path)) == 3
-
-
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the message is for a machine without a GPU")
