@@ -318,6 +318,28 @@ def test_missing_local_path_fails_at_once_without_the_hub(tmp_path, monkeypatch,
     assert time.perf_counter() - start < 5
 
 
+def test_mixed_formats_under_one_glob_are_refused(tmp_path, corpus):
+    (tmp_path / "notes.txt").write_text("plain text\n")
+    with pytest.raises(DataError, match=r"mixes formats \['json', 'text'\]; narrow the glob or set data.format"):
+        prepare(config(tmp_path / "*", tmp_path / "cache"))
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_tokenizer_file_that_cannot_serve_is_refused_before_tokenizing(tmp_path, corpus):
+    malformed = tmp_path / "broken.json"
+    malformed.write_text('{"model": {"type": "BPE", "vocab": ')
+    with pytest.raises(DataError, match=rf"could not read tokenizer {malformed}: .*point data.tokenizer at a valid"):
+        prepare(config(corpus, tmp_path / "cache", tokenizer=str(malformed)))
+    no_eos = tmp_path / "no_eos.json"
+    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.train_from_iterator(make_docs(), trainers.BpeTrainer(vocab_size=280, special_tokens=["[UNK]"]))
+    tokenizer.save(str(no_eos))
+    with pytest.raises(DataError, match=r"the tokenizer has none of the EOS tokens .*; set data.eos_token"):
+        prepare(config(corpus, tmp_path / "cache", tokenizer=str(no_eos)))
+    assert not any((tmp_path / "cache").glob("*/manifest.json"))  # nothing prepared
+
+
 @pytest.mark.parametrize("name", ["wikitext", "HuggingFaceFW/fineweb-edu"])
 def test_bare_names_go_to_the_hub(tmp_path, monkeypatch, name):
     monkeypatch.chdir(tmp_path)

@@ -307,3 +307,14 @@ def test_device_cuda_without_a_gpu_names_the_fix():
     with pytest.raises(ConfigError, match="trainer.device=cuda but no CUDA GPU is visible; use trainer.device=auto or cpu"):
         pick_device("cuda")
     assert pick_device("auto") == torch.device("cpu")
+
+
+def test_cute_kernels_in_float32_name_the_fix(tiny, tmp_path):
+    from coda_train.trainer.build import check_compute
+
+    cfg = compose_config(tmp_path, *tiny, "kernels.backend=cute", "trainer.compute_dtype=float32")
+    with pytest.raises(ConfigError, match="compute in bfloat16 only, but trainer.compute_dtype=float32 gives torch.float32; "
+                                          "use trainer.compute_dtype=bfloat16 \\(or auto\\), or kernels.backend=reference"):
+        check_compute(cfg, "cute", torch.float32)
+    check_compute(cfg, "cute", torch.bfloat16)
+    check_compute(cfg, "reference", torch.float32)
