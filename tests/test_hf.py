@@ -263,6 +263,15 @@ def test_init_from_refuses_shape_overrides_before_data_preparation(exported, tin
     assert not cache.exists()  # refused before any data work
 
 
+def test_init_from_a_model_with_fewer_tokens_than_the_tokenizer_is_refused(exported):
+    from coda_train.config import ModelConfig, resolve_model_config
+
+    with pytest.raises(ConfigError, match=rf"model.init_from={exported} has vocab_size=384, fewer than the tokenizer's "
+                                          r"500 tokens: train with that model's own tokenizer"):
+        resolve_model_config(ModelConfig(init_from=str(exported)), 500, 32)
+    assert resolve_model_config(ModelConfig(init_from=str(exported)), 300, 32).vocab_size == 384
+
+
 def test_init_from_a_directory_without_a_model_is_a_clear_error(tiny, tmp_path):
     result = _train_cli(*tiny, f"trainer.run_dir={tmp_path / 'run'}", f"model.init_from={tmp_path}")
     assert result.returncode == 1 and "has no config.json" in result.stdout + result.stderr
