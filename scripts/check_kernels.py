@@ -7,8 +7,11 @@ in bf16 (attention: also torch SDPA), cute outputs NaN-poisoned, partial sums co
 summing, pass = finite and err(cute) <= 1.5 * err(baseline) + 1e-4. Then whole models
 (coda_train.model.testing.MODEL_CASES): CODA on cute vs CODA on reference vs eager in bf16 against
 eager in float64. Prints one compact table; --out DIR writes the full log and JSON there.
+--repeat N also calls every cute op case N more times on the same inputs and lists the outputs that
+are not bitwise equal from call to call (FlashAttention 4's backward accumulates dq with atomics).
 
-  python scripts/check_kernels.py [--presets tiny,llama3_1b] [--ops gemm_rowscale_rope,...] [--models tiny] [--out DIR]
+  python scripts/check_kernels.py [--presets tiny,llama3_1b] [--ops gemm_rowscale_rope,...] [--models tiny]
+                                  [--repeat N] [--out DIR]
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 
 from coda_train.kernels import op_set
 from coda_train.kernels.testing import check_case, example_cases, poisoned_cute_outputs
+from coda_train.kernels.testing import results as op_results
 from coda_train.model.testing import MODEL_CASES, OP_CHECK_SHAPES, check_model, op_check_dims
 
 
@@ -47,12 +51,31 @@ def check_preset(preset: str, cute, ops, log) -> list[dict]:
     return rows
 
 
+def run_to_run(preset: str, cute, ops, calls: int) -> list[dict]:
+    """One row per output of every op case at the preset's dims: how many of `calls` further calls on
+    the same inputs differ from the first bit for bit, and by how much at most."""
+    rows = []
+    for op, case, kwargs in example_cases(op_check_dims(preset), "cuda", ops=ops):
+        first = [t.clone() for t in op_results(op, getattr(cute, op.name), kwargs)]
+        worst = [dict(op=case, preset=preset, out=i, dtype=str(t.dtype).replace("torch.", ""), differing=0,
+                      max_abs=0.0, max_ref=float(t.double().abs().max()) if t.numel() else 0.0)
+                 for i, t in enumerate(first)]
+        for _ in range(calls):
+            for row, a, b in zip(worst, op_results(op, getattr(cute, op.name), kwargs), first):
+                if not torch.equal(a, b):
+                    row["differing"] += 1
+                    row["max_abs"] = max(row["max_abs"], float((a.double() - b.double()).abs().max()))
+        rows += worst
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", default=",".join(OP_CHECK_SHAPES))
     ap.add_argument("--ops", default="", help="op or case names, comma-separated (default: every declared op)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--models", default=",".join(MODEL_CASES), help="whole-model checks ('' for none)")
+    ap.add_argument("--repeat", type=int, default=0, help="also call each op case N more times: outputs not bitwise equal")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU (Hopper)"
     cute = op_set("cute")
@@ -111,8 +134,16 @@ def main():
         failures += [dict(preset=name, op="model:" + r["tensor"], out=0, err_cute=r["err_cute"], err_base=r["err_eager"])
                      for r in rows if not r["ok"]]
     log2.close()
+    repeat_rows = [r for p in presets for r in run_to_run(p, cute, ops, args.repeat)] if args.repeat else []
+    if args.repeat:
+        unstable = [r for r in repeat_rows if r["differing"]]
+        print(f"\nrun to run ({args.repeat} more calls on the same inputs): {len(repeat_rows) - len(unstable)}/"
+              f"{len(repeat_rows)} outputs bitwise equal every time; the others:")
+        for r in unstable:
+            print(f"  {r['preset']:12s} {r['op']:48s} out{r['out']} {r['dtype']:9s} differs in {r['differing']}/"
+                  f"{args.repeat} calls, max |diff| {r['max_abs']:.2e} (max |out| {r['max_ref']:.2e})")
     with open(os.path.join(args.out, "check_kernels.json"), "w") as f:
-        json.dump(dict(results=results, models=model_rows, seconds=time.time() - t_start,
+        json.dump(dict(results=results, models=model_rows, run_to_run=repeat_rows, seconds=time.time() - t_start,
                        device=torch.cuda.get_device_name()), f, indent=1)
     print(f"\n{len(results) - len(failures)}/{len(results)} outputs ok in {time.time() - t_start:.0f}s "
           f"on {torch.cuda.get_device_name()}")
