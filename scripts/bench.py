@@ -309,13 +309,15 @@ def bench_model(variant: str, cfg, state: dict, batch, iters: int, warmup: int) 
     peak_fb = peak_memory() - base
 
     from coda_train.config import OptimConfig
-    from coda_train.trainer.optim import build_optimizer
+    from coda_train.trainer.distributed import global_grad_norm
+    from coda_train.trainer.optim import build_optimizer, clip_factor
 
-    optimizer = build_optimizer(model, OptimConfig(), DEVICE)  # the trainer's: it refreshes the compute copies
+    optimizer = build_optimizer(model, OptimConfig(), DEVICE)  # the trainer's: it writes the compute copies
+    params = list(model.parameters())
 
-    def train_step() -> None:
+    def train_step() -> None:  # as TrainStep: the norm, then the clip factor applied inside the optimizer's pass
         fwd_bwd()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.grad_factor = clip_factor(global_grad_norm(params), 1.0)
         optimizer.step()
 
     reset_peak()

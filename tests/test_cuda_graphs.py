@@ -121,8 +121,8 @@ def _unique_token_batches(vocab_size: int, n: int, batch: int, seq_len: int) -> 
 
 
 def _three_steps(impl: str, cuda_graphs: bool, batches: list):
-    """Losses/grad norms, the clipped gradients each optimizer step saw, and the final weights of
-    3 optimizer steps of 2 micro-batches each."""
+    """Losses/grad norms, the gradients each optimizer step read (unclipped: its clip factor applies as it
+    reads them), and the final weights of 3 optimizer steps of 2 micro-batches each."""
     from coda_train.config import OptimConfig
     from coda_train.model import build_model, preset
     from coda_train.trainer.optim import build_scheduler

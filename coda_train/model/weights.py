@@ -89,9 +89,9 @@ class LlamaWeights(nn.Module):
         """Bring the compute-dtype copies of the parameters up to date: one fused multi-tensor copy
         of those changed since the last call, so the weights are cast once per optimizer step, not
         in every forward and backward. A change is seen through the parameter's version counter (an
-        in-place op, a load); fused optimizers (fused AdamW) update in place without bumping it, so
-        the trainer's optimizer calls it with force=True after each step (trainer/optim.py), which
-        rewrites every copy. Copies exist only for the parameters the model has read through
+        in-place op, a load); fused optimizers update in place without bumping it: the trainer's
+        AdamW writes the copies itself on CUDA (compute_copies) and calls this with force=True after a
+        step elsewhere (trainer/optim.py), which rewrites every copy. Copies exist only for the parameters the model has read through
         compute_copy: one read in its own dtype (the CODA embedding table, gathered row by row) or a
         model that reads none (the eager one) costs no memory. FSDP2's sharded parameters are
         gathered in the compute dtype and need none."""
@@ -107,6 +107,13 @@ class LlamaWeights(nn.Module):
                 self._copies[key] = (p, now, copy)
         if stale:
             torch._foreach_copy_(stale, sources)
+
+    def compute_copies(self) -> dict[int, Tensor]:
+        """id(parameter) -> its compute copy, every copy current: for an optimizer that writes the
+        copies as it updates the parameters in place (trainer/optim.py AdamW on CUDA). Such an
+        update bumps no version counter, so the copies it writes stay current for the next forward."""
+        self.refresh_compute_copies()
+        return {key: copy for key, (_, _, copy) in self._copies.items()}
 
     def compute_copy(self, p: Tensor) -> Tensor:
         """Parameter p in the compute dtype, after refresh_compute_copies (which drops copies of moved or

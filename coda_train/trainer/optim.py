@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+
+from coda_train.kernels.adamw import adamw_update
 
 OPTIMIZERS = ("adamw",)
 SCHEDULES = ("cosine", "wsd", "constant")  # lr_multiplier implements each
@@ -26,7 +30,58 @@ class OptimConfig:
     decay_fraction: float = 0.2  # wsd: the last fraction of max_steps decays linearly to min_lr
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW (hyperparameters, state, state_dict, found_inf) plus what a training step adds
+    around it: `grad_factor`, a 0-dim device tensor every gradient is multiplied by as the step
+    reads it (the clip factor, so no step waits for the norm on the host), and the model's compute
+    copies brought up to date with the weights. On CUDA (fused=True) both happen inside one pass
+    per parameter group (kernels/adamw.py: the gradients are read once and left as they were, the
+    weights are not read again to cast them); elsewhere the gradients are multiplied in place, torch's
+    foreach AdamW steps, and the copies are refreshed after it."""
+
+    def __init__(self, params, model: nn.Module, **kwargs):
+        super().__init__(params, **kwargs)
+        if any(self.defaults[k] for k in ("amsgrad", "maximize", "capturable", "differentiable")):
+            raise ValueError("coda_train's AdamW supports neither amsgrad, maximize, capturable nor differentiable")
+        self.model = model
+        self.grad_factor: Optional[torch.Tensor] = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("coda_train's AdamW takes no closure")
+        refresh = getattr(self.model, "refresh_compute_copies", None)
+        if not self.defaults["fused"]:
+            if self.grad_factor is not None:
+                grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+                torch._foreach_mul_(grads, self.grad_factor)
+            super().step()
+            if refresh is not None:  # foreach AdamW bumps the version counters, but a forced refresh is one launch
+                refresh(force=True)
+            return None
+        copies = self.model.compute_copies() if refresh is not None else {}
+        local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731  (FSDP2: this rank's shards)
+        for group in self.param_groups:
+            params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+            self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, [], steps)
+            beta1, beta2 = group["betas"]
+            adamw_update([local(p) for p in params], [local(g) for g in grads], [local(m) for m in exp_avgs],
+                         [local(v) for v in exp_avg_sqs], steps, [copies.get(id(p)) for p in params],
+                         lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                         weight_decay=group["weight_decay"], grad_factor=self.grad_factor,
+                         found_inf=getattr(self, "found_inf", None))
+        return None
+
+
+def clip_factor(grad_norm: torch.Tensor, max_norm: float) -> Optional[torch.Tensor]:
+    """The factor clip_grads_with_norm_ multiplies the gradients by (min(1, max_norm / (norm + 1e-6)),
+    on the device); None when max_norm is 0 (no clipping)."""
+    if max_norm <= 0:
+        return None
+    return (max_norm / (grad_norm + 1e-6)).clamp(max=1.0)
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> AdamW:
     """AdamW (fp32 state, like the fp32 parameters). Weight decay applies to the 2-D projection
     matrices only: norm gains are scales whose decay toward 0 is not regularization, and the
     embedding (also the tied LM head) is a lookup table whose rare tokens decay would erase."""
@@ -34,13 +89,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
     for name, p in model.named_parameters():
         (decay if p.dim() == 2 and name != "tok_emb" else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # fused on GPU (one kernel for all parameters), foreach (few large ops) on CPU
+    # one pass per group on GPU (kernels/adamw.py), foreach (few large ops) on CPU
     kind = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kind)
-    refresh = getattr(model, "refresh_compute_copies", None)
-    if refresh is not None:  # fused AdamW updates in place without bumping the version counters it would check
-        optimizer.register_step_post_hook(lambda *_: refresh(force=True))
-    return optimizer
+    return AdamW(groups, model, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kind)
 
 
 def lr_multiplier(step: int, cfg: OptimConfig, max_steps: int) -> float:

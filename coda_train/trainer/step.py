@@ -14,6 +14,7 @@ from coda_train.data import TokenLoader
 
 from .distributed import World, global_grad_norm, gradient_sync, mean_over_ranks
 from .graphs import GraphedMicroBatch, micro_batch
+from .optim import clip_factor
 from .state import TrainState
 
 
@@ -103,7 +104,7 @@ class TrainStep:
         loss_sum = self._graphed(batches, scale) if self.cuda_graphs else self._eager(batches, scale)
         loss = mean_over_ranks(loss_sum, self.world)
         grad_norm = global_grad_norm(self.params)  # the same on every rank: the gradients are already averaged
-        torch.nn.utils.clip_grads_with_norm_(self.params, self.grad_clip if self.grad_clip > 0 else math.inf, grad_norm)
+        optimizer.grad_factor = clip_factor(grad_norm, self.grad_clip)  # applied as the optimizer reads the gradients
         self.flag.record(state.step + 1, loss, grad_norm)
         if not self.deferred:
             self.flag.read()  # raises before any weight or counter changes

@@ -1,0 +1,226 @@
+"""The trainer's AdamW (trainer/optim.py) and its one-pass update (kernels/adamw.py) against torch's
+AdamW with the gradients clipped first, as the trainer stepped before it had its own pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from coda_train.config import OptimConfig
+from coda_train.kernels.adamw import adamw_update, adamw_update_reference
+from coda_train.model import build_model, preset
+from coda_train.trainer.optim import AdamW, build_optimizer, clip_factor
+
+HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
+
+
+def _params(device, shapes=((64, 48), (48,), (4097,), (0, 8), (3, 5000)), seed=0) -> list[nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [nn.Parameter(torch.randn(s, generator=g).to(device)) for s in shapes]
+
+
+def _set_grads(params, step: int, scale: float = 1.0) -> None:
+    g = torch.Generator().manual_seed(100 + step)
+    for p in params:
+        p.grad = (torch.randn(p.shape, generator=g) * scale).to(p.device)
+
+
+def _groups(params):
+    return [{"params": [p for p in params if p.dim() == 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() != 2], "weight_decay": 0.0}]
+
+
+def _run(device, ours: bool, steps: int = 4, max_norm: float = 1.0, fused: bool = True):
+    """Weights and optimizer state after `steps` steps of our AdamW (clip factor in the pass) or of
+    torch's (gradients clipped in place first), from the same weights and gradients."""
+    params = _params(device)
+    kind = {"fused": True} if fused else {"foreach": True}
+    opt = AdamW(_groups(params), nn.Module(), **HYPER, **kind) if ours else torch.optim.AdamW(_groups(params), **HYPER, **kind)
+    norms = []
+    for i in range(steps):
+        _set_grads(params, i, scale=0.3 if i % 2 else 3.0)  # clipped on even steps, not on odd ones
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norms.append(norm)
+        if ours:
+            opt.grad_factor = clip_factor(norm, max_norm)
+        else:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        opt.step()
+    return params, opt
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["one-pass", "foreach"])
+def test_adamw_with_its_clip_factor_matches_torch_adamw_after_clipping(fused):
+    ours_p, ours = _run("cpu", True, fused=fused)
+    torch_p, theirs = _run("cpu", False, fused=False)
+    for a, b in zip(ours_p, torch_p):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+    for p_a, p_b in zip(ours_p, torch_p):
+        state_a, state_b = ours.state[p_a], theirs.state[p_b]
+        assert state_a.keys() == state_b.keys() == {"step", "exp_avg", "exp_avg_sq"}
+        assert float(state_a["step"]) == float(state_b["step"]) == 4
+        for k in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(state_a[k], state_b[k], rtol=2e-6, atol=1e-9)
+
+
+def test_a_step_with_found_inf_changes_nothing_and_a_clear_one_steps():
+    params = _params("cpu")
+    opt = AdamW(_groups(params), nn.Module(), **HYPER, fused=True)
+    _set_grads(params, 0)
+    opt.step()
+    before = [p.detach().clone() for p in params]
+    state = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in params}
+    opt.found_inf = torch.ones(())
+    _set_grads(params, 1)
+    opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    assert all(torch.equal(opt.state[p][k], v) for p in params for k, v in state[id(p)].items())  # step counts too
+    opt.found_inf = torch.zeros(())
+    opt.step()
+    assert all(float(opt.state[p]["step"]) == 2 for p in params)
+    assert not any(torch.equal(p, b) for p, b in zip(params, before) if p.numel())
+
+
+def test_state_dict_is_torch_adamw_s_both_ways():
+    ours_p, ours = _run("cpu", True, steps=2)
+    theirs = torch.optim.AdamW(_groups(ours_p), **HYPER, foreach=True)
+    theirs.load_state_dict(ours.state_dict())
+    again = AdamW(_groups(ours_p), nn.Module(), **HYPER, fused=True)
+    again.load_state_dict(theirs.state_dict())
+    for p in ours_p:
+        for k, v in ours.state[p].items():
+            assert torch.equal(again.state[p][k].cpu(), v.cpu()), k
+
+
+def test_clip_factor_is_the_factor_clip_grads_with_norm_applies():
+    params = _params("cpu")
+    _set_grads(params, 0, scale=3.0)
+    grads = [p.grad.clone() for p in params]
+    norm = torch.nn.utils.get_total_norm(grads)
+    torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm)
+    factor = clip_factor(norm, 1.0)
+    assert all(torch.equal(p.grad, g * factor) for p, g in zip(params, grads))
+    assert float(clip_factor(norm * 0 + 0.5, 1.0)) == 1.0 and clip_factor(norm, 0.0) is None
+
+
+def test_the_optimizer_step_leaves_every_compute_copy_equal_to_its_weight():
+    model = build_model(preset("tiny", n_layers=2, vocab_size=256, max_seq_len=32), "coda", backend="reference",
+                        compute_dtype=torch.bfloat16)
+    tokens, targets = (torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(2))
+    model(tokens, targets).backward()
+    for kind in ("cuda", "cpu"):  # the one-pass path (here on CPU: its reference) and the foreach one
+        opt = build_optimizer(model, OptimConfig(), torch.device("cpu"))
+        if kind == "cuda":
+            opt = AdamW(opt.param_groups, model, lr=1e-2, fused=True)
+        opt.grad_factor = clip_factor(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]), 1.0)
+        opt.step()
+        copies = model.compute_copies()
+        assert copies, "the model reads bf16 copies of its matrices"
+        by_id = {id(p): p for p in model.parameters()}
+        for key, copy in copies.items():
+            assert torch.equal(copy, by_id[key].detach().bfloat16())
+
+
+def _cuda_lists(seed: int, with_copies: bool):
+    shapes = ((1024, 768), (768,), (4097,), (0, 8), (3, 5000), (1,))
+    g = torch.Generator().manual_seed(seed)
+    p = [torch.randn(s, generator=g).cuda() for s in shapes]
+    grads = [torch.randn(s, generator=g).cuda() for s in shapes]
+    m = [torch.randn(s, generator=g).cuda() * 0.1 for s in shapes]
+    v = [torch.rand(s, generator=g).cuda() * 0.01 for s in shapes]
+    steps = [torch.full((), 7.0, device="cuda") for _ in shapes]
+    copies = [t.bfloat16() if with_copies and i % 2 == 0 else None for i, t in enumerate(p)]  # current, as the model keeps them
+    return p, grads, m, v, steps, copies
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("found", [None, 0.0, 1.0])
+def test_adamw_update_kernel_matches_its_reference_on_the_gpu(found):
+    kernel, reference = _cuda_lists(0, True), _cuda_lists(0, True)
+    grads_before = [g.clone() for g in kernel[1]]
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
+                 grad_factor=torch.full((), 0.37, device="cuda"),
+                 found_inf=None if found is None else torch.full((), found, device="cuda"))
+    adamw_update(*kernel, **hyper)
+    adamw_update_reference(*reference, **hyper)
+    for name, a_list, b_list in zip(("p", "g", "m", "v", "step"), kernel, reference):
+        for a, b in zip(a_list, b_list):  # to fp32 rounding of the tensor's scale (FMA contraction, libdevice pow)
+            if b.numel():
+                assert (a - b).abs().max() <= 1e-6 * b.abs().max(), name
+    assert all(torch.equal(g, b) for g, b in zip(kernel[1], grads_before))  # gradients are read, not written
+    for p, copy in zip(kernel[0], kernel[5]):
+        if copy is not None:
+            assert torch.equal(copy, p.bfloat16())
+    if found == 1.0:
+        assert all(torch.equal(a, b) for a, b in zip(kernel[0], _cuda_lists(0, True)[0]))
+        assert all(float(s) == 7.0 for s in kernel[4])
+
+
+@pytest.mark.gpu
+def test_trainer_adamw_on_the_gpu_matches_torch_fused_adamw_after_clipping():
+    ours_p, ours = _run("cuda", True, steps=5)
+    torch_p, _ = _run("cuda", False, steps=5)
+    for a, b in zip(ours_p, torch_p):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+
+
+def test_adamw_kernel_compiles_for_sm90_with_16_byte_accesses():
+    """GPU-blind: the kernel compiles for Hopper, and with its alignment hints every parameter,
+    gradient and moment access is 128 bits wide (without them Triton, which cannot see the alignment
+    of addresses read from memory, emits 32-bit accesses: ~30 % slower on the H200)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    from coda_train.kernels import adamw
+
+    signature = {name: kind for name, kind in zip(
+        ("addresses", "numels", "block_tensor", "block_start", "grad_factor_ptr", "found_inf_ptr"),
+        ("*i64", "*i64", "*i32", "*i64", "*fp32", "*fp32"))}
+    signature.update({name: "fp32" for name in ("lr", "beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "eps",
+                                                "lr_weight_decay")})
+    constants = {"HAS_FACTOR": True, "HAS_FOUND_INF": True, "BLOCK": adamw.BLOCK, "CHUNKS": adamw.CHUNKS}
+    signature.update({name: "constexpr" for name in (*constants, "ALIGNED")})
+    ptx = {}
+    for aligned in (True, False):
+        source = triton.compiler.ASTSource(fn=adamw._kernel(), signature=signature,
+                                           constexprs={**constants, "ALIGNED": aligned})
+        ptx[aligned] = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                      options={"num_warps": adamw.NUM_WARPS}).asm["ptx"]
+    per_thread = adamw.BLOCK * adamw.CHUNKS // (32 * adamw.NUM_WARPS)  # elements of each tensor a thread updates
+    wide_loads = ptx[True].count("ld.global.v4")
+    wide_stores = ptx[True].count("st.global.v4")
+    assert wide_loads == 4 * per_thread // 4  # p, g, m, v: 4 fp32 an access
+    assert wide_stores == 3 * per_thread // 4 + per_thread // 8  # p, m, v, and the bf16 copy (8 an access)
+    assert ptx[False].count("ld.global.v4") == 0
+
+
+def test_one_pass_adamw_steps_fsdp2_shards_as_it_steps_plain_weights(tmp_path):
+    """Under FSDP2 the parameters, gradients and moments are DTensors: the pass updates each rank's
+    shards (one process here, gloo on CPU) exactly as it updates the whole tensors."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        plain = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8))
+        sharded = copy.deepcopy(plain)
+        fully_shard(sharded, mesh=init_device_mesh("cpu", (1,)))
+        x = torch.randn(4, 16)
+        optimizers = [AdamW(m.parameters(), nn.Module(), **HYPER, fused=True) for m in (plain, sharded)]
+        for _ in range(3):
+            for model, opt in zip((plain, sharded), optimizers):
+                opt.zero_grad(set_to_none=True)
+                model(x).square().sum().backward()
+                opt.grad_factor = torch.full((), 0.5)
+                opt.step()
+        assert all(isinstance(p, DTensor) for p in sharded.parameters())
+        for a, b in zip(plain.parameters(), sharded.parameters()):
+            assert torch.equal(a.detach(), b.detach().full_tensor())
+    finally:
+        dist.destroy_process_group()
