@@ -75,7 +75,8 @@ def steps(model, theirs, ours):
 
 def time_ms(fn, iters: int) -> tuple[float, float]:
     """(GPU ms, host ms) per call: the calls are queued behind a sleep kernel, so the GPU time is the
-    kernels' alone even where the host is slower than them; the host time is the Python side."""
+    kernels' alone even where the host is slower than them. The host time is the time to queue the
+    calls; where the launch queue fills up behind the sleep it includes waiting for room in it."""
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda._sleep(int(2e8))  # ~0.1 s at H200 clocks: longer than the host takes to queue the calls
@@ -107,17 +108,15 @@ def agreement(model, theirs, ours, fns, n: int = 3) -> dict:
     params = list(model.parameters())
     start = [p.detach().clone() for p in params]
     grads = [p.grad.clone() for p in params]
-    states = {name: {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in params}
-              for name, opt in (("torch", theirs), ("one-pass", ours))}
+    state = {id(p): {k: v.clone() for k, v in theirs.state[p].items()} for p in params}  # both start from it
     out = {}
     for name, opt in (("torch", theirs), ("one-pass", ours)):
         with torch.no_grad():
             for p, s, g in zip(params, start, grads):
                 p.copy_(s)
                 p.grad = g.clone()
-        # the same state for both: the torch path's (both keep torch's AdamW format)
-        for p in params:
-            for k, v in states["torch"][id(p)].items():
+        for p in params:  # the same state for both (both keep torch's AdamW format)
+            for k, v in state[id(p)].items():
                 opt.state[p][k] = v.clone()
         model.refresh_compute_copies(force=True)
         for _ in range(n):
@@ -132,7 +131,7 @@ def agreement(model, theirs, ours, fns, n: int = 3) -> dict:
             "copies": len(copies)}
 
 
-def run(shape_name: str, iters: int, rounds: int, sweep: list[tuple[int, int]]) -> dict:
+def run(shape_name: str, iters: int, rounds: int, sweep: list[tuple[int, int, int, bool]]) -> dict:
     from coda_train.kernels import adamw
 
     model = build(shape_name)
@@ -188,9 +187,9 @@ def main() -> None:
     results = []
     print("| shape | params (M) | with copy (M) | torch ms | one-pass ms | speedup | torch TB/s | one-pass TB/s | weights max rel diff | copies = weights |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    sweep = [(*(int(x) for x in item.rstrip("u").split("x")), not item.endswith("u"))
+             for item in args.sweep.split(",") if item]
     for name in args.shapes.split(","):
-        sweep = [(*(int(x) for x in item.rstrip("u").split("x")), not item.endswith("u"))
-                 for item in args.sweep.split(",") if item]
         r = run(name, args.iters, args.rounds, sweep)
         results.append(r)
         a = r["agreement"]

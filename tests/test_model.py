@@ -474,8 +474,9 @@ def test_bf16_compute_copies_are_cast_once_per_update_and_gradients_stay_fp32(mo
 
 
 def test_compute_copies_follow_a_fused_optimizer_step_when_forced():
-    """Fused AdamW updates the weights in place without bumping their version counters, so the
-    version check alone would keep computing with the old weights; the trainer forces the refresh."""
+    """torch's fused AdamW updates the weights in place without bumping their version counters, so
+    the version check alone would keep computing with the old weights: force=True rewrites them. The
+    trainer's AdamW keeps them current itself (tests/test_optimizer.py)."""
     cfg = preset("tiny", **SMALL, n_layers=1)
     _, coda = make_pair(cfg, torch.float32, compute_dtype=torch.bfloat16)
     eager, _ = make_pair(cfg, torch.float32, compute_dtype=torch.bfloat16)
@@ -491,12 +492,3 @@ def test_compute_copies_follow_a_fused_optimizer_step_when_forced():
     assert torch.equal(coda.compute_copy(w), w.detach().bfloat16())
     eager.refresh_compute_copies(force=True)
     assert eager._copies == {}  # a model that never read copies gets none
-    # the trainer's optimizer forces the refresh after every step
-    from coda_train.config import OptimConfig
-    from coda_train.trainer.optim import build_optimizer
-
-    calls = []
-    coda.refresh_compute_copies = lambda force=False: calls.append(force)
-    coda(tokens, targets).backward()
-    build_optimizer(coda, OptimConfig(), torch.device("cpu")).step()
-    assert calls[-1] is True

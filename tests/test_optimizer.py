@@ -104,26 +104,69 @@ def test_clip_factor_is_the_factor_clip_grads_with_norm_applies():
     assert float(clip_factor(norm * 0 + 0.5, 1.0)) == 1.0 and clip_factor(norm, 0.0) is None
 
 
-def test_the_optimizer_step_leaves_every_compute_copy_equal_to_its_weight():
+def _copies_after_steps(device: str, kind: str, steps: int = 2) -> tuple[list, dict, dict]:
+    """A small CODA model (bf16 copies) after `steps` steps of the trainer's AdamW on `device` ('fused'
+    as build_optimizer makes it on CUDA, or 'foreach' as on CPU): the weights, their version counters
+    before and after, and the copies as the model holds them (not refreshed)."""
+    torch.manual_seed(0)
     model = build_model(preset("tiny", n_layers=2, vocab_size=256, max_seq_len=32), "coda", backend="reference",
-                        compute_dtype=torch.bfloat16)
-    tokens, targets = (torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(2))
-    model(tokens, targets).backward()
-    for kind in ("cuda", "cpu"):  # the one-pass path (here on CPU: its reference) and the foreach one
-        opt = build_optimizer(model, OptimConfig(), torch.device("cpu"))
-        if kind == "cuda":
-            opt = AdamW(opt.param_groups, model, lr=1e-2, fused=True)
+                        compute_dtype=torch.bfloat16).to(device)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1)).to(device)
+    opt = build_optimizer(model, OptimConfig(), torch.device("cuda" if kind == "fused" else "cpu"))
+    versions = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        model(tokens, tokens).backward()  # reads (and so makes) the copies
+        versions.append({id(p): p._version for p in model.parameters()})
         opt.grad_factor = clip_factor(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]), 1.0)
         opt.step()
-        copies = model.compute_copies()
-        assert copies, "the model reads bf16 copies of its matrices"
-        by_id = {id(p): p for p in model.parameters()}
-        for key, copy in copies.items():
-            assert torch.equal(copy, by_id[key].detach().bfloat16())
+    versions.append({id(p): p._version for p in model.parameters()})
+    return list(model.parameters()), versions, {key: copy for key, (_, _, copy) in model._copies.items()}
 
 
-def _cuda_lists(seed: int, with_copies: bool):
-    shapes = ((1024, 768), (768,), (4097,), (0, 8), (3, 5000), (1,))
+@pytest.mark.parametrize("kind", ["fused", "foreach"])
+def test_after_a_step_every_compute_copy_is_its_updated_weight_or_the_forward_refreshes_it(kind):
+    """fused (the kernel on CUDA, its reference here): the step itself writes every copy and moves no
+    version counter. foreach: it moves them, so the next forward's refresh rewrites the copies."""
+    params, versions, copies = _copies_after_steps("cpu", kind)
+    assert copies, "the model reads bf16 copies of its matrices"
+    by_id = {id(p): p for p in params}
+    current = [torch.equal(copy, by_id[key].detach().bfloat16()) for key, copy in copies.items()]
+    moved = versions[-2] != versions[-1]
+    if kind == "fused":
+        assert all(current) and not moved
+    else:
+        assert moved and not all(current)  # stale until the forward's refresh (version-checked) rewrites them
+
+
+def test_unsupported_settings_are_refused_and_grad_scale_is_left_to_a_grad_scaler():
+    params = _params("cpu")
+    for bad in ({"amsgrad": True}, {"maximize": True}):
+        with pytest.raises(ValueError, match="supports none of"):
+            AdamW(params, nn.Module(), **HYPER, fused=True, **bad)
+    opt = AdamW(_groups(params), nn.Module(), **HYPER, fused=True)
+    opt.param_groups[1]["maximize"] = True  # edited after construction
+    _set_grads(params, 0)
+    with pytest.raises(ValueError, match=r"a parameter group sets \['maximize'\]"):
+        opt.step()
+    assert not AdamW(params, nn.Module(), **HYPER, fused=True)._step_supports_amp_scaling
+
+
+def test_train_step_refuses_an_optimizer_that_would_skip_the_clip():
+    from types import SimpleNamespace
+
+    from coda_train.trainer.step import TrainStep
+
+    state = SimpleNamespace(optimizer=torch.optim.AdamW(_params("cpu")), model=nn.Module())
+    with pytest.raises(TypeError, match="needs coda_train's AdamW .* got AdamW"):
+        TrainStep(state, state.model, None, torch.device("cpu"), 1, 1.0)
+
+
+ALIGNED_SHAPES = ((1024, 768), (768,), (0, 8), (3, 5000), (8,))  # every size a multiple of 8: the hinted kernel
+RAGGED_SHAPES = ((1024, 768), (4097,), (3, 5001), (1,))  # one ragged size: the whole group runs without hints
+
+
+def _cuda_lists(seed: int, with_copies: bool, shapes=ALIGNED_SHAPES):
     g = torch.Generator().manual_seed(seed)
     p = [torch.randn(s, generator=g).cuda() for s in shapes]
     grads = [torch.randn(s, generator=g).cuda() for s in shapes]
@@ -135,9 +178,10 @@ def _cuda_lists(seed: int, with_copies: bool):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shapes", [ALIGNED_SHAPES, RAGGED_SHAPES], ids=["aligned", "ragged"])
 @pytest.mark.parametrize("found", [None, 0.0, 1.0])
-def test_adamw_update_kernel_matches_its_reference_on_the_gpu(found):
-    kernel, reference = _cuda_lists(0, True), _cuda_lists(0, True)
+def test_adamw_update_kernel_matches_its_reference_on_the_gpu(found, shapes):
+    kernel, reference = _cuda_lists(0, True, shapes), _cuda_lists(0, True, shapes)
     grads_before = [g.clone() for g in kernel[1]]
     hyper = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
                  grad_factor=torch.full((), 0.37, device="cuda"),
@@ -153,8 +197,16 @@ def test_adamw_update_kernel_matches_its_reference_on_the_gpu(found):
         if copy is not None:
             assert torch.equal(copy, p.bfloat16())
     if found == 1.0:
-        assert all(torch.equal(a, b) for a, b in zip(kernel[0], _cuda_lists(0, True)[0]))
+        assert all(torch.equal(a, b) for a, b in zip(kernel[0], _cuda_lists(0, True, shapes)[0]))
         assert all(float(s) == 7.0 for s in kernel[4])
+
+
+@pytest.mark.gpu
+def test_trainer_adamw_on_the_gpu_writes_the_model_s_copies_and_moves_no_version():
+    params, versions, copies = _copies_after_steps("cuda", "fused")
+    by_id = {id(p): p for p in params}
+    assert copies and all(torch.equal(c, by_id[k].detach().bfloat16()) for k, c in copies.items())
+    assert versions[-2] == versions[-1]
 
 
 @pytest.mark.gpu
@@ -168,7 +220,7 @@ def test_trainer_adamw_on_the_gpu_matches_torch_fused_adamw_after_clipping():
 def test_adamw_kernel_compiles_for_sm90_with_16_byte_accesses():
     """GPU-blind: the kernel compiles for Hopper, and with its alignment hints every parameter,
     gradient and moment access is 128 bits wide (without them Triton, which cannot see the alignment
-    of addresses read from memory, emits 32-bit accesses: ~30 % slower on the H200)."""
+    of addresses read from memory, emits 32-bit accesses: half the speed on the H200, docs/kernels.md)."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 

@@ -1,14 +1,14 @@
 """AdamW over fp32 master weights as one pass per parameter group (Triton on CUDA; plain torch elsewhere).
 
-torch's fused AdamW reads p, g, m, v and writes p, m, v; a step around it also reads every
-gradient twice more (clipping multiplies it in place: a read and a write) and every parameter
-once more (the compute copies are cast after the update). This pass multiplies each gradient by
-the clip factor as it loads it and writes the compute copy (bf16) of each parameter that has one
-from the value it just computed: 30 bytes a parameter where the three passes took 42 (28 where
-they took 36, without a copy). Same math as torch's fused AdamW (decoupled weight decay, bias corrections from the
-per-parameter step count, found_inf skips the step and leaves the step count alone), same
-state. adamw_update_reference is the same step in plain torch (the oracle, and the CPU path);
-tests/test_optimizer.py checks both against torch's own AdamW.
+torch's fused AdamW reads p, g, m, v and writes p, m, v. Around it, a training step used to clip
+the gradients in place (a read and a write of every gradient) and, after the update, cast each
+weight to its compute copy (a second read of the weight). This pass multiplies each gradient by the
+clip factor as it loads it and writes the bf16 compute copy of each weight that has one from the
+value it just computed: 30 bytes a parameter where clip, AdamW and cast took 42 (28 where they took
+36, for a weight without a copy). Same math as torch's fused AdamW (decoupled weight decay, bias
+corrections from the per-parameter step count; found_inf skips the step and leaves the step count
+alone), same state. adamw_update_reference is the same step in plain torch (the oracle, and the
+CPU path); tests/test_optimizer.py checks both against torch's own AdamW.
 
 Importing this module imports only torch; Triton loads at the first launch.
 """
@@ -21,10 +21,11 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+# Launch settings, read at each launch (scripts/bench_optimizer.py --sweep sets them to time others)
 BLOCK = 2048  # elements a program updates at a time: 16 a thread at 4 warps (128-bit loads of fp32)
-NUM_WARPS = 4  # 2048 x 4 was 9 % faster than 4096 x 8 at 1B and 8B (H200, scripts/bench_optimizer.py --sweep)
-CHUNKS = 1  # BLOCKs a program updates, one after the other
-ALIGNED = True  # False: no alignment hints (scripts/bench_optimizer.py times the difference)
+NUM_WARPS = 4  # 2048 x 4 was 9 % faster than 4096 x 8 at 1B and 8B (H200, docs/kernels.md)
+CHUNKS = 1  # BLOCKs a program updates, one after the other (2 measured no faster)
+ALIGNED = True  # False: no alignment hints even where they hold (half the speed on the H200)
 
 
 @functools.cache
@@ -72,7 +73,8 @@ def _kernel():
             v = tl.load(v_ptr + offs, mask=mask)
             if HAS_FACTOR:
                 g = g * factor  # the clip factor, as clip_grads_with_norm_ would have applied it
-            p = p - lr_weight_decay * p  # decoupled weight decay
+            if lr_weight_decay != 0.0:  # as torch: without decay an inf weight stays inf, not NaN
+                p = p - lr_weight_decay * p  # decoupled weight decay
             m = beta1 * m + one_minus_beta1 * g
             v = beta2 * v + one_minus_beta2 * g * g
             p = p - step_size * m / (tl.sqrt(v) / bias_correction2_sqrt + eps)
@@ -102,23 +104,31 @@ def adamw_update_reference(params: Sequence[Tensor], grads: Sequence[Tensor], ex
                            lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                            grad_factor: Optional[Tensor] = None, found_inf: Optional[Tensor] = None) -> None:
     """adamw_update in plain torch, any device: the oracle of the kernel, and the CPU path. found_inf
-    selects the old values on the device (no host read), as the kernel's early return leaves them."""
+    selects the old values on the device (no host read), as the kernel's early return leaves them.
+    Writes go through .data, so, as the kernel's, they move no version counter."""
+    _check_lengths(params, grads, exp_avgs, exp_avg_sqs, steps, copies)
     for p, g, m, v, step, copy in zip(params, grads, exp_avgs, exp_avg_sqs, steps, copies):
         step.add_(1)
         if grad_factor is not None:
             g = g * grad_factor
         step_size = lr / (1.0 - beta1 ** step)
         bias_correction2_sqrt = (1.0 - beta2 ** step).sqrt()
-        new_p = p - (lr * weight_decay) * p
+        new_p = p - (lr * weight_decay) * p if weight_decay != 0 else p
         new_m = beta1 * m + (1.0 - beta1) * g
         new_v = beta2 * v + (1.0 - beta2) * g * g
         new_p = new_p - step_size * new_m / (new_v.sqrt() / bias_correction2_sqrt + eps)
+        skip = None if found_inf is None else found_inf != 0  # selected on the device, no host read
         for old, new in ((p, new_p), (m, new_m), (v, new_v)):
-            old.copy_(new if found_inf is None else torch.where(found_inf != 0, old, new))
+            old.data.copy_(new if found_inf is None else torch.where(skip, old, new))
         if found_inf is not None:
             step.sub_(found_inf)
         if copy is not None:
-            copy.copy_(p)
+            copy.data.copy_(p if found_inf is None else torch.where(skip, copy, p))
+
+
+def _check_lengths(params: Sequence[Tensor], *lists: Sequence) -> None:
+    if any(len(x) != len(params) for x in lists):
+        raise ValueError(f"adamw_update: {len(params)} parameters but lists of {[len(x) for x in lists]}")
 
 
 def adamw_update(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
@@ -126,20 +136,18 @@ def adamw_update(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Se
                  lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                  grad_factor: Optional[Tensor] = None, found_inf: Optional[Tensor] = None) -> None:
     """One AdamW step in place over contiguous fp32 tensors of one device (CUDA: the kernel, one
-    launch; elsewhere adamw_update_reference): the step counts
+    launch; elsewhere adamw_update_reference), moving no version counter: the step counts
     (fp32, 0-dim, on the device) advance by one unless found_inf is set; each gradient is multiplied
     by grad_factor (a 0-dim fp32 device tensor) as it is read and left as it was; copies[i], where
-    not None, receives params[i] after the update, rounded to bf16."""
-    n = len(params)
-    if not n:
+    not None, receives params[i] rounded to bf16 after an applied update (a skipped one leaves it)."""
+    _check_lengths(params, grads, exp_avgs, exp_avg_sqs, steps, copies)
+    if not params:
         return
     if not params[0].is_cuda:
         return adamw_update_reference(params, grads, exp_avgs, exp_avg_sqs, steps, copies, lr=lr, beta1=beta1,
                                       beta2=beta2, eps=eps, weight_decay=weight_decay, grad_factor=grad_factor,
                                       found_inf=found_inf)
-    lists = (grads, exp_avgs, exp_avg_sqs, steps, copies)
-    if any(len(x) != n for x in lists):
-        raise ValueError(f"adamw_update: {n} parameters but lists of {[len(x) for x in lists]}")
+    n = len(params)
     device = params[0].device
     rows = []  # the kernel's address table: p, g, m, v, copy (0: none), step count
     for i, (p, g, m, v, s, c) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, steps, copies)):

@@ -89,9 +89,9 @@ class LlamaWeights(nn.Module):
         """Bring the compute-dtype copies of the parameters up to date: one fused multi-tensor copy
         of those changed since the last call, so the weights are cast once per optimizer step, not
         in every forward and backward. A change is seen through the parameter's version counter (an
-        in-place op, a load); fused optimizers update in place without bumping it: the trainer's
-        AdamW writes the copies itself on CUDA (compute_copies) and calls this with force=True after a
-        step elsewhere (trainer/optim.py), which rewrites every copy. Copies exist only for the parameters the model has read through
+        in-place op, a load). Fused optimizers update in place without bumping it: the trainer's
+        fused AdamW writes the copies itself (compute_copies, trainer/optim.py), and after any other
+        such update force=True rewrites every copy. Copies exist only for the parameters the model has read through
         compute_copy: one read in its own dtype (the CODA embedding table, gathered row by row) or a
         model that reads none (the eager one) costs no memory. FSDP2's sharded parameters are
         gathered in the compute dtype and need none."""
@@ -110,8 +110,8 @@ class LlamaWeights(nn.Module):
 
     def compute_copies(self) -> dict[int, Tensor]:
         """id(parameter) -> its compute copy, every copy current: for an optimizer that writes the
-        copies as it updates the parameters in place (trainer/optim.py AdamW on CUDA). Such an
-        update bumps no version counter, so the copies it writes stay current for the next forward."""
+        copies as it updates the parameters in place (trainer/optim.py AdamW, fused). That update
+        bumps no version counter, so the next forward finds the copies current."""
         self.refresh_compute_copies()
         return {key: copy for key, (_, _, copy) in self._copies.items()}
 

@@ -55,7 +55,7 @@ class GraphedMicroBatch:
     eager iterations run first on a side stream. The graphs keep the addresses they saw: the
     gradients are the ones `first` allocated (never set them to None or replace them) and the
     parameters are only updated in place. The model's compute copies of the weights are not
-    refreshed by a graph: the caller refreshes them after each optimizer step.
+    refreshed by a graph: the trainer's AdamW writes them in place as it updates the weights.
     """
 
     def __init__(self, model: nn.Module, tokens: Tensor, targets: Tensor, loss_scale: float,

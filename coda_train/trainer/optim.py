@@ -32,45 +32,59 @@ class OptimConfig:
 
 class AdamW(torch.optim.AdamW):
     """torch's AdamW (hyperparameters, state, state_dict, found_inf) plus what a training step adds
-    around it: `grad_factor`, a 0-dim device tensor every gradient is multiplied by as the step
-    reads it (the clip factor, so no step waits for the norm on the host), and the model's compute
-    copies brought up to date with the weights. On CUDA (fused=True) both happen inside one pass
-    per parameter group (kernels/adamw.py: the gradients are read once and left as they were, the
-    weights are not read again to cast them); elsewhere the gradients are multiplied in place, torch's
-    foreach AdamW steps, and the copies are refreshed after it."""
+    around it: `grad_factor`, a 0-dim device tensor that every gradient is multiplied by (the clip
+    factor, set before each step, so no step waits for the norm on the host), and the model's
+    compute copies kept equal to the weights. fused=True (build_optimizer's choice on CUDA): one
+    pass per parameter group does both (kernels/adamw.py; on CPU its plain-torch reference); the
+    gradients are read and left unclipped, and the copies are written from the updated weights.
+    foreach (build_optimizer's choice on CPU): the gradients are multiplied in place and torch's
+    foreach AdamW steps; it bumps the weights' version counters, so the next forward's
+    refresh_compute_copies rewrites the copies."""
+
+    UNSUPPORTED = ("amsgrad", "maximize", "capturable", "differentiable")
 
     def __init__(self, params, model: nn.Module, **kwargs):
         super().__init__(params, **kwargs)
-        if any(self.defaults[k] for k in ("amsgrad", "maximize", "capturable", "differentiable")):
-            raise ValueError("coda_train's AdamW supports neither amsgrad, maximize, capturable nor differentiable")
+        self._step_supports_amp_scaling = False  # the pass applies no grad_scale: a GradScaler must unscale first
         self.model = model
         self.grad_factor: Optional[torch.Tensor] = None
+        self._check_groups()
+
+    def _check_groups(self) -> None:
+        for group in self.param_groups:
+            if any(group[k] for k in self.UNSUPPORTED):
+                raise ValueError(f"coda_train's AdamW supports none of {list(self.UNSUPPORTED)}; "
+                                 f"a parameter group sets {[k for k in self.UNSUPPORTED if group[k]]}")
+        if len({bool(group["fused"]) for group in self.param_groups}) > 1:
+            raise ValueError("coda_train's AdamW steps every parameter group one way: fused=True for all or none")
 
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("coda_train's AdamW takes no closure")
-        refresh = getattr(self.model, "refresh_compute_copies", None)
-        if not self.defaults["fused"]:
+        self._check_groups()  # groups can be added or edited after construction
+        if not self.param_groups[0]["fused"]:
             if self.grad_factor is not None:
                 grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
                 torch._foreach_mul_(grads, self.grad_factor)
-            super().step()
-            if refresh is not None:  # foreach AdamW bumps the version counters, but a forced refresh is one launch
-                refresh(force=True)
-            return None
-        copies = self.model.compute_copies() if refresh is not None else {}
-        local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731  (FSDP2: this rank's shards)
+            return super().step()
+        compute_copies = getattr(self.model, "compute_copies", None)
+        copies = compute_copies() if compute_copies is not None else {}
         for group in self.param_groups:
             params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
             self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, [], steps)
             beta1, beta2 = group["betas"]
-            adamw_update([local(p) for p in params], [local(g) for g in grads], [local(m) for m in exp_avgs],
-                         [local(v) for v in exp_avg_sqs], steps, [copies.get(id(p)) for p in params],
+            adamw_update([_local(p) for p in params], [_local(g) for g in grads], [_local(m) for m in exp_avgs],
+                         [_local(v) for v in exp_avg_sqs], steps, [copies.get(id(p)) for p in params],
                          lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                          weight_decay=group["weight_decay"], grad_factor=self.grad_factor,
                          found_inf=getattr(self, "found_inf", None))
         return None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2's parameters, gradients and moments); t itself otherwise."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def clip_factor(grad_norm: torch.Tensor, max_norm: float) -> Optional[torch.Tensor]:

@@ -14,7 +14,7 @@ from coda_train.data import TokenLoader
 
 from .distributed import World, global_grad_norm, gradient_sync, mean_over_ranks
 from .graphs import GraphedMicroBatch, micro_batch
-from .optim import clip_factor
+from .optim import AdamW, clip_factor
 from .state import TrainState
 
 
@@ -86,6 +86,9 @@ class TrainStep:
 
     def __init__(self, state: TrainState, forward: nn.Module, world: World, device: torch.device,
                  grad_accum_steps: int, grad_clip: float, cuda_graphs: bool = False):
+        if not isinstance(state.optimizer, AdamW):  # clipping happens inside its step: any other would skip it
+            raise TypeError(f"TrainStep needs coda_train's AdamW (trainer/optim.py build_optimizer), got "
+                            f"{type(state.optimizer).__name__}")
         self.state, self.forward, self.world, self.device = state, forward, world, device
         self.grad_accum_steps, self.grad_clip, self.cuda_graphs = grad_accum_steps, grad_clip, cuda_graphs
         self.flag = NonFiniteFlag(device)
