@@ -185,7 +185,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_optimizer.py times CUDA kernels: run it on a GPU")
     results = []
-    print("| shape | params (M) | with copy (M) | torch ms | one-pass ms | speedup | torch TB/s | one-pass TB/s | weights max rel diff | copies = weights |")
+    print("| shape | params (M) | with copy (M) | torch ms | one-pass ms | speedup | torch TB/s | one-pass TB/s "
+          "| weights max rel diff | copies = weights |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     sweep = [(*(int(x) for x in item.rstrip("u").split("x")), not item.endswith("u"))
              for item in args.sweep.split(",") if item]

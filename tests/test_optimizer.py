@@ -36,7 +36,10 @@ def _run(device, ours: bool, steps: int = 4, max_norm: float = 1.0, fused: bool 
     torch's (gradients clipped in place first), from the same weights and gradients."""
     params = _params(device)
     kind = {"fused": True} if fused else {"foreach": True}
-    opt = AdamW(_groups(params), nn.Module(), **HYPER, **kind) if ours else torch.optim.AdamW(_groups(params), **HYPER, **kind)
+    if ours:
+        opt = AdamW(_groups(params), nn.Module(), **HYPER, **kind)
+    else:
+        opt = torch.optim.AdamW(_groups(params), **HYPER, **kind)
     norms = []
     for i in range(steps):
         _set_grads(params, i, scale=0.3 if i % 2 else 3.0)  # clipped on even steps, not on odd ones
@@ -173,7 +176,8 @@ def _cuda_lists(seed: int, with_copies: bool, shapes=ALIGNED_SHAPES):
     m = [torch.randn(s, generator=g).cuda() * 0.1 for s in shapes]
     v = [torch.rand(s, generator=g).cuda() * 0.01 for s in shapes]
     steps = [torch.full((), 7.0, device="cuda") for _ in shapes]
-    copies = [t.bfloat16() if with_copies and i % 2 == 0 else None for i, t in enumerate(p)]  # current, as the model keeps them
+    # current copies, as the model keeps them
+    copies = [t.bfloat16() if with_copies and i % 2 == 0 else None for i, t in enumerate(p)]
     return p, grads, m, v, steps, copies
 
 

@@ -100,7 +100,8 @@ def _blocks(numels: tuple[int, ...], device: torch.device, block: int) -> tuple[
 
 
 def adamw_update_reference(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
-                           exp_avg_sqs: Sequence[Tensor], steps: Sequence[Tensor], copies: Sequence[Optional[Tensor]], *,
+                           exp_avg_sqs: Sequence[Tensor], steps: Sequence[Tensor],
+                           copies: Sequence[Optional[Tensor]], *,
                            lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                            grad_factor: Optional[Tensor] = None, found_inf: Optional[Tensor] = None) -> None:
     """adamw_update in plain torch, any device: the oracle of the kernel, and the CPU path. found_inf

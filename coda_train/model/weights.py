@@ -91,10 +91,10 @@ class LlamaWeights(nn.Module):
         in every forward and backward. A change is seen through the parameter's version counter (an
         in-place op, a load). Fused optimizers update in place without bumping it: the trainer's
         fused AdamW writes the copies itself (compute_copies, trainer/optim.py), and after any other
-        such update force=True rewrites every copy. Copies exist only for the parameters the model has read through
-        compute_copy: one read in its own dtype (the CODA embedding table, gathered row by row) or a
-        model that reads none (the eager one) costs no memory. FSDP2's sharded parameters are
-        gathered in the compute dtype and need none."""
+        such update force=True rewrites every copy. Copies exist only for the parameters the model
+        has read through compute_copy: one read in its own dtype (the CODA embedding table, gathered
+        row by row) or a model that reads none (the eager one) costs no memory. FSDP2's sharded
+        parameters are gathered in the compute dtype and need none."""
         stale, sources = [], []
         for key, (p, seen, copy) in list(self._copies.items()):
             if copy.shape != p.shape or copy.device != p.device:  # moved or resized: a new copy at the next read
