@@ -11,6 +11,7 @@ Then both run 3 steps from the same weights, gradients and state and the script 
 apart the weights, moments and copies end. Writes $OUT-style JSON with --out.
 
   python scripts/bench_optimizer.py --shapes 125m,1b-4x4096,8b-slice --out DIR
+  python scripts/bench_optimizer.py --grad-offset 8 --sweep 2048x4x1u   # gradients off alignment, as under FSDP2
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402  (the shapes and model configs of the benchmark)
 
 
-def build(shape_name: str):
-    """The CODA model of the shape with the copies its forward reads and random gradients."""
+def build(shape_name: str, grad_offset: int = 0):
+    """The CODA model of the shape with the copies its forward reads and random gradients, each a view
+    grad_offset bytes past an aligned address (FSDP2's place for them after a shard of odd size)."""
     from coda_train.model import build_model
 
     shape = bench.SHAPES[shape_name]
@@ -38,7 +40,9 @@ def build(shape_name: str):
     model(tokens, tokens).backward()  # every compute copy a step reads exists (the reference ops read the same)
     g = torch.Generator(device="cuda").manual_seed(1)
     for p in model.parameters():
-        p.grad = torch.randn(p.shape, device="cuda", generator=g) * 1e-2
+        skip = grad_offset // 4
+        p.grad = torch.empty(p.numel() + skip, device="cuda")[skip:].view(p.shape)
+        p.grad.copy_(torch.randn(p.shape, device="cuda", generator=g) * 1e-2)
     return model
 
 
@@ -131,10 +135,10 @@ def agreement(model, theirs, ours, fns, n: int = 3) -> dict:
             "copies": len(copies)}
 
 
-def run(shape_name: str, iters: int, rounds: int, sweep: list[tuple[int, int, int, bool]]) -> dict:
+def run(shape_name: str, iters: int, rounds: int, sweep: list[tuple[int, int, int, bool]], grad_offset: int) -> dict:
     from coda_train.kernels import adamw
 
-    model = build(shape_name)
+    model = build(shape_name, grad_offset)
     theirs, ours = optimizers(model)
     fns = steps(model, theirs, ours)
     for fn in fns.values():  # state, Triton compile
@@ -150,7 +154,7 @@ def run(shape_name: str, iters: int, rounds: int, sweep: list[tuple[int, int, in
     params = list(model.parameters())
     n_params = sum(p.numel() for p in params)
     n_copied = sum(p.numel() for p in params if id(p) in model.compute_copies())
-    result = {"shape": shape_name, "params": n_params, "params_with_copy": n_copied,
+    result = {"shape": shape_name, "grad_offset_bytes": grad_offset, "params": n_params, "params_with_copy": n_copied,
               "ms": {k: median(v) for k, v in times.items()}, "ms_rounds": times,
               "host_ms": {k: median(v) for k, v in host.items()},
               "kernels": {name: kernel_table(fn) for name, fn in fns.items()}}
@@ -180,6 +184,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds per path (the median is reported)")
     ap.add_argument("--sweep", default="", help="BLOCKxWARPSxCHUNKS[u],... settings of the one-pass kernel to time "
                     "against its default (u: without alignment hints)")
+    ap.add_argument("--grad-offset", type=int, default=0, choices=(0, 4, 8, 12),
+                    help="every gradient a view this many bytes past an aligned address (as FSDP2 can place them)")
     ap.add_argument("--out", type=Path, help="folder for optimizer_step.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -191,7 +197,7 @@ def main() -> None:
     sweep = [(*(int(x) for x in item.rstrip("u").split("x")), not item.endswith("u"))
              for item in args.sweep.split(",") if item]
     for name in args.shapes.split(","):
-        r = run(name, args.iters, args.rounds, sweep)
+        r = run(name, args.iters, args.rounds, sweep, args.grad_offset)
         results.append(r)
         a = r["agreement"]
         print(f"| {name} | {r['params'] / 1e6:.0f} | {r['params_with_copy'] / 1e6:.0f} | {r['ms']['torch']:.3f} | "

@@ -166,7 +166,7 @@ def test_train_step_refuses_an_optimizer_that_would_skip_the_clip():
 
 
 ALIGNED_SHAPES = ((1024, 768), (768,), (0, 8), (3, 5000), (8,))  # every size a multiple of 8: the hinted kernel
-RAGGED_SHAPES = ((1024, 768), (4097,), (3, 5001), (1,))  # one ragged size: the whole group runs without hints
+RAGGED_SHAPES = ((1024, 768), (4097,), (3, 5001), (1,))  # ragged sizes: those tensors run without hints
 
 
 def _cuda_lists(seed: int, with_copies: bool, shapes=ALIGNED_SHAPES):
@@ -205,6 +205,68 @@ def test_adamw_update_kernel_matches_its_reference_on_the_gpu(found, shapes):
         assert all(float(s) == 7.0 for s in kernel[4])
 
 
+def test_launch_rows_keep_the_hints_of_every_aligned_access():
+    """Host side, no GPU: a tensor's first multiple of 8 elements runs hinted and its tail apart; a
+    gradient at an odd offset (FSDP2's views into its reduce-scatter buffer) narrows only its own
+    loads; a weight, moment or copy at an odd offset sends the whole tensor to the unhinted launch."""
+    from coda_train.kernels import adamw
+
+    a = 1 << 20  # an aligned base address; each tensor's row is (p, g, m, v, copy, step)
+    rows = [(a, a + 64, a + 128, a + 192, a + 256, 8),  # aligned, 16 elements
+            (a, a + 68, a + 128, a + 192, 0, 8),  # gradient 4 bytes off, no copy
+            (a, a + 72, a + 128, a + 192, a + 256, 8),  # gradient 8 bytes off
+            (a, a + 64, a + 128, a + 192, a + 256, 8),  # 4097 elements: 4096 hinted, 1 apart
+            (a, a + 64, a + 132, a + 192, a + 256, 8),  # a moment 4 bytes off: all unhinted
+            (a, a + 64, a + 128, a + 192, a + 256, 8)]  # empty: no launch
+    launches = adamw._launch_rows(rows, [16, 24, 32, 4097, 40, 0])
+    assert launches == {
+        (True, 16): ([rows[0], rows[3]], [16, 4096]),
+        (True, 4): ([rows[1]], [24]),
+        (True, 8): ([rows[2]], [32]),
+        (False, 4): ([(a + 4 * 4096, a + 64 + 4 * 4096, a + 128 + 4 * 4096, a + 192 + 4 * 4096, a + 256 + 2 * 4096, 8),
+                      rows[4]], [1, 40]),
+    }
+    assert adamw._launch_rows([rows[0]], [7]) == {(False, 4): ([rows[0]], [7])}
+
+
+@pytest.mark.gpu
+def test_gradients_at_odd_offsets_and_ragged_tails_update_as_the_reference(monkeypatch):
+    """On the GPU: gradients 4 and 8 bytes off an aligned address and a ragged tensor run in their
+    own launches (one per alignment class) and update exactly as the reference does."""
+    from coda_train.kernels import adamw
+
+    shapes = ((1024, 768), (768,), (3, 5000), (4097,))
+    kernel, reference = _cuda_lists(0, True, shapes), _cuda_lists(0, True, shapes)
+    for lists in (kernel, reference):  # gradients 1 and 2 become views 4 and 8 bytes past an aligned address
+        for i, off in ((1, 1), (2, 2)):
+            g = lists[1][i]
+            lists[1][i] = torch.empty(g.numel() + off, device="cuda")[off:].view(g.shape).copy_(g)
+    launches = []
+    real = adamw._kernel()
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((kwargs["ALIGNED"], kwargs["GRAD_ALIGN"], grid[0]))
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(adamw, "_kernel", lambda: Recording())
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
+                 grad_factor=torch.full((), 0.37, device="cuda"))
+    adamw_update(*kernel, **hyper)
+    adamw_update_reference(*reference, **hyper)
+    programs = lambda *numels: sum(-(-n // adamw.BLOCK) for n in numels)  # noqa: E731
+    assert sorted(launches) == sorted([(True, 16, programs(1024 * 768, 4096)), (True, 4, programs(768)),
+                                       (True, 8, programs(15000)), (False, 4, 1)])
+    for name, a_list, b_list in zip(("p", "g", "m", "v", "step"), kernel, reference):
+        for a, b in zip(a_list, b_list):
+            assert (a - b).abs().max() <= 1e-6 * b.abs().max(), name
+    for p, copy in zip(kernel[0], kernel[5]):
+        if copy is not None:
+            assert torch.equal(copy, p.bfloat16())
+
+
 @pytest.mark.gpu
 def test_trainer_adamw_on_the_gpu_writes_the_model_s_copies_and_moves_no_version():
     params, versions, copies = _copies_after_steps("cuda", "fused")
@@ -236,19 +298,21 @@ def test_adamw_kernel_compiles_for_sm90_with_16_byte_accesses():
     signature.update({name: "fp32" for name in ("lr", "beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "eps",
                                                 "lr_weight_decay")})
     constants = {"HAS_FACTOR": True, "HAS_FOUND_INF": True, "BLOCK": adamw.BLOCK, "CHUNKS": adamw.CHUNKS}
-    signature.update({name: "constexpr" for name in (*constants, "ALIGNED")})
+    signature.update({name: "constexpr" for name in (*constants, "ALIGNED", "GRAD_ALIGN")})
     ptx = {}
-    for aligned in (True, False):
+    for aligned, grad_align in ((True, 16), (True, 8), (False, 4)):
         source = triton.compiler.ASTSource(fn=adamw._kernel(), signature=signature,
-                                           constexprs={**constants, "ALIGNED": aligned})
-        ptx[aligned] = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                      options={"num_warps": adamw.NUM_WARPS}).asm["ptx"]
+                                           constexprs={**constants, "ALIGNED": aligned, "GRAD_ALIGN": grad_align})
+        ptx[grad_align] = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                         options={"num_warps": adamw.NUM_WARPS}).asm["ptx"]
     per_thread = adamw.BLOCK * adamw.CHUNKS // (32 * adamw.NUM_WARPS)  # elements of each tensor a thread updates
-    wide_loads = ptx[True].count("ld.global.v4")
-    wide_stores = ptx[True].count("st.global.v4")
-    assert wide_loads == 4 * per_thread // 4  # p, g, m, v: 4 fp32 an access
-    assert wide_stores == 3 * per_thread // 4 + per_thread // 8  # p, m, v, and the bf16 copy (8 an access)
-    assert ptx[False].count("ld.global.v4") == 0
+    assert ptx[16].count("ld.global.v4") == 4 * per_thread // 4  # p, g, m, v: 4 fp32 an access
+    assert ptx[16].count("st.global.v4") == 3 * per_thread // 4 + per_thread // 8  # p, m, v; the bf16 copy 8 an access
+    # a gradient 8 bytes off an aligned address: its loads are 64-bit, every other access as above
+    assert ptx[8].count("ld.global.v4") == 3 * per_thread // 4
+    assert ptx[8].count("ld.global.v2") == per_thread // 2
+    assert ptx[8].count("st.global.v4") == ptx[16].count("st.global.v4")
+    assert ptx[4].count("ld.global.v4") == 0
 
 
 def test_one_pass_adamw_steps_fsdp2_shards_as_it_steps_plain_weights(tmp_path):

@@ -38,7 +38,7 @@ def _kernel():
     def adamw_kernel(addresses, numels, block_tensor, block_start, grad_factor_ptr, found_inf_ptr,
                      lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, lr_weight_decay,
                      HAS_FACTOR: tl.constexpr, HAS_FOUND_INF: tl.constexpr, ALIGNED: tl.constexpr,
-                     BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
+                     GRAD_ALIGN: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
         if HAS_FOUND_INF:
             if tl.load(found_inf_ptr) != 0:  # a non-finite step: nothing changes
                 return
@@ -56,10 +56,11 @@ def _kernel():
         if ALIGNED:  # values read from memory carry no alignment: say it, or no access is vectorized
             numel = tl.multiple_of(numel, 8)  # the mask then holds over groups of 8 elements
             p_ptr = tl.multiple_of(p_ptr, 16)
-            g_ptr = tl.multiple_of(g_ptr, 16)
             m_ptr = tl.multiple_of(m_ptr, 16)
             v_ptr = tl.multiple_of(v_ptr, 16)
             c_ptr = tl.multiple_of(c_ptr, 16)
+        if GRAD_ALIGN > 4:  # the gradient apart: FSDP2 places its views at any 4-byte offset
+            g_ptr = tl.multiple_of(g_ptr, GRAD_ALIGN)
         step = tl.load(tl.load(row + 5).to(tl.pointer_type(tl.float32)))
         step_size = lr / (1.0 - libdevice.pow(beta1, step))
         bias_correction2_sqrt = tl.sqrt(1.0 - libdevice.pow(beta2, step))
@@ -137,7 +138,8 @@ def adamw_update(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Se
                  lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                  grad_factor: Optional[Tensor] = None, found_inf: Optional[Tensor] = None) -> None:
     """One AdamW step in place over contiguous fp32 tensors of one device (CUDA: the kernel, one
-    launch; elsewhere adamw_update_reference), moving no version counter: the step counts
+    launch per alignment class (_launch_rows), one in all where every tensor is 16-byte aligned;
+    elsewhere adamw_update_reference), moving no version counter: the step counts
     (fp32, 0-dim, on the device) advance by one unless found_inf is set; each gradient is multiplied
     by grad_factor (a 0-dim fp32 device tensor) as it is read and left as it was; copies[i], where
     not None, receives params[i] rounded to bf16 after an applied update (a skipped one leaves it)."""
@@ -162,18 +164,44 @@ def adamw_update(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Se
                              f"{tuple(p.shape)} on {device}")
         rows.append((p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), 0 if c is None else c.data_ptr(),
                      s.data_ptr()))
-    aligned = ALIGNED and all(address % 16 == 0 for row in rows for address in row[:5]) and all(
-        p.numel() % 8 == 0 for p in params)  # 16-byte accesses (8 bf16 copy elements)
-    addresses = torch.tensor(rows, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
-    numels, block_tensor, block_start = _blocks(tuple(p.numel() for p in params), device, BLOCK * CHUNKS)
+    launches = _launch_rows(rows, [p.numel() for p in params])
     torch._foreach_add_(list(steps), 1)
     dummy = steps[0]  # a pointer for the absent optional arguments (never read)
-    if block_tensor.numel():
+    for (aligned, grad_align), (part_rows, part_numels) in launches.items():
+        numels, block_tensor, block_start = _blocks(tuple(part_numels), device, BLOCK * CHUNKS)
+        addresses = torch.tensor(part_rows, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
         _kernel()[(block_tensor.numel(),)](
             addresses, numels, block_tensor, block_start,
             dummy if grad_factor is None else grad_factor, dummy if found_inf is None else found_inf,
             lr, beta1, beta2, 1.0 - beta1, 1.0 - beta2, eps, lr * weight_decay,
             HAS_FACTOR=grad_factor is not None, HAS_FOUND_INF=found_inf is not None, ALIGNED=aligned,
-            BLOCK=BLOCK, CHUNKS=CHUNKS, num_warps=NUM_WARPS)
+            GRAD_ALIGN=grad_align, BLOCK=BLOCK, CHUNKS=CHUNKS, num_warps=NUM_WARPS)
     if found_inf is not None:  # as torch's fused AdamW: the count advances only on an applied step
         torch._foreach_sub_(list(steps), [found_inf] * n)
+
+
+def _launch_rows(rows: list[tuple[int, ...]], numels: list[int]) -> dict[tuple[bool, int], tuple[list, list]]:
+    """The launches of one update: (ALIGNED, GRAD_ALIGN) -> their address rows and element counts.
+    16-byte accesses need the weight, moments and copy 16-byte aligned and a multiple of 8 elements
+    (a bf16 copy's vector) under each mask: a tensor's first multiple of 8 elements runs hinted, its
+    last numel % 8 as a row of its own, unhinted. The gradient's alignment is its own (16, 8 or 4
+    bytes): FSDP2 reduce-scatters every gradient of a unit into one buffer, so a shard of an odd size
+    (a norm's, over 3 ranks) shifts every gradient after it, while its weights and moments stay aligned."""
+    launches: dict[tuple[bool, int], tuple[list, list]] = {}
+
+    def add(key: tuple[bool, int], row: tuple[int, ...], numel: int) -> None:
+        part_rows, part_numels = launches.setdefault(key, ([], []))
+        part_rows.append(row)
+        part_numels.append(numel)
+
+    for (p, g, m, v, c, s), numel in zip(rows, numels):
+        body = numel - numel % 8
+        if not ALIGNED or any(address % 16 for address in (p, m, v, c)):  # (c 0: no copy)
+            add((False, 4), (p, g, m, v, c, s), numel)
+            continue
+        if body:
+            add((True, 16 if g % 16 == 0 else 8 if g % 8 == 0 else 4), (p, g, m, v, c, s), body)
+        if numel % 8:
+            add((False, 4), (p + 4 * body, g + 4 * body, m + 4 * body, v + 4 * body, c and c + 2 * body, s),
+                numel % 8)
+    return launches
