@@ -138,8 +138,8 @@ def adamw_update(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Se
                  lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                  grad_factor: Optional[Tensor] = None, found_inf: Optional[Tensor] = None) -> None:
     """One AdamW step in place over contiguous fp32 tensors of one device (CUDA: the kernel, one
-    launch per alignment class (_launch_rows), one in all where every tensor is 16-byte aligned;
-    elsewhere adamw_update_reference), moving no version counter: the step counts
+    launch per alignment class (_launch_rows): one in all where every tensor is 16-byte aligned with
+    a multiple of 8 elements; elsewhere adamw_update_reference), moving no version counter: the step counts
     (fp32, 0-dim, on the device) advance by one unless found_inf is set; each gradient is multiplied
     by grad_factor (a 0-dim fp32 device tensor) as it is read and left as it was; copies[i], where
     not None, receives params[i] rounded to bf16 after an applied update (a skipped one leaves it)."""
@@ -194,13 +194,14 @@ def _launch_rows(rows: list[tuple[int, ...]], numels: list[int]) -> dict[tuple[b
         part_rows.append(row)
         part_numels.append(numel)
 
-    for (p, g, m, v, c, s), numel in zip(rows, numels):
+    for row, numel in zip(rows, numels):
+        p, g, m, v, c, s = row
         body = numel - numel % 8
         if not ALIGNED or any(address % 16 for address in (p, m, v, c)):  # (c 0: no copy)
-            add((False, 4), (p, g, m, v, c, s), numel)
+            add((False, 4), row, numel)
             continue
         if body:
-            add((True, 16 if g % 16 == 0 else 8 if g % 8 == 0 else 4), (p, g, m, v, c, s), body)
+            add((True, 16 if g % 16 == 0 else 8 if g % 8 == 0 else 4), row, body)
         if numel % 8:
             add((False, 4), (p + 4 * body, g + 4 * body, m + 4 * body, v + 4 * body, c and c + 2 * body, s),
                 numel % 8)
