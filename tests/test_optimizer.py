@@ -181,6 +181,18 @@ def _cuda_lists(seed: int, with_copies: bool, shapes=ALIGNED_SHAPES):
     return p, grads, m, v, steps, copies
 
 
+def _assert_kernel_matches_reference(kernel, reference) -> None:
+    """The kernel's p, g, m, v and step counts agree with the reference's to fp32 rounding of each
+    tensor's scale (FMA contraction, libdevice pow), and every copy is its weight rounded to bf16."""
+    for name, a_list, b_list in zip(("p", "g", "m", "v", "step"), kernel, reference):
+        for a, b in zip(a_list, b_list):
+            if b.numel():
+                assert (a - b).abs().max() <= 1e-6 * b.abs().max(), name
+    for p, copy in zip(kernel[0], kernel[5]):
+        if copy is not None:
+            assert torch.equal(copy, p.bfloat16())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shapes", [ALIGNED_SHAPES, RAGGED_SHAPES], ids=["aligned", "ragged"])
 @pytest.mark.parametrize("found", [None, 0.0, 1.0])
@@ -192,14 +204,8 @@ def test_adamw_update_kernel_matches_its_reference_on_the_gpu(found, shapes):
                  found_inf=None if found is None else torch.full((), found, device="cuda"))
     adamw_update(*kernel, **hyper)
     adamw_update_reference(*reference, **hyper)
-    for name, a_list, b_list in zip(("p", "g", "m", "v", "step"), kernel, reference):
-        for a, b in zip(a_list, b_list):  # to fp32 rounding of the tensor's scale (FMA contraction, libdevice pow)
-            if b.numel():
-                assert (a - b).abs().max() <= 1e-6 * b.abs().max(), name
+    _assert_kernel_matches_reference(kernel, reference)
     assert all(torch.equal(g, b) for g, b in zip(kernel[1], grads_before))  # gradients are read, not written
-    for p, copy in zip(kernel[0], kernel[5]):
-        if copy is not None:
-            assert torch.equal(copy, p.bfloat16())
     if found == 1.0:
         assert all(torch.equal(a, b) for a, b in zip(kernel[0], _cuda_lists(0, True, shapes)[0]))
         assert all(float(s) == 7.0 for s in kernel[4])
@@ -259,12 +265,7 @@ def test_gradients_at_odd_offsets_and_ragged_tails_update_as_the_reference(monke
     programs = lambda *numels: sum(-(-n // adamw.BLOCK) for n in numels)  # noqa: E731
     assert sorted(launches) == sorted([(True, 16, programs(1024 * 768, 4096)), (True, 4, programs(768)),
                                        (True, 8, programs(15000)), (False, 4, 1)])
-    for name, a_list, b_list in zip(("p", "g", "m", "v", "step"), kernel, reference):
-        for a, b in zip(a_list, b_list):
-            assert (a - b).abs().max() <= 1e-6 * b.abs().max(), name
-    for p, copy in zip(kernel[0], kernel[5]):
-        if copy is not None:
-            assert torch.equal(copy, p.bfloat16())
+    _assert_kernel_matches_reference(kernel, reference)
 
 
 @pytest.mark.gpu
