@@ -1,4 +1,4 @@
-"""Does a deeper epilogue pipeline pay? quack's SM90 GEMM splits shared memory between the mainloop's
+"""Does a deeper epilogue pipeline, or a second epilogue in flight, pay? quack's SM90 GEMM splits shared memory between the mainloop's
 A/B stages and the epilogue's: its tile loads (the C operand and TileLoad operands such as dSwiGLU's
 gate and up) run `epi_c_stage` subtiles ahead, at most min(subtiles per tile, 4) plus one from
 leftover memory, and only within the current output tile; its stores have `epi_stage` buffers. At
@@ -8,17 +8,22 @@ the epilogue's pipeline may set its pace. Variants, each a different split of th
   ship  quack's split (what the step runs)
   c8    up to 8 subtiles of loads in flight (GemmSm90.epi_c_stage_base = 8; one A/B stage fewer)
   c8d   c8, and one more A/B stage handed to the store buffers (kernels with epilogue loads)
+  two   pingpong kernels run both warpgroups' epilogues at once, each with buffers of its own
+        (two_epilogues.py), tile-load ring up to 4 stages per warpgroup
+  two2  two, tile-load ring up to 2 stages per warpgroup (one more A/B stage)
 
 Each variant runs in processes of its own with a kernel cache of its own (QUACK_CACHE_DIR): (1) the
 step's kernels at every --shapes shape compile GPU-blind, variants in parallel; (2) each shape's
-epilogue-loading ops run alone at the shipped tile configs, median of triton's do_bench, outputs
+epilogue-loading ops (or --ops) run alone at the shipped tile configs, median of triton's do_bench, outputs
 checksummed against ship's (the same math in the same order: bitwise equal); (3) with --step, bench.py's
 coda-graphs step at that shape, the variants alternately, two rounds. Prints a table and writes
 epilogue_stages.json under --out.
 
-    python scripts/epilogue_stages.py [--shapes 125m,1b-4x4096] [--step 125m [--op-rounds 0]] [--out DIR]
+    python scripts/epilogue_stages.py [--shapes 125m,1b-4x4096] [--variants ship,c8,c8d] [--ops OP,...]
+        [--step 125m [--op-rounds 0]] [--out DIR]
 
-On the H200 (2026-12-02) neither variant paid: docs/kernels.md, "What sets an epilogue's pace at K = 768".
+On the H200 neither paid: c8 and c8d on 2026-12-02, two and two2 on 2026-12-03 (docs/kernels.md,
+"What sets an epilogue's pace at K = 768").
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 SCRIPTS = Path(__file__).resolve().parent
-VARIANTS = {"ship": (4, False), "c8": (8, False), "c8d": (8, True)}  # (epi_c_stage_base, one A/B stage to D)
+VARIANTS = {"ship": (4, False), "c8": (8, False), "c8d": (8, True), "two": (4, False), "two2": (2, False)}  # (epi_c_stage_base, one A/B stage to D)
 LOAD_OPS = ("gemm_dswiglu_rowscale_stat", "gemm_residual_rmsnorm_partial", "gemm_rmsnorm_backward", "gemm_rowscale_rope")
 
 
@@ -48,6 +53,11 @@ def apply(variant: str) -> None:
     import cutlass.cute as cute
     from quack.gemm_sm90 import GemmSm90
 
+    if variant.startswith("two"):  # two epilogues in flight per SM (pingpong kernels): two_epilogues.py
+        import two_epilogues
+
+        two_epilogues.enable(max_ring=VARIANTS[variant][0])
+        return
     c_base, ab_to_d = VARIANTS[variant]
     GemmSm90.epi_c_stage_base = c_base  # read by _compute_stages, which reserves its bytes before the A/B stages
     if not ab_to_d:
@@ -94,7 +104,7 @@ def child_compile(shapes: list[str]) -> None:
     compile_all([shape_dims(s) for s in shapes], verbose=False, gpu="H200")
 
 
-def child_time(shapes: list[str]) -> None:
+def child_time(shapes: list[str], ops: list[str]) -> None:
     """One RESULT line per (shape, op launch): ms, config, output checksums."""
     import torch
     from triton.testing import do_bench
@@ -107,7 +117,7 @@ def child_time(shapes: list[str]) -> None:
     op_set("cute")
     gpu = gpu_key(torch.cuda.get_device_name())
     for shape in shapes:
-        for launch in launches([shape], list(LOAD_OPS)):
+        for launch in launches([shape], ops):
             op = launch["op"]
             cfg = lookup(op, launch["m"], launch["n"], launch["k"], gpu)
             kwargs = launch_inputs(launch)
@@ -143,7 +153,8 @@ def step_ms(text: str) -> float | None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--shapes", default="125m,1b-4x4096")
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default="ship,c8,c8d")
+    p.add_argument("--ops", default=",".join(LOAD_OPS), help="the ops timed alone")
     p.add_argument("--step", default="", help="a bench.py shape: time the coda-graphs step per variant")
     p.add_argument("--step-rounds", type=int, default=2)
     p.add_argument("--op-rounds", type=int, default=2, help="rounds of the ops alone (0: steps only)")
@@ -159,7 +170,7 @@ def main() -> None:
         if args.child == "compile":
             child_compile(shapes)
         elif args.child == "time":
-            child_time(shapes)
+            child_time(shapes, args.ops.split(","))
         else:  # bench.py with this variant's stage split
             sys.argv = [str(SCRIPTS / "bench.py"), *shlex.split(args.bench_args)]
             runpy.run_path(sys.argv[0], run_name="__main__")
@@ -194,7 +205,7 @@ def main() -> None:
     for rnd in range(1, args.op_rounds + 1):
         for v in variants:
             try:
-                c = run_child(v, ["--child", "time", "--shapes", ",".join(shapes)], cache, timeout=240)
+                c = run_child(v, ["--child", "time", "--shapes", ",".join(shapes), "--ops", args.ops], cache, timeout=240)
             except subprocess.TimeoutExpired as e:  # a variant whose kernel hangs: reported, skipped
                 print(f"time {v}: no result in {e.timeout} s", flush=True)
                 continue
