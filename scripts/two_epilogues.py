@@ -21,8 +21,8 @@ compiles the step's kernels GPU-blind with it and prints each kernel's stage spl
 
     QUACK_ARCH=90 CUTE_DSL_ARCH=sm_90a python scripts/two_epilogues.py [--shapes 125m] [--max-ring 4]
 
-Measured on the H200 (2026-12-03) and not adopted: outputs bitwise equal, dSwiGLU 5-7 % faster at
-125M, the 125M step 0.8 %, 1B's dSwiGLU slower; the waits move to the epilogue's tile loads
+Measured on the H200 (2026-12-03) and not adopted: outputs bitwise equal, dSwiGLU up to 6 % faster
+at 125M, the 125M step 0.8 %, 1B's dSwiGLU slower; the waits move to the epilogue's tile loads
 (docs/kernels.md, "Two epilogues in flight, measured and not adopted").
 """
 
