@@ -235,6 +235,19 @@ def test_launch_rows_keep_the_hints_of_every_aligned_access():
     assert adamw._launch_rows([rows[0]], [7]) == {(False, 4): ([rows[0]], [7])}
 
 
+def test_address_table_is_copied_once_per_distinct_table():
+    """Host side: a step whose tensors sit where the last step's did reuses its device address table
+    (no pinned allocation or copy); other addresses get a table of their own, with their contents."""
+    from coda_train.kernels import adamw
+
+    rows = ((4096, 8192, 12288, 16384, 0, 64), (20480, 24576, 28672, 32768, 36864, 68))
+    table = adamw._address_table(rows, torch.device("cpu"))
+    assert table.dtype == torch.int64 and table.tolist() == [list(r) for r in rows]
+    assert adamw._address_table(tuple(tuple(r) for r in rows), torch.device("cpu")) is table
+    moved = (rows[0], (20480, 24640, 28672, 32768, 36864, 68))
+    assert adamw._address_table(moved, torch.device("cpu")).tolist() == [list(r) for r in moved]
+
+
 @pytest.mark.gpu
 def test_gradients_at_odd_offsets_and_ragged_tails_update_as_the_reference(monkeypatch):
     """On the GPU: gradients 4 and 8 bytes off an aligned address and a ragged tensor run in their

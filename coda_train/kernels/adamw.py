@@ -100,6 +100,15 @@ def _blocks(numels: tuple[int, ...], device: torch.device, block: int) -> tuple[
     return as_device(numels), as_device(tensor).to(torch.int32), as_device(start)
 
 
+@functools.lru_cache(maxsize=16)
+def _address_table(rows: tuple[tuple[int, ...], ...], device: torch.device) -> Tensor:
+    """The kernel's address rows on the device, copied once per distinct table: a run's tensors keep
+    their addresses from step to step (eager steps get their new gradients back at the old ones from
+    the caching allocator), so a step pays no pinned-memory allocation or copy for it."""
+    pinned = device.type == "cuda"
+    return torch.tensor(rows, dtype=torch.int64, pin_memory=pinned).to(device, non_blocking=pinned)
+
+
 def adamw_update_reference(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
                            exp_avg_sqs: Sequence[Tensor], steps: Sequence[Tensor],
                            copies: Sequence[Optional[Tensor]], *,
@@ -169,7 +178,7 @@ def adamw_update(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Se
     dummy = steps[0]  # a pointer for the absent optional arguments (never read)
     for (aligned, grad_align), (part_rows, part_numels) in launches.items():
         numels, block_tensor, block_start = _blocks(tuple(part_numels), device, BLOCK * CHUNKS)
-        addresses = torch.tensor(part_rows, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+        addresses = _address_table(tuple(part_rows), device)
         _kernel()[(block_tensor.numel(),)](
             addresses, numels, block_tensor, block_start,
             dummy if grad_factor is None else grad_factor, dummy if found_inf is None else found_inf,
