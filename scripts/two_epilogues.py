@@ -142,10 +142,13 @@ def enable(max_ring: int = 4) -> None:
 
     def _compute_stages(cls, tile, epi_tile, a_dtype, b_dtype, d_dtype, c_dtype, epilogue_args, smem_capacity,
                         occupancy, warp_shape_mnk=None, a_bytes_per_stage_override=None, ab_extra_bytes_per_stage=0):
-        if not splitting["two"]:
+        def quack_split():
             return quack_stages(cls, tile, epi_tile, a_dtype, b_dtype, d_dtype, c_dtype, epilogue_args,
                                 smem_capacity, occupancy, warp_shape_mnk, a_bytes_per_stage_override,
                                 ab_extra_bytes_per_stage)
+
+        if not splitting["two"]:
+            return quack_split()
         # quack's base depths per warpgroup (store: 2 stages of 32-wide subtiles; loads: an even
         # divisor of the subtile count, at most quack's base); both copies first, A/B from the rest
         subtiles = tile[0] * tile[1] // cute.size(cute.shape(epi_tile))
@@ -156,9 +159,7 @@ def enable(max_ring: int = 4) -> None:
         ring = ring_depth(subtiles, min(subtiles, max_ring)) if loads else 0
         if loads and ring == 0:  # no even split of the ring: this kernel keeps quack's turn-taking
             splitting["fallback"] = True
-            return quack_stages(cls, tile, epi_tile, a_dtype, b_dtype, d_dtype, c_dtype, epilogue_args,
-                                smem_capacity, occupancy, warp_shape_mnk, a_bytes_per_stage_override,
-                                ab_extra_bytes_per_stage)
+            return quack_split()
         d_bytes = elems * d_dtype.width // 8 if d_dtype is not None else 0
         c_bytes = elems * c_dtype.width // 8 if c_dtype is not None else 0
         op_bytes = op.unstaged + op.d_stage * epi + op.c_stage * ring
@@ -174,10 +175,10 @@ def enable(max_ring: int = 4) -> None:
         splitting["two"] = self.two_epilogues
         try:
             quack_setup(self, epilogue_args)
+            fallback = splitting["fallback"]
         finally:
-            splitting["two"] = False
-        if splitting.pop("fallback", False):
-            splitting["fallback"] = False
+            splitting["two"] = splitting["fallback"] = False
+        if fallback:
             self.two_epilogues = False
             self.epilogue_barrier = self.quack_epilogue_barrier
         if self.two_epilogues:  # sD and sC hold both warpgroups' stages: [wg0's | wg1's]
