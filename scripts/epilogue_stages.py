@@ -1,9 +1,10 @@
-"""Does a deeper epilogue pipeline, or a second epilogue in flight, pay? quack's SM90 GEMM splits shared memory between the mainloop's
-A/B stages and the epilogue's: its tile loads (the C operand and TileLoad operands such as dSwiGLU's
-gate and up) run `epi_c_stage` subtiles ahead, at most min(subtiles per tile, 4) plus one from
-leftover memory, and only within the current output tile; its stores have `epi_stage` buffers. At
-K = 768 (llama3_125m) the mainloop is too short to hide the epilogue's HBM traffic, so the depth of
-the epilogue's pipeline may set its pace. Variants, each a different split of the same memory:
+"""Does a deeper epilogue pipeline, or a second epilogue in flight, pay? quack's SM90 GEMM splits
+shared memory between the mainloop's A/B stages and the epilogue's: its tile loads (the C operand and
+TileLoad operands such as dSwiGLU's gate and up) run `epi_c_stage` subtiles ahead, at most
+min(subtiles per tile, 4) plus one from leftover memory, and only within the current output tile;
+its stores have `epi_stage` buffers. At K = 768 (llama3_125m) the mainloop is too short to hide
+the epilogue's HBM traffic, so the depth of the epilogue's pipeline may set its pace. Variants, each
+a different split of the same memory:
 
   ship  quack's split (what the step runs)
   c8    up to 8 subtiles of loads in flight (GemmSm90.epi_c_stage_base = 8; one A/B stage fewer)
@@ -44,7 +45,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 SCRIPTS = Path(__file__).resolve().parent
-VARIANTS = {"ship": (4, False), "c8": (8, False), "c8d": (8, True), "two": (4, False), "two2": (2, False)}  # (epi_c_stage_base, one A/B stage to D)
+VARIANTS = {"ship": (4, False), "c8": (8, False), "c8d": (8, True)}  # (epi_c_stage_base, one A/B stage to D)
+TWO_EPILOGUES = {"two": 4, "two2": 2}  # two epilogues in flight: tile-load stages per warpgroup, at most
 LOAD_OPS = ("gemm_dswiglu_rowscale_stat", "gemm_residual_rmsnorm_partial", "gemm_rmsnorm_backward", "gemm_rowscale_rope")
 
 
@@ -53,10 +55,10 @@ def apply(variant: str) -> None:
     import cutlass.cute as cute
     from quack.gemm_sm90 import GemmSm90
 
-    if variant.startswith("two"):  # two epilogues in flight per SM (pingpong kernels): two_epilogues.py
+    if variant in TWO_EPILOGUES:  # pingpong kernels: two_epilogues.py
         import two_epilogues
 
-        two_epilogues.enable(max_ring=VARIANTS[variant][0])
+        two_epilogues.enable(max_ring=TWO_EPILOGUES[variant])
         return
     c_base, ab_to_d = VARIANTS[variant]
     GemmSm90.epi_c_stage_base = c_base  # read by _compute_stages, which reserves its bytes before the A/B stages
@@ -153,7 +155,7 @@ def step_ms(text: str) -> float | None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--shapes", default="125m,1b-4x4096")
-    p.add_argument("--variants", default="ship,c8,c8d")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"of {[*VARIANTS, *TWO_EPILOGUES]}")
     p.add_argument("--ops", default=",".join(LOAD_OPS), help="the ops timed alone")
     p.add_argument("--step", default="", help="a bench.py shape: time the coda-graphs step per variant")
     p.add_argument("--step-rounds", type=int, default=2)
