@@ -275,14 +275,10 @@ def main() -> None:
     args = p.parse_args()
     os.environ.setdefault("QUACK_CACHE_DIR", tempfile.mkdtemp(prefix="two_epilogues_"))  # not the shipped kernels' cache
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from epilogue_stages import print_splits
-    from tune_gemm import shape_dims
-
-    from coda_train.kernels.cute._compile import compile_all
+    from epilogue_stages import child_compile
 
     enable(args.max_ring)
-    print_splits()
-    compile_all([shape_dims(s) for s in args.shapes.split(",")], verbose=False, gpu="H200")
+    child_compile(args.shapes.split(","))  # one SPLIT line per kernel, as epilogue_stages.py's compile step
 
 
 if __name__ == "__main__":
