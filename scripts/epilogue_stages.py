@@ -12,6 +12,10 @@ a different split of the same memory:
   two   pingpong kernels run both warpgroups' epilogues at once, each with buffers of its own
         (two_epilogues.py), tile-load ring up to 4 stages per warpgroup
   two2  two, tile-load ring up to 2 stages per warpgroup (one more A/B stage)
+  pf    ship, and each consumer warpgroup prefetches its next tile's epilogue loads to L2 when it
+        takes the tile (l2_prefetch.py)
+  pf1   pf, the first subtile of each load only (the one its epilogue waits for first)
+  two2pf  two2 and pf together
 
 Each variant runs in processes of its own with a kernel cache of its own (QUACK_CACHE_DIR): (1) the
 step's kernels at every --shapes shape compile GPU-blind, variants in parallel; (2) each shape's
@@ -23,8 +27,8 @@ epilogue_stages.json under --out.
     python scripts/epilogue_stages.py [--shapes 125m,1b-4x4096] [--variants ship,c8,c8d] [--ops OP,...]
         [--step 125m [--op-rounds 0]] [--out DIR]
 
-On the H200 neither paid: c8 and c8d on 2026-12-02, two and two2 on 2026-12-03 (docs/kernels.md,
-"What sets an epilogue's pace at K = 768").
+On the H200 none paid: c8 and c8d on 2026-12-02, two and two2, pf, pf1 and two2pf on 2026-12-03
+(docs/kernels.md, "What sets an epilogue's pace at K = 768"); scripts/ncu_epilogue.sh profiles them.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ from pathlib import Path
 SCRIPTS = Path(__file__).resolve().parent
 VARIANTS = {"ship": (4, False), "c8": (8, False), "c8d": (8, True)}  # (epi_c_stage_base, one A/B stage to D)
 TWO_EPILOGUES = {"two": 4, "two2": 2}  # two epilogues in flight: tile-load stages per warpgroup, at most
+L2_PREFETCH = {"pf": ("ship", 0), "pf1": ("ship", 1), "two2pf": ("two2", 0)}  # the next tile's epilogue loads
+# prefetched to L2 on top of a variant: (that variant, subtiles of each load, 0 = all)
 LOAD_OPS = ("gemm_dswiglu_rowscale_stat", "gemm_residual_rmsnorm_partial", "gemm_rmsnorm_backward", "gemm_rowscale_rope")
 
 
@@ -55,6 +61,13 @@ def apply(variant: str) -> None:
     import cutlass.cute as cute
     from quack.gemm_sm90 import GemmSm90
 
+    if variant in L2_PREFETCH:  # its base variant's patches first: the prefetch wraps them
+        import l2_prefetch
+
+        base, subtiles = L2_PREFETCH[variant]
+        apply(base)
+        l2_prefetch.enable(subtiles)
+        return
     if variant in TWO_EPILOGUES:  # pingpong kernels: two_epilogues.py
         import two_epilogues
 
@@ -155,7 +168,7 @@ def step_ms(text: str) -> float | None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--shapes", default="125m,1b-4x4096")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"of {[*VARIANTS, *TWO_EPILOGUES]}")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"of {[*VARIANTS, *TWO_EPILOGUES, *L2_PREFETCH]}")
     p.add_argument("--ops", default=",".join(LOAD_OPS), help="the ops timed alone")
     p.add_argument("--step", default="", help="a bench.py shape: time the coda-graphs step per variant")
     p.add_argument("--step-rounds", type=int, default=2)

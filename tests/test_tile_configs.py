@@ -424,6 +424,29 @@ with compile_only():
     assert splits == {"ship": [5, 2, 5], "c8": [4, 2, 8], "c8d": [3, 4, 8]}, splits
 
 
+def test_l2_prefetch_variants_prefetch_every_epilogue_load(stack, tmp_path):
+    """scripts/l2_prefetch.py (variants pf and pf1 of epilogue_stages.py), GPU-blind on the 125m
+    dSwiGLU at 128x128 pingpong: the prefetch is traced into the consumer's loop for both of its tile
+    loads (gate and up), and the kernel still compiles (docs/kernels.md, "Early epilogue loads, to L2")."""
+    (launch,) = load_tuner().launches(["125m"], ["gemm_dswiglu_rowscale_stat"])
+    for variant in ("pf", "pf1"):
+        out = _run(f'''
+import json, sys
+sys.path.insert(0, "scripts")
+import epilogue_stages as S, l2_prefetch
+S.apply({variant!r})
+from tune_gemm import compile_launch
+from coda_train.kernels.cute._launch import compile_only
+from coda_train.kernels.tile_configs import Cfg
+with compile_only():
+    compile_launch(json.loads({json.dumps(json.dumps(launch))}), Cfg(128, 128, 1, 2, True))
+print("PREFETCHED " + json.dumps(l2_prefetch.PREFETCHED))
+''', env=dict(ENV, QUACK_CACHE_DIR=str(tmp_path / variant)))
+        (line,) = [line for line in out.splitlines() if line.startswith("PREFETCHED ")]
+        (kernel, loads), = json.loads(line[11:])
+        assert "dswiglu" in kernel and loads == 2, line
+
+
 @pytest.fixture
 def tile_cache(tmp_path, monkeypatch):
     """The user's tile config cache ($CODA_TILE_CACHE) as a fresh file path for the test."""
