@@ -179,7 +179,10 @@ def main() -> None:
     p.add_argument("--bench-args", default="", help=argparse.SUPPRESS)  # child bench: bench.py's arguments
     args = p.parse_args()
     sys.path.insert(0, str(SCRIPTS))
-    if args.variant:
+    if args.variant:  # a child, or a user's direct call: never the shipped kernels' cache (its key ignores the patch)
+        if "QUACK_CACHE_DIR" not in os.environ:
+            os.environ["QUACK_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"epilogue_stages_{args.variant}_")
+            atexit.register(shutil.rmtree, os.environ["QUACK_CACHE_DIR"], ignore_errors=True)
         apply(args.variant)
         shapes = args.shapes.split(",")
         if args.child == "compile":

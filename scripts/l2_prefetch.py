@@ -18,10 +18,10 @@ and the consumer's `get_current_work` for its next tile is traced after them in 
 
 `enable()` patches quack in this process before any GEMM compiles, so a process that enables it
 must use a kernel cache of its own (QUACK_CACHE_DIR); scripts/epilogue_stages.py does (variants pf,
-pf1 (the first subtile of each load only) and two2pf). Run alone, this compiles the step's kernels
-GPU-blind with it:
+pf1 (the first subtile of each load only) and two2pf), and compiles the step's kernels GPU-blind with
+it:
 
-    QUACK_ARCH=90 CUTE_DSL_ARCH=sm_90a python scripts/l2_prefetch.py [--shapes 125m] [--subtiles N]
+    QUACK_ARCH=90 CUTE_DSL_ARCH=sm_90a python scripts/epilogue_stages.py --variant pf --child compile --shapes 125m
 
 Measured on the H200 (2026-12-03) and not adopted: outputs bitwise equal; the whole tile made every
 op 1-6 % slower (its lines were evicted before use: 57 MB more DRAM reads on the 125M dSwiGLU), the
@@ -98,27 +98,3 @@ def enable(subtiles: int = 0) -> None:
     GemmSm90.epilog_gmem_copy_and_partition = epilog_gmem_copy_and_partition
     GemmSm90.get_scheduler_class = get_scheduler_class
 
-
-def main() -> None:
-    import argparse
-    import os
-    import sys
-    import tempfile
-
-    p = argparse.ArgumentParser(description="Compile the step's GEMM kernels GPU-blind with L2 prefetches of the "
-                                "next tile's epilogue loads; scripts/epilogue_stages.py times them (variants pf, pf1, two2pf).",
-                                allow_abbrev=False)
-    p.add_argument("--shapes", default="125m", help="bench.py shapes")
-    p.add_argument("--subtiles", type=int, default=0, help="prefetch the first N subtiles of each load (0: all)")
-    args = p.parse_args()
-    os.environ.setdefault("QUACK_CACHE_DIR", tempfile.mkdtemp(prefix="l2_prefetch_"))  # not the shipped kernels' cache
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from epilogue_stages import child_compile
-
-    enable(args.subtiles)
-    child_compile(args.shapes.split(","))
-    print("PREFETCHED", PREFETCHED)
-
-
-if __name__ == "__main__":
-    main()

@@ -16,10 +16,10 @@ an even number of times, so a skip of one tile leaves its slot and phase where t
 
 `enable()` patches quack's classes in this process, before any GEMM compiles; quack's kernel cache
 does not see the patch, so a process that enables it must use a kernel cache of its own
-(QUACK_CACHE_DIR). scripts/epilogue_stages.py times it (variants two, two2); run alone, this script
-compiles the step's kernels GPU-blind with it and prints each kernel's stage split:
+(QUACK_CACHE_DIR). scripts/epilogue_stages.py times it (variants two, two2), and compiles the step's
+kernels GPU-blind with it, printing each kernel's stage split:
 
-    QUACK_ARCH=90 CUTE_DSL_ARCH=sm_90a python scripts/two_epilogues.py [--shapes 125m] [--max-ring 4]
+    QUACK_ARCH=90 CUTE_DSL_ARCH=sm_90a python scripts/epilogue_stages.py --variant two --child compile --shapes 125m
 
 Measured on the H200 (2026-12-03) and not adopted: outputs bitwise equal, dSwiGLU up to 6 % faster
 at 125M, the 125M step 0.8 %, 1B's dSwiGLU slower; the waits move to the epilogue's tile loads
@@ -260,26 +260,3 @@ def enable(max_ring: int = 4) -> None:
     ComposableEpiMixin.epi_get_smem_struct = epi_get_smem_struct
     ComposableEpiMixin.epi_get_smem_tensors = epi_get_smem_tensors
 
-
-def main() -> None:
-    import argparse
-    import os
-    import sys
-    import tempfile
-
-    p = argparse.ArgumentParser(description="Compile the step's GEMM kernels GPU-blind with two epilogues in flight "
-                                "and print each kernel's stage split; scripts/epilogue_stages.py times them "
-                                "(variants two, two2).", allow_abbrev=False)
-    p.add_argument("--shapes", default="125m", help="bench.py shapes")
-    p.add_argument("--max-ring", type=int, default=4, help="tile-load stages per warpgroup, at most")
-    args = p.parse_args()
-    os.environ.setdefault("QUACK_CACHE_DIR", tempfile.mkdtemp(prefix="two_epilogues_"))  # not the shipped kernels' cache
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from epilogue_stages import child_compile
-
-    enable(args.max_ring)
-    child_compile(args.shapes.split(","))  # one SPLIT line per kernel, as epilogue_stages.py's compile step
-
-
-if __name__ == "__main__":
-    main()
