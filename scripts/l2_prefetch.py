@@ -97,4 +97,3 @@ def enable(subtiles: int = 0) -> None:
 
     GemmSm90.epilog_gmem_copy_and_partition = epilog_gmem_copy_and_partition
     GemmSm90.get_scheduler_class = get_scheduler_class
-

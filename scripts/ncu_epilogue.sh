@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # ncu on one fused GEMM per shape under scripts/epilogue_stages.py's variants: kernel time, DRAM
-# bytes, L2 hit rate, issue activity and the two stall reasons the epilogue studies read (barrier:
-# pingpong's epilogue turn-taking; long scoreboard). One process per variant, each with its own
-# kernel cache (quack's key does not see the variants' patches). On the device, from the project
-# root, after sourcing the site's setup.sh:
+# bytes, L2 hit rate, issue activity and the stall reasons the epilogue studies read (barrier:
+# pingpong's epilogue turn-taking and the epilogue's own barriers; long scoreboard; wait). One process
+# per variant and shape, each variant with its own kernel cache (quack's key does not see the
+# variants' patches). On the device, from the project root, after sourcing the site's setup.sh:
 #
 #   VARIANTS="ship pf" SHAPES=125m,1b-4x4096 OP=gemm_dswiglu_rowscale_stat bash scripts/ncu_epilogue.sh
 #

@@ -259,4 +259,3 @@ def enable(max_ring: int = 4) -> None:
     GemmSm90.make_epi_pipeline = make_epi_pipeline
     ComposableEpiMixin.epi_get_smem_struct = epi_get_smem_struct
     ComposableEpiMixin.epi_get_smem_tensors = epi_get_smem_tensors
-
