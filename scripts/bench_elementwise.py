@@ -4,8 +4,10 @@ Hopper GPU, against what they replaced:
   attention_rope_backward_rowscale_stat (B5, B6a): FlashAttention 4's backward with its fp32 -> bf16
       conversions recorded instead of run, then the CuTeDSL RoPE-backward pass on its accumulators
       (kernels/cute/_rope_backward.py). Rows: the op, and FA4's backward with its conversions (the
-      attention_backward op: the floor's attention backward); the pass is also timed alone on one recorded backward's accumulators, for each candidate of its heads
-      per CTA (HEADS_PER_CTA in _rope_backward.py) and launch by launch (q, k, v); its GB/s counts its
+      attention_backward op: the floor's attention backward); the pass is also timed alone on one
+      recorded backward's accumulators, as the op launches it (one launch per thread layout), for each
+      candidate of its heads per CTA (HEADS_PER_CTA in _rope_backward.py), and each head group (q, k, v)
+      in a launch of its own; its GB/s counts its
       bytes once (the fp32 accumulators and qkv read, g_y written; "/ copy" divides by a device copy of
       as many bytes).
       --baseline REV adds the path of a revision (or a copy of its file) whose _elementwise.py still has the Triton

@@ -203,20 +203,25 @@ def test_row_kernels_under_the_triton_interpreter_match_the_reference(stack):
 
 ROPE_PASS_CONFIGS = r'''
 from coda_train.kernels.cute._rope_backward import compiled
-# (head_dim, tile_m, tile_hd, threads, atom_m, from_accumulator, rotate, heads per CTA): FA4's sm90 dQ / dKV
-# layouts at head_dim 64 (both 128 x 64, warpgroups over rows) and 128 (dQ 64 x 128, warpgroups over columns:
-# atomic partials; dKV 128 x 128), and the in-place bf16 source at 64 and 256
-for cfg in [(64, 128, 64, 256, 2, True, True, 4), (64, 128, 64, 256, 2, True, False, 2),
-            (128, 64, 128, 256, 1, True, True, 4), (128, 128, 128, 256, 2, True, False, 1),
-            (64, 128, 64, 256, 2, False, True, 4), (256, 128, 256, 256, 2, False, False, 1)]:
-    compiled(*cfg)
-    print("compiled", cfg)
+# (head_dim, tile_m, tile_hd, threads, atom_m), then the launch's head groups (from_accumulator, rotate, heads
+# per CTA): FA4's sm90 dQ / dKV layouts at head_dim 64 (both 128 x 64, warpgroups over rows: q, k and v in one
+# launch, and each alone) and 128 (dQ 64 x 128, warpgroups over columns: atomic partials; dKV 128 x 128: k and v
+# in one launch), and the in-place bf16 source at 64 (beside accumulators) and 256
+for layout, groups in [((64, 128, 64, 256, 2), ((True, True, 4), (True, True, 4), (True, False, 2))),
+                       ((64, 128, 64, 256, 2), ((True, False, 2),)),
+                       ((128, 64, 128, 256, 1), ((True, True, 4),)),
+                       ((128, 128, 128, 256, 2), ((True, True, 4), (True, False, 1))),
+                       ((64, 128, 64, 256, 2), ((True, True, 4), (False, True, 4), (False, False, 4))),
+                       ((256, 128, 256, 256, 2), ((False, False, 1),))]:
+    compiled(*layout, groups)
+    print("compiled", layout, groups)
 '''
 
 
 def test_rope_backward_pass_compiles_gpu_blind(stack):
     """The CuTeDSL RoPE-backward pass (_rope_backward.py) for each FlashAttention accumulator layout the
-    presets' head dims get, rotated or not, and for the in-place bf16 source."""
+    presets' head dims get, rotated or not, one to three head groups a launch, and for the in-place bf16
+    source."""
     run = subprocess.run([sys.executable, "-c", ROPE_PASS_CONFIGS], env=ENV, cwd=ROOT, capture_output=True, text=True,
                          timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]

@@ -74,10 +74,10 @@ def attention_bwd(g_o: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, n_heads: int
 def attention_rope_bwd(g_o: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, r: Tensor, rope: Tensor, n_heads: int,
                        n_kv_heads: int, seq_len: int) -> tuple[Tensor, Tensor]:
     """FlashAttention 4's backward with its fp32 -> bf16 conversions recorded instead of run, then the
-    RoPE-backward pass (_rope_backward.py) once per head group (q, k, v) on each recorded
-    accumulator; where FA4 wrote a group in bf16 itself (dk/dv without GQA), or converts from an
-    accumulator the pass does not read, the pass rewrites that bf16 in place. Returns g_y and S_a's
-    per-head partials."""
+    RoPE-backward pass (_rope_backward.py) over each head group (q, k, v) on its recorded
+    accumulator, one launch for the groups that share a thread layout; where FA4 wrote a group in
+    bf16 itself (dk/dv without GQA), or converts from an accumulator the pass does not read, the pass
+    rewrites that bf16 in place. Returns g_y and S_a's per-head partials."""
     op = "attention_rope_backward_rowscale_stat"
     qkv = qkv.contiguous()
     M, W = qkv.shape
@@ -142,18 +142,34 @@ def rope_passes(conversions: dict[int, dict], g: Tensor, n_heads: int, n_kv_head
 
 
 def run_rope_passes(passes: list[RopePass], qkv: Tensor, r: Tensor, rope: Tensor, g: Tensor, seq_len: int) -> Tensor:
-    """The launches, g_y into g; returns S_a's per-head partials (M, heads) fp32 (a column per head
-    up to the last one launched: all of them for the op, fewer where a benchmark launches one group)."""
-    from ._rope_backward import compiled, heads_per_cta
+    """The passes, g_y into g, in one launch per run of passes that share a layout (q, k and v at
+    head_dim 64: one launch); returns S_a's per-head partials (M, heads) fp32 (a column per head up to
+    the last one launched: all of them for the op, fewer where a benchmark launches one group)."""
+    from ._rope_backward import MAX_GROUPS, PassGroup, compiled, heads_per_cta
 
     split = any(p.layout.split_cols for p in passes)
     stat = (torch.zeros if split else empty)(qkv.shape[0], max(p.first_head + p.heads for p in passes),
                                              dtype=torch.float32, device=qkv.device)
     r, rope = r.float().contiguous(), rope.float().contiguous()
-    for p in passes:
-        compiled(*p.layout, p.from_accumulator, p.rotate, heads_per_cta(p.heads))(
-            p.source, qkv, r, rope, g, stat, p.scale, p.first_head, p.heads, seq_len)
+    for launch in _same_layout_runs(passes):
+        groups = tuple(PassGroup(p.from_accumulator, p.rotate, heads_per_cta(p.heads)) for p in launch)
+        unused = MAX_GROUPS - len(launch)
+        compiled(*launch[0].layout, groups)(
+            *[p.source for p in launch], *[None] * unused, qkv, r, rope, g, stat,
+            *[p.scale for p in launch], *[1.0] * unused, *[p.first_head for p in launch], *[0] * unused,
+            *[p.heads for p in launch], *[0] * unused, seq_len)
     return stat
+
+
+def _same_layout_runs(passes: list[RopePass]) -> list[list[RopePass]]:
+    """passes cut into runs of consecutive passes with one layout: one launch each."""
+    runs: list[list[RopePass]] = []
+    for p in passes:
+        if runs and runs[-1][0].layout == p.layout:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return runs
 
 
 def _fa_backward_recording(g_o: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, g: Tensor, n_heads: int,

@@ -4,7 +4,8 @@ bf16 gradient (docs/design.md, B5-B6a):
 
   g_y = r * RoPE^-1(g_qkv) on the q/k heads, r * g_qkv on v;   S_a += sum_cols g_qkv * qkv.
 
-One CTA per (tile of rows, a few heads). The gradient comes from one of two sources:
+One CTA per (tile of rows, a few heads of one group); the groups that share a thread layout (q, k and
+v at head_dim 64) run in one launch. The gradient comes from one of two sources:
 - FA4's fp32 accumulator of the head (dq; dk, dv under GQA): (B, heads, T_rounded * tile_hd), each
   tile of rows stored in the order its sm90 backward's MMA holds it in registers, which is the order
   FA4's own conversion reads it in: warpgroup w's part of the tile at w * tile / num_wg, the 4-float
@@ -22,6 +23,7 @@ buffer where two warpgroups split the head's columns: two addends, so the sum is
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple, Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -33,21 +35,35 @@ from quack.compile_utils import make_fake_tensor
 from quack.layout_utils import reshape_acc_to_mn
 
 
+class PassGroup(NamedTuple):
+    """One head group of a launch (q, k or v): where its gradient comes from, whether it rotates, and
+    how many of its heads a CTA takes."""
+    from_accumulator: bool
+    rotate: bool
+    heads_per_cta: int
+
+
+MAX_GROUPS = 3  # q, k, v: the head groups one launch can take
+
+
 class RopeBackwardPass:
-    """The pass for one source and thread layout: tile_m rows of heads_per_cta heads per CTA (the RoPE
-    table's tile and r read once for all of them), num_threads threads in warpgroups laid out
+    """The pass for one thread layout and up to three head groups (q, k, v) in one launch, each group
+    with its own source, FA4 scale and first head: tile_m rows of heads_per_cta heads per CTA (the
+    RoPE table's tile and r read once for all of them), num_threads threads in warpgroups laid out
     (atom_m, num_wg / atom_m) over the (tile_m, tile_hd) tile: FA4's dQ or dKV MMA of its sm90
-    backward (non-swapped) when reading its accumulator."""
+    backward (non-swapped) when reading its accumulator. One launch for the groups that share a
+    layout saves the small k and v launches' ramp and tail (docs/kernels.md)."""
 
     def __init__(self, head_dim: int, tile_m: int, tile_hd: int, num_threads: int, atom_m: int,
-                 from_accumulator: bool, rotate: bool, heads_per_cta: int):
+                 groups: tuple[PassGroup, ...]):
         num_wg = num_threads // 128
         assert num_threads % 128 == 0 and num_wg % atom_m == 0 and tile_hd == head_dim
         assert tile_m == 64 * atom_m, "one 64-row WGMMA atom per warpgroup along M"
         assert num_wg // atom_m <= 2, "at most two warpgroups share a row: its atomic sum stays order-free"
+        assert 1 <= len(groups) <= MAX_GROUPS
         self.head_dim, self.tile_m, self.tile_hd, self.num_threads = head_dim, tile_m, tile_hd, num_threads
         self.num_wg, self.atom = num_wg, (atom_m, num_wg // atom_m)
-        self.from_accumulator, self.rotate, self.heads_per_cta = from_accumulator, rotate, heads_per_cta
+        self.groups = tuple(PassGroup(*g) for g in groups)
 
     def _tiled_mma(self) -> cute.TiledMma:
         # The accumulator's thread-value layout: only the C partition matters, not the operand majors.
@@ -56,20 +72,59 @@ class RopeBackwardPass:
             atom_layout_mnk=(*self.atom, 1), tiler_mn=(64, self.tile_hd // self.atom[1]))
 
     @cute.jit
-    def __call__(self, mG: cute.Tensor, mQKV: cute.Tensor, mR: cute.Tensor, mRope: cute.Tensor, mOut: cute.Tensor,
-                 mStat: cute.Tensor, scale: Float32, first_head: Int32, n_heads: Int32, seq_len: Int32,
-                 stream: cuda.CUstream):
+    def __call__(self, mG0: cute.Tensor, mG1: Optional[cute.Tensor], mG2: Optional[cute.Tensor], mQKV: cute.Tensor,
+                 mR: cute.Tensor, mRope: cute.Tensor, mOut: cute.Tensor, mStat: cute.Tensor,
+                 scale0: Float32, scale1: Float32, scale2: Float32, first0: Int32, first1: Int32, first2: Int32,
+                 heads0: Int32, heads1: Int32, heads2: Int32, seq_len: Int32, stream: cuda.CUstream):
         tiled_mma = self._tiled_mma()
         batch = mQKV.shape[0] // seq_len
-        self.kernel(mG, mQKV, mR, mRope, mOut, mStat, scale, first_head, seq_len, tiled_mma).launch(
-            grid=[cute.ceil_div(seq_len, self.tile_m), n_heads // self.heads_per_cta, batch],
+        heads = (heads0, heads1, heads2)
+        # group i's CTAs along grid y start at block_start[i]
+        blocks = [heads[i] // self.groups[i].heads_per_cta for i in range(len(self.groups))]
+        block_start = [Int32(0), Int32(blocks[0]), Int32(blocks[0] + (blocks[1] if len(blocks) > 1 else 0))]
+        self.kernel(mG0, mG1, mG2, mQKV, mR, mRope, mOut, mStat, scale0, scale1, scale2, first0, first1, first2,
+                    block_start[1], block_start[2], seq_len, tiled_mma).launch(
+            grid=[cute.ceil_div(seq_len, self.tile_m), sum(blocks), batch],
             block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mG: cute.Tensor, mQKV: cute.Tensor, mR: cute.Tensor, mRope: cute.Tensor, mOut: cute.Tensor,
-               mStat: cute.Tensor, scale: Float32, first_head: Int32, seq_len: Int32, tiled_mma: cute.TiledMma):
+    def kernel(self, mG0: cute.Tensor, mG1: Optional[cute.Tensor], mG2: Optional[cute.Tensor], mQKV: cute.Tensor,
+               mR: cute.Tensor, mRope: cute.Tensor, mOut: cute.Tensor, mStat: cute.Tensor,
+               scale0: Float32, scale1: Float32, scale2: Float32, first0: Int32, first1: Int32, first2: Int32,
+               start1: Int32, start2: Int32, seq_len: Int32, tiled_mma: cute.TiledMma):
+        _, head_block, _ = cute.arch.block_idx()
+        sources, scales, firsts = (mG0, mG1, mG2), (scale0, scale1, scale2), (first0, first1, first2)
+        n = len(self.groups)
+        # the CTA's group, a uniform branch: [0, start1) q, [start1, start2) k, [start2, ...) v (as many as launched)
+        if const_expr(n == 1):
+            self._group(self.groups[0], sources[0], scales[0], firsts[0], head_block, mQKV, mR, mRope, mOut, mStat,
+                        seq_len, tiled_mma)
+        elif const_expr(n == 2):
+            if head_block < start1:
+                self._group(self.groups[0], sources[0], scales[0], firsts[0], head_block, mQKV, mR, mRope, mOut,
+                            mStat, seq_len, tiled_mma)
+            else:
+                self._group(self.groups[1], sources[1], scales[1], firsts[1], head_block - start1, mQKV, mR, mRope,
+                            mOut, mStat, seq_len, tiled_mma)
+        else:
+            if head_block < start1:
+                self._group(self.groups[0], sources[0], scales[0], firsts[0], head_block, mQKV, mR, mRope, mOut,
+                            mStat, seq_len, tiled_mma)
+            elif head_block < start2:
+                self._group(self.groups[1], sources[1], scales[1], firsts[1], head_block - start1, mQKV, mR, mRope,
+                            mOut, mStat, seq_len, tiled_mma)
+            else:
+                self._group(self.groups[2], sources[2], scales[2], firsts[2], head_block - start2, mQKV, mR, mRope,
+                            mOut, mStat, seq_len, tiled_mma)
+
+    @cute.jit
+    def _group(self, group: cutlass.Constexpr, mG: cute.Tensor, scale: Float32, first_head: Int32, head_block: Int32,
+               mQKV: cute.Tensor, mR: cute.Tensor, mRope: cute.Tensor, mOut: cute.Tensor, mStat: cute.Tensor,
+               seq_len: Int32, tiled_mma: cute.TiledMma):
+        """This CTA's heads of one group: heads head_block * heads_per_cta onward, from first_head."""
+        from_accumulator, rotate, heads_per_cta = group
         tidx, _, _ = cute.arch.thread_idx()
-        m_block, head_block, b = cute.arch.block_idx()
+        m_block, _, b = cute.arch.block_idx()
         tile = (self.tile_m, self.tile_hd)
         row0 = b * seq_len + m_block * self.tile_m  # the tile's first row among the M token rows
         rows_left = seq_len - m_block * self.tile_m
@@ -96,11 +151,11 @@ class RopeBackwardPass:
         for i in cutlass.range_constexpr(n_rows):
             if coord_mn[i, 0][0] < rows_left:
                 r[i] = mR[row0 + coord_mn[i, 0][0]]
-                if const_expr(self.rotate):
+                if const_expr(rotate):
                     cute.autovec_copy(rope_mn[i, None], cs[i, None])
 
-        for k in cutlass.range_constexpr(self.heads_per_cta):
-            head = head_block * self.heads_per_cta + k
+        for k in cutlass.range_constexpr(heads_per_cta):
+            head = head_block * heads_per_cta + k
 
             def tile_of(t: cute.Tensor) -> cute.Tensor:  # this head's columns of the CTA's rows of an (M, W) tensor
                 return reshape_acc_to_mn(thr_mma.partition_C(
@@ -108,7 +163,7 @@ class RopeBackwardPass:
 
             qkv_mn, out_mn = tile_of(mQKV), tile_of(mOut)
             # Every load of the head before any store: a store to global memory holds back the loads after it.
-            if const_expr(self.from_accumulator):
+            if const_expr(from_accumulator):
                 g_tile = cute.local_tile(mG[b, head, None], (n_elems,), (m_block,))
                 src = load_acc.partition_S(
                     cute.make_tensor(g_tile.iterator, cute.make_layout((n_elems // self.num_wg, self.num_wg))))
@@ -116,17 +171,17 @@ class RopeBackwardPass:
             for i in cutlass.range_constexpr(n_rows):
                 if coord_mn[i, 0][0] < rows_left:
                     cute.autovec_copy(qkv_mn[i, None], y[i, None])
-                    if const_expr(not self.from_accumulator):
+                    if const_expr(not from_accumulator):
                         cute.autovec_copy(out_mn[i, None], gb[i, None])
             for i in cutlass.range_constexpr(n_rows):
                 s = Float32(0.0)
                 for j in cutlass.range_constexpr(n_cols // 2):
-                    if const_expr(self.from_accumulator):
+                    if const_expr(from_accumulator):
                         g0, g1 = g_mn[i, 2 * j] * scale, g_mn[i, 2 * j + 1] * scale
                     else:
                         g0, g1 = gb[i, 2 * j].to(Float32), gb[i, 2 * j + 1].to(Float32)
                     s += g0 * y[i, 2 * j].to(Float32) + g1 * y[i, 2 * j + 1].to(Float32)
-                    if const_expr(self.rotate):  # pair (2i, 2i+1) turned back by its angle: (cos, sin) at its columns
+                    if const_expr(rotate):  # pair (2i, 2i+1) turned back by its angle: (cos, sin) at its columns
                         c, sn = cs[i, 2 * j], cs[i, 2 * j + 1]
                         g0, g1 = g0 * c + g1 * sn, g1 * c - g0 * sn
                     o[i, 2 * j] = (g0 * r[i]).to(BFloat16)
@@ -153,15 +208,21 @@ def heads_per_cta(heads: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def compiled(head_dim: int, tile_m: int, tile_hd: int, num_threads: int, atom_m: int, from_accumulator: bool,
-             rotate: bool, heads_per_cta: int = 1):
-    """The pass compiled for one configuration, against symbolic shapes (any M, width, heads, batch)."""
-    M, W, L, B, H, P = (cute.sym_int() for _ in range(6))
-    g = (make_fake_tensor(Float32, (B, H, L), divisibility=4) if from_accumulator
-         else make_fake_tensor(BFloat16, (M, W), divisibility=8))
+def compiled(head_dim: int, tile_m: int, tile_hd: int, num_threads: int, atom_m: int, groups: tuple[PassGroup, ...]):
+    """The pass compiled for one layout and its head groups (up to three: q, k, v), against symbolic
+    shapes (any M, width, heads, batch). Call it with three sources, scales, first heads and head
+    counts (None, 1.0, 0, 0 in the slots of groups not launched)."""
+    M, W, L, B, P = (cute.sym_int() for _ in range(5))
+
+    def source(group: PassGroup):
+        return (make_fake_tensor(Float32, (B, cute.sym_int(), L), divisibility=4) if group.from_accumulator
+                else make_fake_tensor(BFloat16, (M, W), divisibility=8))
+
+    sources = [source(PassGroup(*g)) for g in groups] + [None] * (MAX_GROUPS - len(groups))
     return cute.compile(
-        RopeBackwardPass(head_dim, tile_m, tile_hd, num_threads, atom_m, from_accumulator, rotate, heads_per_cta),
-        g, make_fake_tensor(BFloat16, (M, W), divisibility=8), make_fake_tensor(Float32, (M,)),
+        RopeBackwardPass(head_dim, tile_m, tile_hd, num_threads, atom_m, groups), *sources,
+        make_fake_tensor(BFloat16, (M, W), divisibility=8), make_fake_tensor(Float32, (M,)),
         make_fake_tensor(Float32, (M, head_dim), divisibility=4), make_fake_tensor(BFloat16, (M, W), divisibility=8),
-        make_fake_tensor(Float32, (M, P)), Float32(1.0), Int32(0), Int32(1), Int32(1),
-        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), options="--enable-tvm-ffi")
+        make_fake_tensor(Float32, (M, P)), *[Float32(1.0)] * MAX_GROUPS, *[Int32(0)] * MAX_GROUPS,
+        *[Int32(1)] * MAX_GROUPS, Int32(1), cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+        options="--enable-tvm-ffi")
