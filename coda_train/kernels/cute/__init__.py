@@ -222,9 +222,9 @@ def attention_backward(g_o: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, n_heads
 @cute_impl("attention_rope_backward_rowscale_stat")
 def attention_rope_backward_rowscale_stat(g_o: Tensor, qkv: Tensor, o: Tensor, lse: Tensor, r: Tensor, rope: Tensor,
                                           n_heads: int, n_kv_heads: int, seq_len: int) -> tuple[Tensor, Tensor]:
-    """(B5, B6a) FlashAttention 4 backward whose fp32 accumulators a CuTeDSL pass per head group
-    (q, k, v) turns into r * RoPE^-1(g_qkv) and the statistic's per-head partials, in place of
-    FA4's fp32 -> bf16 conversions (no bf16 g_qkv in between)."""
+    """(B5, B6a) FlashAttention 4 backward whose fp32 accumulators a CuTeDSL pass over the head groups
+    (q, k, v; one launch for those that share a thread layout) turns into r * RoPE^-1(g_qkv) and the
+    statistic's per-head partials, in place of FA4's fp32 -> bf16 conversions (no bf16 g_qkv in between)."""
     from ._attention import attention_rope_bwd
 
     need_rope_table("attention_rope_backward_rowscale_stat", rope, qkv.shape[0])
