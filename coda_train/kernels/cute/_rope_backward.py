@@ -93,29 +93,14 @@ class RopeBackwardPass:
                scale0: Float32, scale1: Float32, scale2: Float32, first0: Int32, first1: Int32, first2: Int32,
                start1: Int32, start2: Int32, seq_len: Int32, tiled_mma: cute.TiledMma):
         _, head_block, _ = cute.arch.block_idx()
+        _, n_blocks, _ = cute.arch.grid_dim()
         sources, scales, firsts = (mG0, mG1, mG2), (scale0, scale1, scale2), (first0, first1, first2)
-        n = len(self.groups)
-        # the CTA's group, a uniform branch: [0, start1) q, [start1, start2) k, [start2, ...) v (as many as launched)
-        if const_expr(n == 1):
-            self._group(self.groups[0], sources[0], scales[0], firsts[0], head_block, mQKV, mR, mRope, mOut, mStat,
-                        seq_len, tiled_mma)
-        elif const_expr(n == 2):
-            if head_block < start1:
-                self._group(self.groups[0], sources[0], scales[0], firsts[0], head_block, mQKV, mR, mRope, mOut,
-                            mStat, seq_len, tiled_mma)
-            else:
-                self._group(self.groups[1], sources[1], scales[1], firsts[1], head_block - start1, mQKV, mR, mRope,
-                            mOut, mStat, seq_len, tiled_mma)
-        else:
-            if head_block < start1:
-                self._group(self.groups[0], sources[0], scales[0], firsts[0], head_block, mQKV, mR, mRope, mOut,
-                            mStat, seq_len, tiled_mma)
-            elif head_block < start2:
-                self._group(self.groups[1], sources[1], scales[1], firsts[1], head_block - start1, mQKV, mR, mRope,
-                            mOut, mStat, seq_len, tiled_mma)
-            else:
-                self._group(self.groups[2], sources[2], scales[2], firsts[2], head_block - start2, mQKV, mR, mRope,
-                            mOut, mStat, seq_len, tiled_mma)
+        bounds = (Int32(0), start1, start2, n_blocks)  # group i's CTAs along grid y: [bounds[i], bounds[i + 1])
+        for i in cutlass.range_constexpr(len(self.groups)):  # the CTA's group, a uniform branch
+            if head_block >= bounds[i]:
+                if head_block < bounds[i + 1]:
+                    self._group(self.groups[i], sources[i], scales[i], firsts[i], head_block - bounds[i], mQKV, mR,
+                                mRope, mOut, mStat, seq_len, tiled_mma)
 
     @cute.jit
     def _group(self, group: cutlass.Constexpr, mG: cute.Tensor, scale: Float32, first_head: Int32, head_block: Int32,
