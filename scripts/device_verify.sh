@@ -5,7 +5,8 @@
 # reference (scripts/check_kernels.py), 3. optionally, before vs after a change: BEFORE_DIR holds an
 # older coda_train/ package (e.g. `git archive <rev> coda_train | tar -x -C .before`, carried); the
 # variants $AB_VARIANTS (default eager,coda) at shape $AB_SHAPE (default 125m) are timed with it and
-# with this tree, alternately, twice each, in this call. TESTS narrows the GPU tests (none: skip them); CHECK=none skips the checks.
+# with this tree, alternately, $AB_ROUNDS times each (default 2), each run its own process within
+# $AB_TIMEOUT s (default 300), in this call. TESTS narrows the GPU tests (none: skip them); CHECK=none skips the checks.
 # Logs and the check JSON land in $OUT (the device tool returns at most 8 files); the rest in /tmp/verify.
 # On a fresh machine (cold kernel caches) the GPU tests alone outlasted 300 s (H200, 2026-12-03: the run
 # was cut just before tests/test_tile_configs.py), so tests and checks may not fit one 600 s call: run
@@ -26,10 +27,10 @@ if [ -n "${1:-}" ]; then
   AB_VARIANTS=${AB_VARIANTS:-eager,coda}
   rows="^($(echo "$AB_VARIANTS" | tr , '|')) "
   for shape in ${AB_SHAPE:-125m}; do  # AB_SHAPE: one shape or several, space-separated
-    for round in 1 2; do
-      PYTHONPATH="$1:$PYTHONPATH" python3 scripts/bench.py --shape "$shape" --variants "$AB_VARIANTS" --profile-steps 0 \
+    for round in $(seq "${AB_ROUNDS:-2}"); do
+      PYTHONPATH="$1:$PYTHONPATH" timeout "${AB_TIMEOUT:-300}" python3 scripts/bench.py --shape "$shape" --variants "$AB_VARIANTS" --profile-steps 0 \
         --out /tmp/verify/before$round 2>&1 | grep -E "$rows" | sed "s/^/$shape before$round /" >> "$OUT/before_after.txt"
-      python3 scripts/bench.py --shape "$shape" --variants "$AB_VARIANTS" --profile-steps 0 \
+      timeout "${AB_TIMEOUT:-300}" python3 scripts/bench.py --shape "$shape" --variants "$AB_VARIANTS" --profile-steps 0 \
         --out /tmp/verify/after$round 2>&1 | grep -E "$rows" | sed "s/^/$shape after$round /" >> "$OUT/before_after.txt"
     done
   done
