@@ -13,11 +13,17 @@ Hopper GPU, against what they replaced:
       --baseline REV adds the path of a revision (or a copy of its file) whose _elementwise.py still has the Triton
       rope_backward_rowscale_stat (before 2026-12-02): FA4's backward with its conversions, then that pass.
   embedding_backward (E'): the Triton pass against the torch code it replaced (skip with --no-vs-torch).
+  the partial-sum folds: rmsnorm_backward_coeff (B2) on the attention side's (M, H + 2G) partials and
+      the MLP side's (M, n_stat_cols(ffn_dim)), rstd_from_partials (F4) on (M, n_stat_cols(dim)), and the
+      column sum of g_gamma's (M tiles, dim) partials (B6b) against torch's .sum(0) it replaced; with
+      --baseline, the baseline module's folds too. These run in microseconds, inside the step's CUDA
+      graph, so they are timed with triton.testing.do_bench_cudagraph (no launch gaps).
 
-Each row is the median of triton.testing.do_bench. Prints a table and writes bench_elementwise.json /
-.md under --out (default $OUT).
+Each row is the median of triton.testing.do_bench (do_bench_cudagraph for the folds). Prints a table
+and writes bench_elementwise.json / .md under --out (default $OUT).
 
-  python scripts/bench_elementwise.py [--presets llama3_125m,llama3_1b,llama3_8b] [--baseline REV] [--no-vs-torch] [--out DIR]
+  python scripts/bench_elementwise.py [--presets llama3_125m,llama3_1b,llama3_8b] [--sections rope,embedding,folds]
+                                      [--baseline REV] [--no-vs-torch] [--out DIR]
 """
 
 from __future__ import annotations
@@ -33,10 +39,11 @@ import tempfile
 import time
 
 import torch
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 from coda_train.kernels.cute import _elementwise as EW
 from coda_train.kernels.cute import _rope_backward as RB
+from coda_train.kernels.declare import n_stat_cols
 from coda_train.model.config import PRESETS
 
 ROWS = {"llama3_125m": 16384, "llama3_1b": 16384, "llama3_8b": 8192}  # the bench shapes' token rows (8 x 2048, 4 x 4096, 2 x 4096)
@@ -167,19 +174,58 @@ def embedding_backward_vs_torch(preset: str) -> list[dict]:
     return rows
 
 
+def partial_sum_folds(preset: str, base) -> list[dict]:
+    """The row folds at the widths the preset's GEMM epilogues and RoPE pass write, and the column sum of
+    g_gamma's partials against torch's reduce (base: a baseline _elementwise module's folds too)."""
+    cfg = PRESETS[preset]
+    M, d = ROWS[preset], cfg.dim
+    r = torch.rand(M, device="cuda") + 0.5
+    P_attn, P_mlp, P_res = cfg.n_heads + 2 * cfg.n_kv_heads, n_stat_cols(cfg.ffn_dim), n_stat_cols(d)
+    runs = []
+    for name, mod in (("shipped", EW),) + ((("baseline", base),) if base is not None else ()):
+        for side, P in (("attention side", P_attn), ("MLP side", P_mlp)):
+            s = torch.randn(M, P, device="cuda")
+            runs.append(("rmsnorm_backward_coeff", f"{M} x {P}", f"{name}, {side}",
+                         functools.partial(mod.rmsnorm_backward_coeff, s, r, d)))
+        s = torch.rand(M, P_res, device="cuda")
+        runs.append(("rstd_from_partials", f"{M} x {P_res}", name, functools.partial(mod.rstd_from_partials, s, d, 1e-5)))
+    g_gamma = torch.randn(-(-M // 128), d, device="cuda")
+    runs.append(("g_gamma column sum", f"{g_gamma.shape[0]} x {d}", "triton column_sum (shipped)",
+                 functools.partial(EW.column_sum, g_gamma)))
+    runs.append(("g_gamma column sum", f"{g_gamma.shape[0]} x {d}", "torch .sum(0) (replaced)",
+                 functools.partial(g_gamma.sum, 0)))
+    rows = []
+    for op, shape, label, fn in runs:
+        fn()  # compile before the graph capture
+        ms = do_bench_cudagraph(fn)
+        rows.append(dict(preset=preset, op=op, shape=shape, launch=label, ms=ms, gbps=float("nan"),
+                         per_copy=float("nan"), copy_ms=float("nan")))
+        print(f"{preset:10s} {op:24s} {shape:14s} {label:42s} {ms * 1e3:8.2f} us (in a CUDA graph)", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", default="llama3_125m,llama3_1b,llama3_8b")
     ap.add_argument("--baseline", default=None, help="also time the replaced path with the Triton RoPE pass of this git revision")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--no-vs-torch", dest="vs_torch", action="store_false", help="skip the embedding backward against torch")
+    ap.add_argument("--sections", default="rope,embedding,folds", help="which of rope, embedding, folds to time")
+    ap.add_argument("--no-vs-torch", dest="vs_torch", action="store_false",
+                    help="skip the embedding backward against torch (as leaving embedding out of --sections)")
     args = ap.parse_args()
+    sections = set(args.sections.split(","))
+    unknown = sections - {"rope", "embedding", "folds"}
+    if unknown:
+        ap.error(f"unknown --sections {sorted(unknown)}: choose from rope, embedding, folds")
     base = baseline_module(args.baseline) if args.baseline else None
     rows = []
     for preset in args.presets.split(","):
-        rows += attention_rope_backward(preset, base)
-        if args.vs_torch:
+        if "rope" in sections:
+            rows += attention_rope_backward(preset, base)
+        if "embedding" in sections and args.vs_torch:
             rows += embedding_backward_vs_torch(preset)
+        if "folds" in sections:
+            rows += partial_sum_folds(preset, base)
     os.makedirs(args.out, exist_ok=True)
     meta = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 command="python " + " ".join(sys.argv))

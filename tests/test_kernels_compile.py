@@ -6,7 +6,8 @@ implementation through its real code path (validation, operand views, plans) wit
 skipped. A kernel that fails to trace or compile fails
 here. Runs in a subprocess (the arch must be pinned before cutlass/quack are imported) with a
 fresh kernel cache, so it really compiles (~30 s on 2 cores); then every config of the shipped
-tile config table, and the CuTeDSL RoPE-backward pass. The Triton row kernels (H', scale_in_place) run under
+tile config table, and the CuTeDSL RoPE-backward pass. The Triton row kernels (H', scale_in_place, the partial-sum
+folds) run under
 Triton's interpreter on CPU against the reference. Skipped where cutlass/quack are not importable.
 """
 
@@ -197,6 +198,29 @@ def test_row_kernels_under_the_triton_interpreter_match_the_reference(stack):
             "    assert rows and all(r['ok'] for r in rows), (case, rows)\n"
             "    seen.append(case)\n"
             "assert len(seen) == 2, seen\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=600,
+                   env=dict(ENV, TRITON_INTERPRET="1"))
+
+
+def test_partial_sum_folds_under_the_triton_interpreter_match_the_reference(stack):
+    """The row folds (F4 r, B2 c) at partial widths the presets give, contiguous and as a view of a wider
+    buffer (P and the row stride are compile-time), one width past BLOCK_P (two column blocks), and the
+    column sum of g_gamma's per-M-tile partials (B6b) at row counts around its block of 64, all on CPU
+    under TRITON_INTERPRET=1 against the reference (the wrappers' CUDA check is bypassed)."""
+    code = ("import torch\n"
+            "import coda_train.kernels.cute._elementwise as ew\n"
+            "from coda_train.kernels import reference as ref\n"
+            "ew.need = lambda ok, msg: None\n"
+            "g = torch.Generator().manual_seed(0)\n"
+            "close = lambda a, b: torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)\n"
+            "for M, P, width in ((200, 20, 20), (200, 20, 32), (130, 16, 16), (64, 1, 1), (100, 48, 48), (70, 130, 130)):\n"
+            "    s = torch.rand(M, width, generator=g)[:, :P]\n"
+            "    r = torch.rand(M, generator=g) + 0.5\n"
+            "    close(ew.rstd_from_partials(s, 768, 1e-5), ref.rstd_from_partials(s, 768, 1e-5))\n"
+            "    close(ew.rmsnorm_backward_coeff(s - 0.5, r, 768), ref.rmsnorm_backward_coeff(s - 0.5, r, 768))\n"
+            "for R, N in ((128, 768), (64, 100), (65, 33), (1, 5)):\n"
+            "    p = torch.randn(R, N, generator=g)\n"
+            "    torch.testing.assert_close(ew.column_sum(p), p.double().sum(0).float(), rtol=1e-5, atol=1e-5)\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=600,
                    env=dict(ENV, TRITON_INTERPRET="1"))
 

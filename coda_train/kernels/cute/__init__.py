@@ -255,7 +255,9 @@ def gemm_dswiglu_rowscale_stat(g_out: Tensor, w_down: Tensor, gu: Tensor, r: Ten
 def gemm_rmsnorm_backward(g_y_scaled: Tensor, w: Tensor, residual_grad: Tensor, x: Tensor,
                           gamma: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
     """(B3, B6b) acc = g_y_scaled W; epilogue g_x = residual_grad + gamma*acc + c*x and
-    per-M-tile partials of g_gamma (folded with one (m_tiles, d) sum)."""
+    per-M-tile partials of g_gamma (folded by one column-sum launch)."""
+    from ._elementwise import column_sum
+
     M, Nout = g_y_scaled.shape
     d = w.shape[1]
     need_bf16("gemm_rmsnorm_backward", g_y_scaled=g_y_scaled, w=w, x=x, residual_grad=residual_grad)
@@ -267,7 +269,7 @@ def gemm_rmsnorm_backward(g_y_scaled: Tensor, w: Tensor, residual_grad: Tensor, 
          epi={"x": x.contiguous(), "gamma": rowvec(gamma), "coef": colvec(c), "g_gamma": g_gamma})
     if compiling_only():
         return g_x, g_gamma
-    return g_x, g_gamma.sum(0)
+    return g_x, column_sum(g_gamma)
 
 
 def _zero_padded(t: Tensor, size: int, dim: int = 0) -> Tensor:
@@ -295,6 +297,8 @@ def gemm_exp_rmsnorm_backward(e: Tensor, strip: Tensor, v: Tensor, w: Tensor, x:
     """(H'') the strip applied to e in the mainloop (per row and 64-wide K tile), the RMSNorm backward
     with the row factor v in the epilogue. Rows pad to the 128-row tile (a copy, only for a chunk
     whose row count is not a multiple of 128)."""
+    from ._elementwise import column_sum
+
     op = "gemm_exp_rmsnorm_backward"
     M, V = _need_strip(op, e, strip)
     d = w.shape[1]
@@ -311,7 +315,7 @@ def gemm_exp_rmsnorm_backward(e: Tensor, strip: Tensor, v: Tensor, w: Tensor, x:
               "g_gamma": g_gamma})
     if compiling_only():
         return g_x[:M], g_gamma
-    return g_x[:M], g_gamma.sum(0)
+    return g_x[:M], column_sum(g_gamma)
 
 
 def _matmul_tn_exp(op: str, acc: Optional[Tensor], e: Tensor, strip: Tensor, hs: Tensor) -> Tensor:

@@ -7,7 +7,8 @@ _rope_backward.py). Activation-sized:
   program) where torch took a cast and an index_add_.
 Row-sized: the two folds of per-tile partial sums into a row statistic, r (F4) and c (B2), one
 launch each where torch's sum-then-map chain takes four or five (at llama3_125m that is ~170
-launches a step, each costing more in launch gap than in work); and the cross-entropy gradient of
+launches a step, each costing more in launch gap than in work); the fold of the per-M-tile partials of
+g_gamma into the RMSNorm weight gradient (a column sum); and the cross-entropy gradient of
 one chunk from the LM-head GEMM's per-(row, 128-column) offsets and sums (H'): the loss, the row
 factor v, the final-norm statistic, hs = v*h and the target column of e (one row per program),
 then the strip of powers of two that the dgrad and weight-gradient GEMMs scale e with as they load
@@ -130,10 +131,13 @@ ROWSTAT_BLOCK_M = 64  # rows per program: 256 programs at 16384 rows, one (64, <
 
 
 @triton.jit
-def _row_total(p_ptr, rows, M, P, stride, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Sum over the P partial columns of each of `rows` (fp32)."""
+def _row_total(p_ptr, rows, M, P: tl.constexpr, stride: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Sum over the P partial columns of each of `rows` (fp32). P and the row stride are compile-time:
+    Triton vectorizes runtime ones only where both are multiples of 16, so the attention side's
+    (M, H + 2G) partials (20 at llama3_125m) took scalar loads, 4.8 us against 1.65 now (H200,
+    docs/bench/elementwise_partial_sum_folds-2026-12-04.json)."""
     total = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for start in range(0, P, BLOCK_P):
+    for start in tl.static_range(0, P, BLOCK_P):
         cols = start + tl.arange(0, BLOCK_P)
         mask = (rows[:, None] < M) & (cols[None, :] < P)
         p = tl.load(p_ptr + rows[:, None].to(tl.int64) * stride + cols[None, :], mask=mask, other=0.0)
@@ -142,14 +146,16 @@ def _row_total(p_ptr, rows, M, P, stride, BLOCK_M: tl.constexpr, BLOCK_P: tl.con
 
 
 @triton.jit
-def _rstd_kernel(s_ptr, r_ptr, M, P, stride, dim, eps, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
+def _rstd_kernel(s_ptr, r_ptr, M, dim, eps, P: tl.constexpr, stride: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_P: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     total = _row_total(s_ptr, rows, M, P, stride, BLOCK_M, BLOCK_P)
     tl.store(r_ptr + rows, tl.rsqrt(total / dim + eps), mask=rows < M)  # F4
 
 
 @triton.jit
-def _coeff_kernel(s_ptr, r_ptr, c_ptr, M, P, stride, dim, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
+def _coeff_kernel(s_ptr, r_ptr, c_ptr, M, dim, P: tl.constexpr, stride: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_P: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     total = _row_total(s_ptr, rows, M, P, stride, BLOCK_M, BLOCK_P)
     r = tl.load(r_ptr + rows, mask=rows < M, other=0.0)
@@ -164,9 +170,11 @@ def _partials(op: str, partials: Tensor) -> Tensor:
 
 
 def _rowstat_launch(partials: Tensor) -> dict:
+    """Grid and compile-time arguments: one compiled kernel per (P, row stride), a handful per model."""
     M, P = partials.shape
     return dict(grid=(triton.cdiv(M, ROWSTAT_BLOCK_M),),
-                blocks=dict(BLOCK_M=ROWSTAT_BLOCK_M, BLOCK_P=min(128, triton.next_power_of_2(P))))
+                blocks=dict(P=P, stride=partials.stride(0), BLOCK_M=ROWSTAT_BLOCK_M,
+                            BLOCK_P=min(128, triton.next_power_of_2(P))))
 
 
 def rstd_from_partials(sumsq_partials: Tensor, dim: int, eps: float) -> Tensor:
@@ -175,7 +183,7 @@ def rstd_from_partials(sumsq_partials: Tensor, dim: int, eps: float) -> Tensor:
     M, P = s.shape
     r = empty(M, dtype=torch.float32, device=s.device)
     launch = _rowstat_launch(s)
-    _rstd_kernel[launch["grid"]](s, r, M, P, s.stride(0), float(dim), float(eps), **launch["blocks"])
+    _rstd_kernel[launch["grid"]](s, r, M, float(dim), float(eps), **launch["blocks"])
     return r
 
 
@@ -187,8 +195,40 @@ def rmsnorm_backward_coeff(stat_partials: Tensor, r: Tensor, dim: int) -> Tensor
          f"rmsnorm_backward_coeff: r must be float32 with one entry per row ({M}), got {tuple(r.shape)} {r.dtype}")
     c = empty(M, dtype=torch.float32, device=s.device)
     launch = _rowstat_launch(s)
-    _coeff_kernel[launch["grid"]](s, r.contiguous(), c, M, P, s.stride(0), float(dim), **launch["blocks"])
+    _coeff_kernel[launch["grid"]](s, r.contiguous(), c, M, float(dim), **launch["blocks"])
     return c
+
+
+# ---- column sums of per-M-tile partials (the RMSNorm weight gradients) -------------------------
+
+COLSUM_BLOCK_N = 32  # columns per program: 24 programs at d = 768, 64 at 2048, 128 at 4096
+COLSUM_BLOCK_R = 64  # partial rows per load: llama3_125m and 1B have 128 M tiles, the 8B slice 64
+
+
+@triton.jit
+def _column_sum_kernel(p_ptr, out_ptr, R, N, stride, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, R, BLOCK_R):
+        rows = start + tl.arange(0, BLOCK_R)
+        mask = (rows[:, None] < R) & (cols[None, :] < N)
+        p = tl.load(p_ptr + rows[:, None].to(tl.int64) * stride + cols[None, :], mask=mask, other=0.0)
+        total += tl.sum(p, axis=0)
+    tl.store(out_ptr + cols, total, mask=cols < N)
+
+
+def column_sum(partials: Tensor) -> Tensor:
+    """The (R, N) fp32 per-tile partials summed over R, fp32 (N,): the GEMM epilogues' g_gamma (B6b).
+    One launch of N / 32 programs: 2.3 us where torch's .sum(0) took 3.7 at (128, 768) and (128, 2048),
+    25 and 36 a step at llama3_125m and 1B (H200, docs/bench/elementwise_partial_sum_folds-2026-12-04.json)."""
+    need(partials.dim() == 2 and partials.dtype == torch.float32 and partials.is_cuda and partials.stride(1) == 1,
+         f"column_sum: the partials must be a row-major (R, N) float32 CUDA tensor, got {tuple(partials.shape)} "
+         f"{partials.dtype} on {partials.device}, strides {partials.stride()}")
+    R, N = partials.shape
+    out = empty(N, dtype=torch.float32, device=partials.device)
+    _column_sum_kernel[(triton.cdiv(N, COLSUM_BLOCK_N),)](partials, out, R, N, partials.stride(0),
+                                                          BLOCK_R=COLSUM_BLOCK_R, BLOCK_N=COLSUM_BLOCK_N)
+    return out
 
 
 # ---- the embedding entry (E) and its backward (E') ----------------------------------------------
