@@ -166,6 +166,11 @@ assert not bad, bad
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
 
+def run_under_triton_interpreter(code: str) -> None:
+    """Run `code` in a fresh interpreter with TRITON_INTERPRET=1 (Triton kernels on CPU tensors)."""
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=600, env=dict(ENV, TRITON_INTERPRET="1"))
+
+
 def test_scale_kernel_under_the_triton_interpreter(stack):
     """scale_in_place's Triton kernel on CPU (TRITON_INTERPRET=1): with fewer programs than blocks
     the grid-stride loop still covers every element, the mask stops at N, and a scale of 1 leaves t
@@ -178,8 +183,7 @@ def test_scale_kernel_under_the_triton_interpreter(stack):
             "    want = t * torch.tensor(s)\n"
             "    _scale_kernel[(2,)](t, torch.tensor([s]), t.numel(), BLOCK=1024)\n"
             "    assert torch.equal(t, want), s\n")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=300,
-                   env=dict(ENV, TRITON_INTERPRET="1"))
+    run_under_triton_interpreter(code)
 
 
 def test_row_kernels_under_the_triton_interpreter_match_the_reference(stack):
@@ -198,8 +202,7 @@ def test_row_kernels_under_the_triton_interpreter_match_the_reference(stack):
             "    assert rows and all(r['ok'] for r in rows), (case, rows)\n"
             "    seen.append(case)\n"
             "assert len(seen) == 2, seen\n")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=600,
-                   env=dict(ENV, TRITON_INTERPRET="1"))
+    run_under_triton_interpreter(code)
 
 
 def test_partial_sum_folds_under_the_triton_interpreter_match_the_reference(stack):
@@ -221,8 +224,7 @@ def test_partial_sum_folds_under_the_triton_interpreter_match_the_reference(stac
             "for R, N in ((128, 768), (64, 100), (65, 33), (1, 5)):\n"
             "    p = torch.randn(R, N, generator=g)\n"
             "    torch.testing.assert_close(ew.column_sum(p), p.double().sum(0).float(), rtol=1e-5, atol=1e-5)\n")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=600,
-                   env=dict(ENV, TRITON_INTERPRET="1"))
+    run_under_triton_interpreter(code)
 
 
 ROPE_PASS_CONFIGS = r'''
