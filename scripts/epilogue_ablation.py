@@ -21,6 +21,11 @@ Rows, each the model's g_a = g_out W_down (M x ffn_dim, K = dim) on the op's tun
               outputs are checked against the op's on the same values
 
 Median of triton.testing.do_bench; prints a table and writes epilogue_ablation.json under --out.
+With --sustained SECONDS, each row also runs back to back for that long (a CUDA graph of 20 calls,
+replayed) while nvidia-smi samples the SM clock and power: under the H200's power cap a compute-bound
+GEMM runs at the clock its power draw allows, so a row that moves more bytes can be slower per call
+partly because the chip clocks it lower. Printed per row: ms a call, mean SM MHz, mean W, and
+ms x MHz (the call's SM cycles, in millions: what a clock-independent schedule change would move).
 The programs below are module globals so quack's kernel cache can key them.
 """
 
@@ -29,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -40,6 +46,8 @@ from coda_train.kernels import op_set
 from coda_train.kernels.testing import relative_error
 from coda_train.kernels.cute import _epilogues as E
 from coda_train.kernels.cute._launch import cfg_for, colvec, gemm, stat_cols
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench.GpuClocks
 
 SHAPES = {"125m": (16384, 2048, 768), "1b": (16384, 8192, 2048), "8b": (8192, 14336, 4096)}  # M, ffn_dim, dim
 
@@ -88,7 +96,7 @@ def dswiglu_tanh_rowscale_stat(acc, gate, up, r):
     return {"D": a, "g_gate": dg * r, "g_up": du * r, "stat": dg * gate + du * up}
 
 
-def ablate(M: int, F: int, d: int, rows: list[str]) -> dict:
+def ablate(M: int, F: int, d: int, rows: list[str], sustained_s: float = 0.0) -> dict:
     from triton.testing import do_bench
 
     dev = torch.device("cuda")
@@ -118,11 +126,13 @@ def ablate(M: int, F: int, d: int, rows: list[str]) -> dict:
         "packed": lambda: gemm(dswiglu_packed_rowscale_stat, g_out, w_down.mT, g_gu_i, gu_i, cfg=cfg,
                                epi={"r": colvec(r), "a": a_i, "stat": stat_i[1]}),
     }
-    runs = {name: fn for name, fn in runs.items() if name in rows}
+    runs = {name: runs[name] for name in rows if name in runs}  # in --rows order: it is the order they run in
     row = {"M": M, "ffn_dim": F, "dim": d, "config": str(cfg), "ms": {}}
     for name, fn in runs.items():
         fn()
         row["ms"][name] = do_bench(fn, warmup=10, rep=100, return_mode="median")
+    if sustained_s:
+        row["sustained"] = {name: sustained(fn, sustained_s) for name, fn in runs.items()}
     if {"op", "op (tanh)"} <= set(runs):  # how far the tanh candidate's outputs are from the op's
         g_gu_op, a_op, _ = runs["op"]()
         runs["op (tanh)"]()
@@ -138,18 +148,59 @@ def ablate(M: int, F: int, d: int, rows: list[str]) -> dict:
     return row
 
 
+def sustained(fn, seconds: float, calls: int = 20) -> dict:
+    """fn replayed back to back for `seconds` (a CUDA graph of `calls` calls) under nvidia-smi's clock and
+    power sampling: ms a call, and the clocks the chip held meanwhile."""
+    import time
+
+    from bench import GpuClocks
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):  # warm on the capture stream
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    replays, start, end = 0, torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with GpuClocks() as clocks:
+        t0 = time.perf_counter()
+        start.record()
+        while time.perf_counter() - t0 < seconds:
+            for _ in range(5):
+                graph.replay()
+            replays += 5
+            torch.cuda.synchronize()
+        end.record()
+        torch.cuda.synchronize()
+    ms = start.elapsed_time(end) / (replays * calls)
+    c = clocks.result or {}
+    return {"ms": ms, "sm_mhz_mean": c.get("sm_mhz_mean"), "power_w_mean": c.get("power_w_mean"),
+            "mcycles": ms * c["sm_mhz_mean"] / 1e3 if c.get("sm_mhz_mean") else None,
+            "clock_reasons": c.get("clock_reasons")}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="125m,1b,8b")
     p.add_argument("--rows", default="bare,3 stores,2 loads,no stat,op,op (tanh),packed")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/ablation")))
+    p.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
+                   help="also run each row back to back this long, with the SM clock and power sampled")
     args = p.parse_args()
-    rows = {s: ablate(*SHAPES[s], args.rows.split(",")) for s in args.shapes.split(",")}
+    rows = {s: ablate(*SHAPES[s], args.rows.split(","), args.sustained) for s in args.shapes.split(",")}
     names = list(next(iter(rows.values()))["ms"])
     print(f"{'shape':6s}{'config':26s}" + "".join(f"{n:>10s}" for n in names) + "   (ms; op / bare)")
     for s, row in rows.items():
         print(f"{s:6s}{row['config']:26s}" + "".join(f"{row['ms'][n]:10.3f}" for n in names)
               + (f"   {row['ms']['op'] / row['ms']['bare']:.2f}" if {"op", "bare"} <= set(row["ms"]) else ""))
+    for s, row in rows.items():
+        for n, r in row.get("sustained", {}).items():
+            print(f"{s:6s}sustained {n:12s} {r['ms']:8.3f} ms a call at {r['sm_mhz_mean'] or float('nan'):6.0f} MHz, "
+                  f"{r['power_w_mean'] or float('nan'):5.0f} W: {r['mcycles'] or float('nan'):7.3f} M SM cycles")
     for s, row in rows.items():
         if "packed_rel_err" in row:
             print(f"{s}: packed vs op, relative error: " + ", ".join(f"{k} {v:.2e}" for k, v in row["packed_rel_err"].items()))
