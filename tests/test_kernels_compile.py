@@ -227,6 +227,45 @@ def test_partial_sum_folds_under_the_triton_interpreter_match_the_reference(stac
     run_under_triton_interpreter(code)
 
 
+ROW_FOLDS_PTX = r'''
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from coda_train.kernels.cute import _elementwise as ew
+
+def loads(kernel, sig, constexprs, multiples_of_16=()):
+    """The PTX's global load forms, pointers 16-byte aligned and the named integers multiples of 16 (as
+    Triton specializes them at the model widths)."""
+    div = [i for i, (n, t) in enumerate(sig.items()) if t.startswith("*") or n in multiples_of_16]
+    src = ASTSource(kernel, sig, constexprs=constexprs, attrs={(i,): [["tt.divisibility", 16]] for i in div})
+    return set(re.findall(r"ld\.global[.\w]*", triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]))
+
+row = {"s_ptr": "*fp32", "r_ptr": "*fp32", "c_ptr": "*fp32", "M": "i32", "dim": "fp32", "P": "constexpr",
+       "stride": "constexpr", "BLOCK_M": "constexpr", "BLOCK_P": "constexpr"}
+for P, stride in ((20, 20), (20, 32), (48, 48)):
+    got = loads(ew._coeff_kernel, row, dict(P=P, stride=stride, BLOCK_M=ew.ROWSTAT_BLOCK_M,
+                                           BLOCK_P=triton.next_power_of_2(P)))
+    assert "ld.global.v4.b32" in got, (P, stride, got)
+col = {"p_ptr": "*fp32", "out_ptr": "*fp32", "R": "i32", "N": "i32", "stride": "i32", "BLOCK_R": "constexpr",
+       "BLOCK_N": "constexpr"}
+got = loads(ew._column_sum_kernel, col, dict(BLOCK_R=ew.COLSUM_BLOCK_R, BLOCK_N=ew.COLSUM_BLOCK_N), ("N", "stride"))
+assert "ld.global.v4.b32" in got, got
+print("vectorized")
+'''
+
+
+def test_partial_sum_folds_load_16_bytes_at_a_time_gpu_blind(stack):
+    """The row fold compiled for sm_90 without a GPU: its partials load as 16-byte vectors at the attention
+    side's 20 columns (contiguous, and as a view of a wider buffer) and at 48, the property that made it
+    3x faster at llama3_125m (docs/kernels.md, "The partial-sum folds, in the graph"); and the column
+    sum's at a width and row stride that are multiples of 16 (every preset's dim)."""
+    run = subprocess.run([sys.executable, "-c", ROW_FOLDS_PTX], env=ENV, cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "vectorized" in run.stdout, run.stdout
+
+
 ROPE_PASS_CONFIGS = r'''
 from coda_train.kernels.cute._rope_backward import compiled
 # (head_dim, tile_m, tile_hd, threads, atom_m), then the launch's head groups (from_accumulator, rotate, heads
