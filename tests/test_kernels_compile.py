@@ -223,7 +223,8 @@ def test_partial_sum_folds_under_the_triton_interpreter_match_the_reference(stac
             "    close(ew.rmsnorm_backward_coeff(s - 0.5, r, 768), ref.rmsnorm_backward_coeff(s - 0.5, r, 768))\n"
             "for R, N in ((128, 768), (64, 100), (65, 33), (1, 5)):\n"
             "    p = torch.randn(R, N, generator=g)\n"
-            "    torch.testing.assert_close(ew.column_sum(p), p.double().sum(0).float(), rtol=1e-5, atol=1e-5)\n")
+            "    for view in (p, p.t().contiguous().t()):  # row-major, and column-major (copied to rows first)\n"
+            "        torch.testing.assert_close(ew.column_sum(view), p.double().sum(0).float(), rtol=1e-5, atol=1e-5)\n")
     run_under_triton_interpreter(code)
 
 

@@ -180,7 +180,7 @@ def _rowstat_launch(partials: Tensor) -> dict:
 def rstd_from_partials(sumsq_partials: Tensor, dim: int, eps: float) -> Tensor:
     """r = 1/sqrt(sum_P / dim + eps) per row, fp32 (M,)."""
     s = _partials("rstd_from_partials", sumsq_partials)
-    M, P = s.shape
+    M = s.shape[0]
     r = empty(M, dtype=torch.float32, device=s.device)
     launch = _rowstat_launch(s)
     _rstd_kernel[launch["grid"]](s, r, M, float(dim), float(eps), **launch["blocks"])
@@ -190,7 +190,7 @@ def rstd_from_partials(sumsq_partials: Tensor, dim: int, eps: float) -> Tensor:
 def rmsnorm_backward_coeff(stat_partials: Tensor, r: Tensor, dim: int) -> Tensor:
     """c = -(r^2 / dim) * sum_P per row, fp32 (M,)."""
     s = _partials("rmsnorm_backward_coeff", stat_partials)
-    M, P = s.shape
+    M = s.shape[0]
     need(r.numel() == M and r.dtype == torch.float32,
          f"rmsnorm_backward_coeff: r must be float32 with one entry per row ({M}), got {tuple(r.shape)} {r.dtype}")
     c = empty(M, dtype=torch.float32, device=s.device)
@@ -221,12 +221,10 @@ def column_sum(partials: Tensor) -> Tensor:
     """The (R, N) fp32 per-tile partials summed over R, fp32 (N,): the GEMM epilogues' g_gamma (B6b).
     One launch of N / 32 programs: 2.3 us where torch's .sum(0) took 3.7 at (128, 768) and (128, 2048),
     25 and 36 a step at llama3_125m and 1B (H200, docs/bench/elementwise_partial_sum_folds-2026-12-04.json)."""
-    need(partials.dim() == 2 and partials.dtype == torch.float32 and partials.is_cuda and partials.stride(1) == 1,
-         f"column_sum: the partials must be a row-major (R, N) float32 CUDA tensor, got {tuple(partials.shape)} "
-         f"{partials.dtype} on {partials.device}, strides {partials.stride()}")
-    R, N = partials.shape
-    out = empty(N, dtype=torch.float32, device=partials.device)
-    _column_sum_kernel[(triton.cdiv(N, COLSUM_BLOCK_N),)](partials, out, R, N, partials.stride(0),
+    p = _partials("column_sum", partials)
+    R, N = p.shape
+    out = empty(N, dtype=torch.float32, device=p.device)
+    _column_sum_kernel[(triton.cdiv(N, COLSUM_BLOCK_N),)](p, out, R, N, p.stride(0),
                                                           BLOCK_R=COLSUM_BLOCK_R, BLOCK_N=COLSUM_BLOCK_N)
     return out
 
