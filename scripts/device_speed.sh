@@ -2,7 +2,8 @@
 # On the H200 host (1 or 2 GPUs), from the repo root, after `source .device/carry/setup.sh`; one device call:
 #   bash scripts/device_speed.sh
 # 1. the GPU tests (GPU 0) alongside scripts/tune_gemm.py (GPU 1, or after the tests on a 1-GPU host);
-#    TESTS, TUNE_SHAPES, TUNE_OPS narrow them (TESTS=none skips the tests), VARIANTS and PAIRS the benches;
+#    TESTS, TUNE_SHAPES, TUNE_OPS narrow them (TESTS=none skips the tests), TUNE_ARGS adds tune_gemm.py arguments
+#    (e.g. "--sustained-s 1"), VARIANTS and PAIRS the benches;
 # 2. bench.py at every shape with the tuned table ($CODA_TILE_CONFIGS = the tune run's output):
 #    the strongest peers, coda, coda-graphs and the floor, shapes split over the GPUs (PAIRS= skips them);
 # 3. with AB_SHAPES (space-separated), the shipped table against the tuned one on GPU 0: $AB_VARIANTS
@@ -19,7 +20,7 @@ VARIANTS=${VARIANTS:-compile-graphs,liger,coda,coda-graphs,floor}
 tests() { CUDA_VISIBLE_DEVICES=0 timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu ${TESTS:-tests} -p no:cacheprovider \
             -p no:warnings --tb=short 2>&1 | tail -n 60 > "$OUT/gpu_tests.log"; }
 tune() { CUDA_VISIBLE_DEVICES=$SECOND timeout ${TUNE_TIMEOUT:-250} python3 scripts/tune_gemm.py --budget-s $(( ${TUNE_TIMEOUT:-250} - 15 )) \
-           --shapes ${TUNE_SHAPES:-1b-4x4096,8b-slice,125m} ${TUNE_OPS:+--ops $TUNE_OPS} --out /tmp/speed/tune > /tmp/speed/tune.log 2>&1
+           --shapes ${TUNE_SHAPES:-1b-4x4096,8b-slice,125m} ${TUNE_OPS:+--ops $TUNE_OPS} ${TUNE_ARGS:-} --out /tmp/speed/tune > /tmp/speed/tune.log 2>&1
          cp /tmp/speed/tune/tune_gemm.md /tmp/speed/tune/tile_configs.json "$OUT/" 2>/dev/null; tail -n 5 /tmp/speed/tune.log; }
 bench() {  # GPU SHAPE
   CUDA_VISIBLE_DEVICES=$1 timeout ${BENCH_TIMEOUT:-150} python3 scripts/bench.py --shape "$2" --out "$OUT" --variants "$VARIANTS" \

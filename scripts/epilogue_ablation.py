@@ -7,6 +7,8 @@ Rows, each the model's g_a = g_out W_down (M x ffn_dim, K = dim) on the op's tun
   bare        D = acc (one bf16 store): the GEMM alone
   3 stores    D, g_gate, g_up = acc (the op's three bf16 stores, no loads)
   2 loads     D = acc * gate + up (the op's two tile loads, one store)
+  5 tiles     D = acc, g_gate = acc * gate, g_up = acc * up: the op's two loads and three stores with
+              two multiplies an element, no dSwiGLU: what its traffic costs without its arithmetic
   bare+stat   D = acc and the per-row partial sums of acc: the row reduce alone on the bare GEMM
   no stat     the op's epilogue without the per-row partial sums
   stat of acc the op's epilogue with the partial sums of acc instead of dg*gate + du*up: the
@@ -15,12 +17,17 @@ Rows, each the model's g_a = g_out W_down (M x ffn_dim, K = dim) on the op's tun
               op's Python path, whose host time do_bench can count on a slow host (docs/kernels.md)
   op (tanh)   the op's epilogue with quack's dswiglu_tanh (sigmoid from one tanh: one MUFU op instead of
               exp2 + rcp), a candidate, timed only
+  op (r first) the op's epilogue with the row scale applied to acc before dSwiGLU (one multiply an
+              element fewer; the statistic comes out scaled by r), a candidate, timed only
   packed      the op's epilogue on gate/up stored interleaved ((M, 2F), gate j and up j adjacent), read
               as quack's packed C and written as packed D (mode packed_cd_b16x2: one 32-bit tile load
               and store per pair where the op has two 16-bit ones each), a candidate layout; its
               outputs are checked against the op's on the same values
 
 Median of triton.testing.do_bench; prints a table and writes epilogue_ablation.json under --out.
+With --swizzle N, the rows launched here (all but `op`) run with quack's tile-scheduler group size
+max_swizzle_size = N (its default 8: how many tile rows or columns the persistent scheduler walks
+together), which sets which tiles' epilogue loads and stores are in flight at once.
 With --sustained SECONDS, each row also runs back to back for that long (a CUDA graph of 20 calls,
 replayed) while nvidia-smi samples the SM clock and power: under the H200's power cap a compute-bound
 GEMM runs at the clock its power draw allows, so a row that moves more bytes can be slower per call
@@ -45,9 +52,18 @@ from quack.epilogue.ops import ColVecLoad, ColVecReduce
 from coda_train.kernels import op_set
 from coda_train.kernels.testing import relative_error
 from coda_train.kernels.cute import _epilogues as E
-from coda_train.kernels.cute._launch import cfg_for, colvec, gemm, stat_cols
+from coda_train.kernels.cute._launch import cfg_for, colvec, stat_cols
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench.GpuClocks
+
+SWIZZLE = 8  # --swizzle: quack's max_swizzle_size for the gemm() rows
+
+
+def gemm(mod, A, B, D, C=None, *, epi, cfg):
+    """_launch.gemm with quack's max_swizzle_size set to SWIZZLE (same launch otherwise)."""
+    return mod.gemm(A, B, D, C, epi_args=epi, tile_M=cfg.tile_M, tile_N=cfg.tile_N, cluster_M=cfg.cluster_M,
+                    cluster_N=cfg.cluster_N, pingpong=cfg.pingpong, persistent=True, max_swizzle_size=SWIZZLE)
+
 
 SHAPES = {"125m": (16384, 2048, 768), "1b": (16384, 8192, 2048), "8b": (8192, 14336, 4096)}  # M, ffn_dim, dim
 
@@ -60,6 +76,11 @@ def three_stores(acc):
 @gemm_epilogue()
 def two_loads(acc, gate, up):
     return {"D": acc * gate + up}
+
+
+@gemm_epilogue(outputs=("g_gate", "g_up"))
+def five_tiles(acc, gate, up):
+    return {"D": acc, "g_gate": acc * gate, "g_up": acc * up}
 
 
 @gemm_epilogue(reduces={"stat": ColVecReduce("stat")})
@@ -96,6 +117,12 @@ def dswiglu_tanh_rowscale_stat(acc, gate, up, r):
     return {"D": a, "g_gate": dg * r, "g_up": du * r, "stat": dg * gate + du * up}
 
 
+@gemm_epilogue(outputs=("g_gate", "g_up"), ops={"r": ColVecLoad("r")}, reduces={"stat": ColVecReduce("stat")})
+def dswiglu_r_first_stat(acc, gate, up, r):
+    dg, du, a = dswiglu(gate, up, acc * r)
+    return {"D": a, "g_gate": dg, "g_up": du, "stat": dg * gate + du * up}
+
+
 def ablate(M: int, F: int, d: int, rows: list[str], sustained_s: float = 0.0) -> dict:
     from triton.testing import do_bench
 
@@ -113,6 +140,8 @@ def ablate(M: int, F: int, d: int, rows: list[str], sustained_s: float = 0.0) ->
         "bare": lambda: gemm(E.plain, g_out, w_down.mT, a, cfg=cfg, epi={}),
         "3 stores": lambda: gemm(three_stores, g_out, w_down.mT, a, cfg=cfg, epi={"g_gate": g_gu[:, :F], "g_up": g_gu[:, F:]}),
         "2 loads": lambda: gemm(two_loads, g_out, w_down.mT, a, cfg=cfg, epi={"gate": gate, "up": up}),
+        "5 tiles": lambda: gemm(five_tiles, g_out, w_down.mT, a, cfg=cfg,
+                                epi={"gate": gate, "up": up, "g_gate": g_gu[:, :F], "g_up": g_gu[:, F:]}),
         "bare+stat": lambda: gemm(plain_stat, g_out, w_down.mT, a, cfg=cfg, epi={"stat": stat}),
         "stat of acc": lambda: gemm(dswiglu_rowscale_stat_of_acc, g_out, w_down.mT, a, cfg=cfg,
                                     epi={"gate": gate, "up": up, "r": colvec(r), "g_gate": g_gu[:, :F], "g_up": g_gu[:, F:],
@@ -123,6 +152,9 @@ def ablate(M: int, F: int, d: int, rows: list[str], sustained_s: float = 0.0) ->
         "op (tanh)": lambda: gemm(dswiglu_tanh_rowscale_stat, g_out, w_down.mT, a, cfg=cfg,
                                   epi={"gate": gate, "up": up, "r": colvec(r), "g_gate": g_gu[:, :F], "g_up": g_gu[:, F:],
                                        "stat": stat}),
+        "op (r first)": lambda: gemm(dswiglu_r_first_stat, g_out, w_down.mT, a, cfg=cfg,
+                                     epi={"gate": gate, "up": up, "r": colvec(r), "g_gate": g_gu[:, :F], "g_up": g_gu[:, F:],
+                                          "stat": stat}),
         "packed": lambda: gemm(dswiglu_packed_rowscale_stat, g_out, w_down.mT, g_gu_i, gu_i, cfg=cfg,
                                epi={"r": colvec(r), "a": a_i, "stat": stat_i[1]}),
     }
@@ -190,7 +222,10 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/ablation")))
     p.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
                    help="also run each row back to back this long, with the SM clock and power sampled")
+    p.add_argument("--swizzle", type=int, default=8, help="quack's max_swizzle_size for every row but `op` (default 8)")
     args = p.parse_args()
+    global SWIZZLE
+    SWIZZLE = args.swizzle
     rows = {s: ablate(*SHAPES[s], args.rows.split(","), args.sustained) for s in args.shapes.split(",")}
     names = list(next(iter(rows.values()))["ms"])
     print(f"{'shape':6s}{'config':26s}" + "".join(f"{n:>10s}" for n in names) + "   (ms; op / bare)")
@@ -207,7 +242,9 @@ def main() -> None:
         if "tanh_rel_err" in row:
             print(f"{s}: op (tanh) vs op, relative error: a {row['tanh_rel_err']['a']:.2e}, g_gu {row['tanh_rel_err']['g_gu']:.2e}")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "epilogue_ablation.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    name = "epilogue_ablation.json" if args.swizzle == 8 else f"epilogue_ablation_swizzle{args.swizzle}.json"
+    (args.out / name).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "swizzle": args.swizzle, "rows": rows},
+                                            indent=1))
 
 
 if __name__ == "__main__":

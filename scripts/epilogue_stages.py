@@ -16,6 +16,7 @@ a different split of the same memory:
         takes the tile (l2_prefetch.py)
   pf1   pf, the first subtile of each load only (the one its epilogue waits for first)
   two2pf  two2 and pf together
+  ef    ship, with every epilogue TMA load and store marked evict-first in L2 (l2_evict_first.py)
 
 Each variant runs in processes of its own with a kernel cache of its own (QUACK_CACHE_DIR): (1) the
 step's kernels at every --shapes shape compile GPU-blind, variants in parallel; (2) each shape's
@@ -25,10 +26,12 @@ coda-graphs step at that shape, the variants alternately, two rounds. Prints a t
 epilogue_stages.json under --out.
 
     python scripts/epilogue_stages.py [--shapes 125m,1b-4x4096] [--variants ship,c8,c8d] [--ops OP,...]
-        [--step 125m [--op-rounds 0]] [--out DIR]
+        [--step 125m [--op-rounds 0]] [--jit] [--out DIR]
 
 On the H200 none paid: c8 and c8d on 2026-12-02, two and two2, pf, pf1 and two2pf on 2026-12-03
-(docs/kernels.md, "What sets an epilogue's pace at K = 768"); scripts/ncu_epilogue.sh profiles them.
+(docs/kernels.md, "What sets an epilogue's pace at K = 768"), ef on 2026-12-04 (1.5 % on the 1B dSwiGLU,
+nothing elsewhere: "Where the 1B dSwiGLU's excess goes"); scripts/ncu_epilogue.sh profiles them. --jit skips
+the GPU-blind compile of the whole step (each timing child compiles what it runs).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ VARIANTS = {"ship": (4, False), "c8": (8, False), "c8d": (8, True)}  # (epi_c_st
 TWO_EPILOGUES = {"two": 4, "two2": 2}  # two epilogues in flight: tile-load stages per warpgroup, at most
 L2_PREFETCH = {"pf": ("ship", 0), "pf1": ("ship", 1), "two2pf": ("two2", 0)}  # the next tile's epilogue loads
 # prefetched to L2 on top of a variant: (that variant, subtiles of each load, 0 = all)
+L2_HINTS = ("ef",)  # the epilogue's loads and stores marked evict-first (l2_evict_first.py)
 LOAD_OPS = ("gemm_dswiglu_rowscale_stat", "gemm_residual_rmsnorm_partial", "gemm_rmsnorm_backward", "gemm_rowscale_rope")
 
 
@@ -67,6 +71,11 @@ def apply(variant: str) -> None:
         base, subtiles = L2_PREFETCH[variant]
         apply(base)
         l2_prefetch.enable(subtiles)
+        return
+    if variant in L2_HINTS:
+        import l2_evict_first
+
+        l2_evict_first.enable()
         return
     if variant in TWO_EPILOGUES:  # pingpong kernels: two_epilogues.py
         import two_epilogues
@@ -168,11 +177,14 @@ def step_ms(text: str) -> float | None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--shapes", default="125m,1b-4x4096")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"of {[*VARIANTS, *TWO_EPILOGUES, *L2_PREFETCH]}")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"of {[*VARIANTS, *TWO_EPILOGUES, *L2_PREFETCH, *L2_HINTS]}")
     p.add_argument("--ops", default=",".join(LOAD_OPS), help="the ops timed alone")
     p.add_argument("--step", default="", help="a bench.py shape: time the coda-graphs step per variant")
     p.add_argument("--step-rounds", type=int, default=2)
     p.add_argument("--op-rounds", type=int, default=2, help="rounds of the ops alone (0: steps only)")
+    p.add_argument("--jit", action="store_true",
+                   help="skip the GPU-blind compile of the whole step: each timing child compiles the ops it runs "
+                        "(no SPLIT lines; saves device time when only a few ops are timed)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--variant", help=argparse.SUPPRESS)  # child: the variant to apply
     p.add_argument("--child", help=argparse.SUPPRESS)  # child: compile | time | bench
@@ -200,7 +212,8 @@ def main() -> None:
     t0 = time.time()
     compile_shapes = ",".join(dict.fromkeys(shapes + ([args.step] if args.step else [])))
     with ThreadPoolExecutor(len(variants)) as pool:  # GPU-blind, one process per variant
-        done = list(pool.map(lambda v: run_child(v, ["--child", "compile", "--shapes", compile_shapes], cache, cpu=True), variants))
+        done = [] if args.jit else list(pool.map(
+            lambda v: run_child(v, ["--child", "compile", "--shapes", compile_shapes], cache, cpu=True), variants))
     splits = {}
     for v, c in zip(variants, done):
         print(f"compile {v}: rc {c.returncode}" + (f"\n{c.stderr[-1500:]}" if c.returncode else ""), flush=True)

@@ -13,6 +13,7 @@ accuracy check of scripts/check_kernels.py on ragged shapes.
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -445,6 +446,37 @@ print("PREFETCHED " + json.dumps(l2_prefetch.PREFETCHED))
         (line,) = [line for line in out.splitlines() if line.startswith("PREFETCHED ")]
         (kernel, loads), = json.loads(line[11:])
         assert "dswiglu" in kernel and loads == 2, line
+
+
+def test_l2_evict_first_variant_hints_the_epilogue_copies_only(stack, tmp_path):
+    """scripts/l2_evict_first.py (variant ef of epilogue_stages.py), GPU-blind on the 125m dSwiGLU at
+    128x128 pingpong: every epilogue TMA copy (its gate/up loads, the D, g_gate and g_up stores) gets
+    the evict-first L2 policy, and the mainloop's A/B loads keep the default (docs/kernels.md, "Where
+    the 1B dSwiGLU's excess goes")."""
+    (launch,) = load_tuner().launches(["125m"], ["gemm_dswiglu_rowscale_stat"])
+    policies = {}
+    for variant in ("ship", "ef"):
+        dump = tmp_path / f"ptx_{variant}"
+        dump.mkdir()
+        _run(f'''
+import json, sys
+sys.path.insert(0, "scripts")
+import epilogue_stages as S
+S.apply({variant!r})
+from tune_gemm import compile_launch
+from coda_train.kernels.cute._launch import compile_only
+from coda_train.kernels.tile_configs import Cfg
+with compile_only():
+    compile_launch(json.loads({json.dumps(json.dumps(launch))}), Cfg(128, 128, 1, 2, True))
+''', env=dict(ENV, QUACK_CACHE_DIR=str(tmp_path / variant), CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(dump)))
+        (ptx,) = [p.read_text() for p in dump.glob("*dswiglu*.ptx")]
+        policies[variant] = [int(v) for v in re.findall(r"mov\.b64\s+%rd\d+, (\d+);", ptx)
+                             if int(v) in (0, 0x12F0000000000000)]
+        # the A/B loads multicast over the cluster: their policy operand stays the default 0
+        assert re.search(r"multicast::cluster\.L2::cache_hint", ptx)
+    assert policies["ship"].count(0x12F0000000000000) == 0
+    assert policies["ef"].count(0x12F0000000000000) >= 5, policies["ef"]  # 2 loads, 3 stores at least
+    assert 0 in policies["ef"], "the mainloop's loads lost their default policy"
 
 
 @pytest.fixture

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# ncu on scripts/epilogue_ablation.py's rows: each row's first launch at each shape (its kernel: the
+# bare GEMM `plain`, `five_tiles`, the op `dswiglu_rowscale_stat`, ...), at the GPU's own clocks, with
+# the counters that say where an epilogue's traffic goes (DRAM bytes read and written, L2 hit rates)
+# and how busy the SMs were. On the device, from the project root, after sourcing the site's setup.sh:
+#
+#   ROWS="bare,5 tiles,op" SHAPES=1b,8b bash scripts/ncu_ablation.sh
+#
+# Writes $OUT/ncu_ablation.txt (the command and every counter, per shape).
+set -uo pipefail
+ROWS=${ROWS:-"bare,5 tiles,op"}
+SHAPES=${SHAPES:-1b}
+OUT=${OUT:-.}
+KERNEL=${KERNEL:-"regex:plain|five_tiles|three_stores|two_loads|dswiglu"}
+METRICS='gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,'\
+'lts__t_sector_op_read_hit_rate.pct,lts__t_sector_op_write_hit_rate.pct,dram__throughput.avg.pct_of_peak_sustained_elapsed,'\
+'sm__throughput.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_active,'\
+'sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed'
+log="$OUT/ncu_ablation.txt"
+echo "# $(date -u '+%Y-%m-%d %H:%M UTC') $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); rows $ROWS at $SHAPES" >"$log"
+IFS=, read -ra rows <<<"$ROWS"
+for s in ${SHAPES//,/ }; do
+  for row in "${rows[@]}"; do  # one process per row and shape: its first launch, the call before its timing
+    cmd=(ncu --clock-control none --target-processes all -k "$KERNEL" --launch-count 1 --metrics "$METRICS"
+         python3 scripts/epilogue_ablation.py --shapes "$s" --rows "$row" --out /tmp/ncu_ablation)
+    { echo; echo "######## $s $row"; echo "# ${cmd[*]}"; } >>"$log"
+    "${cmd[@]}" 2>&1 | grep -v "^==PROF==" >>"$log"
+  done
+done
+grep -E "^######## |  kernel_|gpu__time|dram__|hit_rate|issue_active|throughput|hmma" "$log"
