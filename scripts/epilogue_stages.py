@@ -16,7 +16,9 @@ a different split of the same memory:
         takes the tile (l2_prefetch.py)
   pf1   pf, the first subtile of each load only (the one its epilogue waits for first)
   two2pf  two2 and pf together
-  ef    ship, with every epilogue TMA load and store marked evict-first in L2 (l2_evict_first.py)
+  ef    ship, with every epilogue TMA load and store marked evict-first in L2 (l2_hints.py)
+  efl   ef, and the mainloop's A/B loads marked evict-last
+  abl   ship, with the mainloop's A/B loads marked evict-last
 
 Each variant runs in processes of its own with a kernel cache of its own (QUACK_CACHE_DIR): (1) the
 step's kernels at every --shapes shape compile GPU-blind, variants in parallel; (2) each shape's
@@ -56,7 +58,8 @@ VARIANTS = {"ship": (4, False), "c8": (8, False), "c8d": (8, True)}  # (epi_c_st
 TWO_EPILOGUES = {"two": 4, "two2": 2}  # two epilogues in flight: tile-load stages per warpgroup, at most
 L2_PREFETCH = {"pf": ("ship", 0), "pf1": ("ship", 1), "two2pf": ("two2", 0)}  # the next tile's epilogue loads
 # prefetched to L2 on top of a variant: (that variant, subtiles of each load, 0 = all)
-L2_HINTS = ("ef",)  # the epilogue's loads and stores marked evict-first (l2_evict_first.py)
+# L2 hints (l2_hints.py): (the epilogue's loads and stores evict-first, the mainloop's A/B loads evict-last)
+L2_HINTS = {"ef": (True, False), "efl": (True, True), "abl": (False, True)}
 LOAD_OPS = ("gemm_dswiglu_rowscale_stat", "gemm_residual_rmsnorm_partial", "gemm_rmsnorm_backward", "gemm_rowscale_rope")
 
 
@@ -73,9 +76,9 @@ def apply(variant: str) -> None:
         l2_prefetch.enable(subtiles)
         return
     if variant in L2_HINTS:
-        import l2_evict_first
+        import l2_hints
 
-        l2_evict_first.enable()
+        l2_hints.enable(*L2_HINTS[variant])
         return
     if variant in TWO_EPILOGUES:  # pingpong kernels: two_epilogues.py
         import two_epilogues

@@ -448,14 +448,16 @@ print("PREFETCHED " + json.dumps(l2_prefetch.PREFETCHED))
         assert "dswiglu" in kernel and loads == 2, line
 
 
-def test_l2_evict_first_variant_hints_the_epilogue_copies_only(stack, tmp_path):
-    """scripts/l2_evict_first.py (variant ef of epilogue_stages.py), GPU-blind on the 125m dSwiGLU at
-    128x128 pingpong: every epilogue TMA copy (its gate/up loads, the D, g_gate and g_up stores) gets
-    the evict-first L2 policy, and the mainloop's A/B loads keep the default (docs/kernels.md, "Where
-    the 1B dSwiGLU's excess goes")."""
+def test_l2_hint_variants_mark_the_copies_they_name(stack, tmp_path):
+    """scripts/l2_hints.py (variants ef, efl, abl of epilogue_stages.py), GPU-blind on the 125m dSwiGLU
+    at 128x128 pingpong: ef gives every epilogue TMA copy (the gate/up loads, the D, g_gate and g_up
+    stores) the evict-first L2 policy and leaves the mainloop's A/B loads at quack's default (0); abl
+    gives the A/B loads evict-last and leaves the epilogue's; efl does both (docs/kernels.md, "Where the
+    1B dSwiGLU's excess goes")."""
     (launch,) = load_tuner().launches(["125m"], ["gemm_dswiglu_rowscale_stat"])
+    first, last = 0x12F0000000000000, 0x14F0000000000000
     policies = {}
-    for variant in ("ship", "ef"):
+    for variant in ("ship", "ef", "efl", "abl"):
         dump = tmp_path / f"ptx_{variant}"
         dump.mkdir()
         _run(f'''
@@ -470,13 +472,16 @@ with compile_only():
     compile_launch(json.loads({json.dumps(json.dumps(launch))}), Cfg(128, 128, 1, 2, True))
 ''', env=dict(ENV, QUACK_CACHE_DIR=str(tmp_path / variant), CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(dump)))
         (ptx,) = [p.read_text() for p in dump.glob("*dswiglu*.ptx")]
-        policies[variant] = [int(v) for v in re.findall(r"mov\.b64\s+%rd\d+, (\d+);", ptx)
-                             if int(v) in (0, 0x12F0000000000000)]
-        # the A/B loads multicast over the cluster: their policy operand stays the default 0
-        assert re.search(r"multicast::cluster\.L2::cache_hint", ptx)
-    assert policies["ship"].count(0x12F0000000000000) == 0
-    assert policies["ef"].count(0x12F0000000000000) >= 5, policies["ef"]  # 2 loads, 3 stores at least
-    assert 0 in policies["ef"], "the mainloop's loads lost their default policy"
+        # each TMA copy's policy operand, in program order: the register it names, set by a mov.b64 of the policy
+        values = dict(re.findall(r"mov\.b64\s+(%rd\d+), (\d+);", ptx))
+        policies[variant] = [int(values[r]) for r in re.findall(r"cp\.async\.bulk\.tensor\.[^;]*\.L2::cache_hint [^;]*, (%rd\d+);", ptx)]
+    ship, ef, efl, abl = (policies[v] for v in ("ship", "ef", "efl", "abl"))
+    assert set(ship) == {0} and len(ef) == len(efl) == len(abl) == len(ship), policies
+    epilogue = [p == first for p in ef]  # the copies ef marks: the epilogue's
+    operands = [p == last for p in abl]  # the copies abl marks: the mainloop's
+    assert sum(epilogue) >= 5 and sum(operands) >= 2, policies  # gate, up, D, g_gate, g_up; A and B
+    assert all(e != o for e, o in zip(epilogue, operands)), policies  # every copy is one or the other
+    assert efl == [first if e else last for e in epilogue], policies
 
 
 @pytest.fixture
