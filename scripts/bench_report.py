@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
+import palette_png  # scripts/palette_png.py
 from code_version import commit_of_sources  # scripts/code_version.py
 
 PEERS = ("eager", "compile", "compile-graphs", "compile-max-autotune", "liger")
@@ -378,7 +379,7 @@ def chart(results: list[dict], png: Path) -> None:
         ax.tick_params(axis="x", rotation=45, labelsize=8)
     fig.suptitle(f"{results[0]['environment']['gpu']}, {results[0]['environment']['date'][:10]}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    palette_png.save(fig, png, dpi=110)
 
 
 def main() -> None:

@@ -24,6 +24,9 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import palette_png  # noqa: E402  (scripts/palette_png.py)
+
 
 @dataclass
 class Run:
@@ -200,7 +203,7 @@ def plot(runs: list[Run], window: int, x_axis: str, out: Path) -> None:
         bottom.legend(fontsize=8)
     bottom.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    palette_png.save(fig, out, dpi=120)
     plt.close(fig)
 
 

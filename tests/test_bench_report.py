@@ -48,6 +48,9 @@ def test_report_writes_tables_summary_and_chart(tmp_path):
         paths[-1].write_text(json.dumps(_result(shape)))
     md, png = tmp_path / "benchmarks.md", tmp_path / "benchmarks.png"
     _report(paths, md, png, tmp_path)
+    from PIL import Image
+    with Image.open(png) as im:  # a palette PNG (scripts/palette_png.py): docs/ travels to the device, 64 MiB in all
+        assert im.mode == "P" and im.size[0] > 0
     text = md.read_text()
     assert text.index("### 125m") < text.index("### 1b-4x4096")  # shapes in size order, not argument order
     # summary: coda 40 ms vs best peer compile 31 ms and floor 25 ms
