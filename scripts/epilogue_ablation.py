@@ -52,6 +52,7 @@ from quack.epilogue.ops import ColVecLoad, ColVecReduce
 from coda_train.kernels import op_set
 from coda_train.kernels.testing import relative_error
 from coda_train.kernels.cute import _epilogues as E
+from coda_train.kernels.cute import _launch
 from coda_train.kernels.cute._launch import cfg_for, colvec, stat_cols
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench.GpuClocks
@@ -59,10 +60,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench.GpuClocks
 SWIZZLE = 8  # --swizzle: quack's max_swizzle_size for the gemm() rows
 
 
-def gemm(mod, A, B, D, C=None, *, epi, cfg):
-    """_launch.gemm with quack's max_swizzle_size set to SWIZZLE (same launch otherwise)."""
-    return mod.gemm(A, B, D, C, epi_args=epi, tile_M=cfg.tile_M, tile_N=cfg.tile_N, cluster_M=cfg.cluster_M,
-                    cluster_N=cfg.cluster_N, pingpong=cfg.pingpong, persistent=True, max_swizzle_size=SWIZZLE)
+def gemm(*args, **kwargs):
+    """The ops' launch (_launch.gemm) with quack's max_swizzle_size set to SWIZZLE."""
+    return _launch.gemm(*args, max_swizzle_size=SWIZZLE, **kwargs)
 
 
 SHAPES = {"125m": (16384, 2048, 768), "1b": (16384, 8192, 2048), "8b": (8192, 14336, 4096)}  # M, ffn_dim, dim

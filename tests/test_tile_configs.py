@@ -400,26 +400,34 @@ for name, prog in (("op", S.E.dswiglu_rowscale_stat), ("narrow", S.dswiglu_subti
     assert usage["op"]["spill_stores"] > 500 and usage["narrow"]["spill_stores"] <= 64, usage
 
 
-def test_epilogue_stage_variants_set_the_split_they_name(stack, tmp_path):
-    """scripts/epilogue_stages.py's variants, applied to the 125m dSwiGLU at 128x128 pingpong
-    (GPU-blind): quack's split is (A/B, store, load) = (5, 2, 5) stages; c8 puts all 8 subtiles of
-    loads in flight for one A/B stage, c8d hands one more A/B stage to the stores (docs/kernels.md,
-    "What sets an epilogue's pace at K = 768"). A quack upgrade that changes the split shows up here."""
+def compile_dswiglu_variant(variant: str, tmp_path: Path, before: str = "", after: str = "", **env) -> str:
+    """Compile the 125m dSwiGLU at 128x128 pingpong GPU-blind in a subprocess with scripts/epilogue_stages.py's
+    `variant` applied (`before` runs after the patch, `after` after the compile); its stdout. Each variant has a
+    kernel cache of its own: quack's key does not see the patches."""
     (launch,) = load_tuner().launches(["125m"], ["gemm_dswiglu_rowscale_stat"])
-    splits = {}
-    for variant in ("ship", "c8", "c8d"):
-        out = _run(f'''
+    return _run(f'''
 import json, sys
 sys.path.insert(0, "scripts")
 import epilogue_stages as S
 S.apply({variant!r})
-S.print_splits()
+{before}
 from tune_gemm import compile_launch
 from coda_train.kernels.cute._launch import compile_only
 from coda_train.kernels.tile_configs import Cfg
 with compile_only():
     compile_launch(json.loads({json.dumps(json.dumps(launch))}), Cfg(128, 128, 1, 2, True))
-''', env=dict(ENV, QUACK_CACHE_DIR=str(tmp_path / variant)))  # one cache per variant: the key ignores the split
+{after}
+''', env=dict(ENV, QUACK_CACHE_DIR=str(tmp_path / variant), **env))
+
+
+def test_epilogue_stage_variants_set_the_split_they_name(stack, tmp_path):
+    """scripts/epilogue_stages.py's variants, applied to the 125m dSwiGLU at 128x128 pingpong
+    (GPU-blind): quack's split is (A/B, store, load) = (5, 2, 5) stages; c8 puts all 8 subtiles of
+    loads in flight for one A/B stage, c8d hands one more A/B stage to the stores (docs/kernels.md,
+    "What sets an epilogue's pace at K = 768"). A quack upgrade that changes the split shows up here."""
+    splits = {}
+    for variant in ("ship", "c8", "c8d"):
+        out = compile_dswiglu_variant(variant, tmp_path, before="S.print_splits()")
         (split,) = [json.loads(line[6:]) for line in out.splitlines() if line.startswith("SPLIT ")]
         splits[variant] = [split["ab"], split["d"], split["c"]]
     assert splits == {"ship": [5, 2, 5], "c8": [4, 2, 8], "c8d": [3, 4, 8]}, splits
@@ -429,20 +437,9 @@ def test_l2_prefetch_variants_prefetch_every_epilogue_load(stack, tmp_path):
     """scripts/l2_prefetch.py (variants pf and pf1 of epilogue_stages.py), GPU-blind on the 125m
     dSwiGLU at 128x128 pingpong: the prefetch is traced into the consumer's loop for both of its tile
     loads (gate and up), and the kernel still compiles (docs/kernels.md, "Early epilogue loads, to L2")."""
-    (launch,) = load_tuner().launches(["125m"], ["gemm_dswiglu_rowscale_stat"])
     for variant in ("pf", "pf1"):
-        out = _run(f'''
-import json, sys
-sys.path.insert(0, "scripts")
-import epilogue_stages as S, l2_prefetch
-S.apply({variant!r})
-from tune_gemm import compile_launch
-from coda_train.kernels.cute._launch import compile_only
-from coda_train.kernels.tile_configs import Cfg
-with compile_only():
-    compile_launch(json.loads({json.dumps(json.dumps(launch))}), Cfg(128, 128, 1, 2, True))
-print("PREFETCHED " + json.dumps(l2_prefetch.PREFETCHED))
-''', env=dict(ENV, QUACK_CACHE_DIR=str(tmp_path / variant)))
+        out = compile_dswiglu_variant(variant, tmp_path, before="import l2_prefetch",
+                                      after='print("PREFETCHED " + json.dumps(l2_prefetch.PREFETCHED))')
         (line,) = [line for line in out.splitlines() if line.startswith("PREFETCHED ")]
         (kernel, loads), = json.loads(line[11:])
         assert "dswiglu" in kernel and loads == 2, line
@@ -454,23 +451,12 @@ def test_l2_hint_variants_mark_the_copies_they_name(stack, tmp_path):
     stores) the evict-first L2 policy and leaves the mainloop's A/B loads at quack's default (0); abl
     gives the A/B loads evict-last and leaves the epilogue's; efl does both (docs/kernels.md, "Where the
     1B dSwiGLU's excess goes")."""
-    (launch,) = load_tuner().launches(["125m"], ["gemm_dswiglu_rowscale_stat"])
     first, last = 0x12F0000000000000, 0x14F0000000000000
     policies = {}
     for variant in ("ship", "ef", "efl", "abl"):
         dump = tmp_path / f"ptx_{variant}"
         dump.mkdir()
-        _run(f'''
-import json, sys
-sys.path.insert(0, "scripts")
-import epilogue_stages as S
-S.apply({variant!r})
-from tune_gemm import compile_launch
-from coda_train.kernels.cute._launch import compile_only
-from coda_train.kernels.tile_configs import Cfg
-with compile_only():
-    compile_launch(json.loads({json.dumps(json.dumps(launch))}), Cfg(128, 128, 1, 2, True))
-''', env=dict(ENV, QUACK_CACHE_DIR=str(tmp_path / variant), CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(dump)))
+        compile_dswiglu_variant(variant, tmp_path, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(dump))
         (ptx,) = [p.read_text() for p in dump.glob("*dswiglu*.ptx")]
         # each TMA copy's policy operand, in program order: the register it names, set by a mov.b64 of the policy
         values = dict(re.findall(r"mov\.b64\s+(%rd\d+), (\d+);", ptx))

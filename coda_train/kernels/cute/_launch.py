@@ -111,11 +111,12 @@ def sink_rows(M: int, N: int, cfg: Cfg, device) -> Tensor:
 
 
 def gemm(mod, A: Tensor, B: Tensor, D: Optional[Tensor], C: Optional[Tensor] = None, *, epi: dict,
-         cfg: Cfg, concat: tuple = (), add_to_output: bool = False, strip=None):
+         cfg: Cfg, concat: tuple = (), add_to_output: bool = False, strip=None, max_swizzle_size: int = 8):
     """D = epilogue(A @ B^T) with A (M, K), B (N, K) in any majors (views are fine); with
     add_to_output, D += epilogue(A @ B^T) through the TMA reduce-add store (no C load); with
     strip = (transform, u), A is scaled by the strip u as the mainloop loads it (quack's
-    register-sourced A transform, K tiles of STRIP_COLS)."""
+    register-sourced A transform, K tiles of STRIP_COLS). max_swizzle_size: quack's tile-scheduler
+    group (its default 8, the fastest in scripts/epilogue_ablation.py --swizzle)."""
     kw = {}
     if strip is not None:
         from quack.operand_transform.host import transform_a_operand
@@ -126,6 +127,6 @@ def gemm(mod, A: Tensor, B: Tensor, D: Optional[Tensor], C: Optional[Tensor] = N
     return mod.gemm(
         A, B, D, C, epi_args=epi, add_to_output=add_to_output,
         tile_M=cfg.tile_M, tile_N=cfg.tile_N, cluster_M=cfg.cluster_M, cluster_N=cfg.cluster_N,
-        pingpong=cfg.pingpong, persistent=True, concat_layout=concat or None,
+        pingpong=cfg.pingpong, persistent=True, concat_layout=concat or None, max_swizzle_size=max_swizzle_size,
         _launch=not _compile_only, **kw,
     )
