@@ -18,8 +18,9 @@ helpers hand to every `cute.copy` they build:
 `enable()` patches quack in this process before any GEMM compiles, so a process that enables it
 must use a kernel cache of its own (QUACK_CACHE_DIR); scripts/epilogue_stages.py does (variants ef:
 epilogue only, efl: both, abl: operands only). Measured on the H200 (2026-12-04): ef made the 1B
-dSwiGLU 1.5 % faster and nothing else; not adopted (docs/kernels.md, "Where the 1B dSwiGLU's excess
-goes"). GPU-blind check that the hints reach the PTX:
+dSwiGLU 1.5 % faster and nothing else; efl cut its DRAM reads by 95 MB (ncu) and made it 0.5 % faster
+over four rounds, the 8B dSwiGLU 1.8 % slower; abl no better. None adopted (docs/kernels.md, "Evict-last
+L2 hints on the mainloop's A/B loads"). GPU-blind check that the hints reach the PTX:
 
     QUACK_ARCH=90 CUTE_DSL_ARCH=sm_90a python scripts/epilogue_stages.py --variant efl --child compile --shapes 125m
 """
