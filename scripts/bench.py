@@ -694,7 +694,10 @@ def _kernel_class(name: str) -> str:
 
 # ---- driver ---------------------------------------------------------------------------------
 
-def run(shape_name: str, variants: list[str], iters: int, warmup: int, profile_steps: int) -> dict:
+def run(shape_name: str, variants: list[str], iters: int, warmup: int, profile_steps: int,
+        save: Callable[[dict], None] = lambda result: None) -> dict:
+    """Every variant of one shape; `save` gets the result so far after each variant, so a run cut short
+    (a device call's time limit) keeps what it measured."""
     shape = SHAPES[shape_name]
     cfg = model_config(shape)
     torch.manual_seed(0)
@@ -721,6 +724,9 @@ def run(shape_name: str, variants: list[str], iters: int, warmup: int, profile_s
         except Exception as e:  # record and go on: one failing peer must not hide the others
             result["failed"][variant] = f"{type(e).__name__}: {e}"[:500]
             print(f"  {variant:22s} FAILED {result['failed'][variant]}\n{traceback.format_exc()[-1500:]}", flush=True)
+        result["pending"] = variants[variants.index(variant) + 1:]  # what a cut-short run did not reach
+        add_ratios(result)
+        save(result)
         gc.collect()
         if DEVICE.type == "cuda":
             torch.cuda.empty_cache()
@@ -730,6 +736,7 @@ def run(shape_name: str, variants: list[str], iters: int, warmup: int, profile_s
         except Exception as e:
             result["failed"]["coda_profile"] = f"{type(e).__name__}: {e}"[:500]
             traceback.print_exc()
+    result.pop("pending", None)
     add_ratios(result)
     return result
 
@@ -833,13 +840,16 @@ def main() -> None:
 
     if args.logits_chunk_mib is not None:
         coda.LOGITS_CHUNK_BYTES = args.logits_chunk_mib << 20
-    result = run(args.shape, variants, args.iters, args.warmup, args.profile_steps)
-    result["logits_chunk_mib"] = coda.LOGITS_CHUNK_BYTES >> 20
-    skipped = [v for v in (*MODEL_VARIANTS, "floor") if v not in variants]
-    result["not_run"] = skipped
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"bench_{args.shape}{args.tag}.json"
-    path.write_text(json.dumps(result, indent=1, default=str))
+
+    def save(result: dict) -> None:
+        result["logits_chunk_mib"] = coda.LOGITS_CHUNK_BYTES >> 20
+        result["not_run"] = [v for v in (*MODEL_VARIANTS, "floor") if v not in variants]
+        path.write_text(json.dumps(result, indent=1, default=str))
+
+    result = run(args.shape, variants, args.iters, args.warmup, args.profile_steps, save)
+    save(result)
     print_table(result)
     print(f"\nwrote {path}")
 

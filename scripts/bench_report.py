@@ -150,6 +150,8 @@ def shape_table(r: dict) -> list[str]:
                      f"{fmt((row.get('clocks') or {}).get('power_w_mean'), '.0f')} | {clock_reasons(row.get('clocks'))} |")
     for name, err in r["failed"].items():
         lines.append(f"| {name} | failed: {err.splitlines()[0][:160]} | | | | | | | | | | | | | |")
+    if r.get("pending"):
+        lines += ["", "This run was cut short (the device call's time limit) before: " + ", ".join(r["pending"]) + "."]
     separate = [p for p in _peers(r) if p["separate"]]
     not_run = [v for v in r.get("not_run", []) if v not in {p["name"] for p in separate}]
     if not_run:

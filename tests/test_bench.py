@@ -33,7 +33,23 @@ def test_bench_smoke_runs_every_cpu_variant(tmp_path):
     assert floor["back_to_back"]["n"] >= 1 and floor["back_to_back"]["median_ms"] > 0
     assert coda["over_floor_back_to_back"] == coda["fwd_bwd"]["median_ms"] / floor["back_to_back"]["median_ms"]
     assert "compile-max-autotune" in result["not_run"] and "coda_profile" not in result  # profile: GPU only
+    assert "pending" not in result  # the run finished: nothing left that it did not reach
     assert "smoke" in proc.stdout and "floor" in proc.stdout
+
+
+def test_bench_saves_what_it_measured_after_each_variant():
+    """A run cut short by a device call's time limit keeps the variants it finished: run() hands the
+    result so far to `save` after each one, with the variants it has not reached as `pending`."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench
+
+    saved = []
+    result = bench.run("smoke", ["eager", "floor"], iters=1, warmup=0, profile_steps=0,
+                       save=lambda r: saved.append(json.loads(json.dumps(r, default=str))))
+    assert [sorted(s["variants"]) for s in saved] == [["eager"], ["eager", "floor"]]
+    assert [s["pending"] for s in saved] == [["floor"], []]
+    assert saved[0]["variants"]["eager"]["fwd_bwd"]["median_ms"] > 0 and "mfu_fwd_bwd" in saved[0]["variants"]["eager"]
+    assert "pending" not in result and sorted(result["variants"]) == ["eager", "floor"]
 
 
 def test_kernel_sequence_lists_the_last_steps_kernels_with_the_gaps_before_them():

@@ -66,6 +66,13 @@ def test_report_writes_tables_summary_and_chart(tmp_path):
     assert "timed as a step: 27.00 ms at 1500 MHz mean SM clock." in text_graphed
     assert "| liger | failed: RuntimeError: no liger here" in text
     assert "Not run at this shape: compile-max-autotune (opt-in: its GEMM autotuning" in text
+    assert "cut short" not in text
+    cut = _result("125m")
+    cut["pending"] = ["liger", "floor"]  # bench.py's partial JSON, left by a device call that hit its time limit
+    paths[1].write_text(json.dumps(cut))
+    _report(paths, md, png, tmp_path)
+    assert "This run was cut short (the device call's time limit) before: liger, floor." in md.read_text()
+    paths[1].write_text(json.dumps(_result("125m")))
     assert "1 of 2 shapes on quack" in text and "| [copies / casts] | 2.000 |" in text
     # the gap: rope's 7 ms against its floor GEMM (qkv fwd, 12 x 0.5 ms), the casts have no floor, idle 40 - 29
     assert "| gemm_rowscale_rope | 7.00 | 6.00 | +1.00 |" in text and "| [copies / casts] | 2.00 | 0.00 | +2.00 |" in text
