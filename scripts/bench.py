@@ -710,7 +710,8 @@ def run(shape_name: str, variants: list[str], iters: int, warmup: int, profile_s
     result = {"shape": shape_name, **shape.__dict__, "n_layers": cfg.n_layers, "model": cfg.__dict__,
               "tokens": shape.batch * shape.seq, "flops_per_step": cfg.flops_per_token(shape.seq) * shape.batch * shape.seq,
               "environment": environment(), "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-              "variants": {}, "failed": {}, "memory_accounting": "own", "step_timing": "back_to_back"}
+              "variants": {}, "failed": {}, "memory_accounting": "own", "step_timing": "back_to_back",
+              "variant_isolation": "dynamo_reset"}  # torch.compile's state reset between variants (below)
     result["gemm_peak_tflops"] = gemm_peak_tflops()
     print(f"{shape_name}: {shape} | bf16 GEMM peak {result['gemm_peak_tflops']['peak']:.0f} TFLOP/s", flush=True)
     for variant in variants:
@@ -727,6 +728,10 @@ def run(shape_name: str, variants: list[str], iters: int, warmup: int, profile_s
         result["pending"] = variants[variants.index(variant) + 1:]  # what a cut-short run did not reach
         add_ratios(result)
         save(result)
+        # as if each variant ran in a fresh process: torch.compile's CUDA-graph trees share one memory pool
+        # per device, so a second graphed variant recorded into the first one's freed blocks and its
+        # peak read low (compile-max-autotune after compile-graphs at 8B: 2.5 GiB above the weights, 10.2 alone)
+        torch._dynamo.reset()
         gc.collect()
         if DEVICE.type == "cuda":
             torch.cuda.empty_cache()

@@ -88,8 +88,38 @@ def _peers(r: dict) -> list[dict]:
             if n in run["variants"] and n not in seen:
                 seen.add(n)
                 rows.append(dict(name=n, ms=_ms(run["variants"][n]), coda=coda, coda_ms=coda_ms, separate=separate, run=run,
-                                 mem=run["variants"][n].get("peak_above_weights_gib")))
+                                 mem=_peak(run, n)))
     return rows
+
+
+GRAPH_TREE_VARIANTS = ("compile-graphs", "compile-max-autotune")  # torch.compile modes that record CUDA-graph trees
+
+
+def _peak_trusted(run: dict, name: str) -> bool:
+    """False for a torch.compile CUDA-graph variant that followed another one in a run made before
+    bench.py reset torch.compile between variants: the trees share one memory pool per device, so the
+    second recorded into the first one's freed blocks and its peak read low (at 8B, 2026-12-05:
+    compile-max-autotune 2.5 GiB above the weights after compile-graphs, 10.2 in a run of its own)."""
+    if run.get("variant_isolation") == "dynamo_reset" or name not in GRAPH_TREE_VARIANTS:
+        return True
+    order = list(run["variants"])
+    return not any(n in GRAPH_TREE_VARIANTS for n in order[:order.index(name)])
+
+
+UNTRUSTED_PEAK = ("a torch.compile CUDA-graph variant after another one in the same process, before bench.py reset "
+                  "torch.compile between variants, recorded into the first one's memory pool and read low")
+
+
+def _peak_cell(run: dict, name: str, mem: float | None) -> str:
+    """'9.2 GiB', '- GiB' where not measured, or why it is not shown."""
+    if not _peak_trusted(run, name):
+        return f"not comparable: {UNTRUSTED_PEAK}"
+    return f"{'-' if mem is None else format(mem, '.1f')} GiB"
+
+
+def _peak(run: dict, name: str, key: str = "peak_above_weights_gib") -> float | None:
+    """A variant's peak memory (GiB) in `run`, None where it was not measured or cannot be trusted."""
+    return run["variants"].get(name, {}).get(key) if _peak_trusted(run, name) else None
 
 
 def _ms(row: dict, key: str = "fwd_bwd") -> float | None:
@@ -144,12 +174,15 @@ def shape_table(r: dict) -> list[str]:
         fb = row["fwd_bwd"]
         lines.append(f"| {name} | {fb['median_ms']:.2f} | {fmt(fb.get('min_ms'), '.2f')} | {fmt(fb.get('max_ms'), '.2f')} | "
                      f"{fmt(_ms(row, 'fwd_bwd_synced'), '.2f')} | {fmt(_ms(row, 'step'), '.2f')} | {fmt(row.get('tokens_per_s'), ',.0f')} | "
-                     f"{100 * row['mfu_fwd_bwd']:.1f}% | {fmt(row.get('peak_fwd_bwd_gib'), '.1f')} | "
-                     f"{fmt(row.get('peak_above_weights_gib'), '.1f')} | {fmt(row.get('over_coda'), '.2f')} | "
+                     f"{100 * row['mfu_fwd_bwd']:.1f}% | {fmt(_peak(r, name, 'peak_fwd_bwd_gib'), '.1f')} | "
+                     f"{fmt(_peak(r, name), '.1f')} | {fmt(row.get('over_coda'), '.2f')} | "
                      f"{fmt(row.get('over_floor'), '.2f')} | {fmt((row.get('clocks') or {}).get('sm_mhz_mean'), '.0f')} | "
                      f"{fmt((row.get('clocks') or {}).get('power_w_mean'), '.0f')} | {clock_reasons(row.get('clocks'))} |")
     for name, err in r["failed"].items():
         lines.append(f"| {name} | failed: {err.splitlines()[0][:160]} | | | | | | | | | | | | | |")
+    untrusted = [n for n in r["variants"] if not _peak_trusted(r, n)]
+    if untrusted:
+        lines += ["", f"Peak memory of {', '.join(untrusted)} not shown: {UNTRUSTED_PEAK}."]
     if r.get("pending"):
         lines += ["", "This run was cut short (the device call's time limit) before: " + ", ".join(r["pending"]) + "."]
     separate = [p for p in _peers(r) if p["separate"]]
@@ -163,7 +196,7 @@ def shape_table(r: dict) -> list[str]:
             run, env = p["run"], p["run"]["environment"]
             lines.append(f"- {p['name']} {p['ms']:.2f} ms, {p['coda']} {p['coda_ms']:.2f} ms in the same run "
                          f"(coda / {p['name']} {p['coda_ms'] / p['ms']:.2f}; peak above weights "
-                         f"{'-' if p['mem'] is None else format(p['mem'], '.1f')} GiB): `{run['command']}`, {env['date']}"
+                         f"{_peak_cell(run, p['name'], p['mem'])}): `{run['command']}`, {env['date']}"
                          f"{_code(env)}, SM clock {(run['variants'][p['name']].get('clocks') or {}).get('sm_mhz_mean', float('nan')):.0f} MHz.")
     for run in r.get("memory_runs", []):
         peaks = ", ".join(f"{n} {row['peak_above_weights_gib']:.1f}" for n, row in run["variants"].items()

@@ -231,3 +231,25 @@ def test_a_later_coda_only_run_supersedes_the_coda_peak(tmp_path):
     assert "measured again after this run (`scripts/bench.py --shape 125m --variants coda --tag=-memory`, " \
            "2026-12-01 05:00 UTC): coda 2.5 GiB" in text
     assert "9.0" not in text.split("## Per shape")[0]
+
+
+def test_a_second_graph_tree_variants_peak_is_not_trusted_in_runs_without_the_reset(tmp_path):
+    """Before bench.py reset torch.compile between variants, a second CUDA-graph-tree variant of one
+    process recorded into the first one's pool and read low: such a peak is shown as not comparable
+    and left out of the lowest peer's; with the reset recorded in the run, it counts."""
+    r = _result("125m")
+    v = r["variants"]
+    v["compile-graphs"] = dict(v["compile"], peak_fwd_bwd_gib=6.0, peak_above_weights_gib=5.0)
+    v["compile-max-autotune"] = dict(v["compile"], fwd_bwd={"median_ms": 30.5}, peak_fwd_bwd_gib=1.5, peak_above_weights_gib=0.5)
+    v["compile"]["peak_above_weights_gib"] = 4.0
+    path, md = tmp_path / "bench_125m.json", tmp_path / "b.md"
+    path.write_text(json.dumps(r))
+    _report([path], md, tmp_path / "b.png", tmp_path)
+    text = md.read_text()
+    assert "| compile-max-autotune | 30.50 |" in text and "Peak memory of compile-max-autotune not shown" in text
+    assert "| 125m | coda | 40.00 | compile-max-autotune | 30.50 | 1.31 | 25.00 | 1.60 | - | - | 3.0 | 4.0 |" in text  # not 0.5
+    r["variant_isolation"] = "dynamo_reset"
+    path.write_text(json.dumps(r))
+    _report([path], md, tmp_path / "b.png", tmp_path)
+    text = md.read_text()
+    assert "not shown" not in text and "| 3.0 | 0.5 |" in text
