@@ -113,7 +113,7 @@ UNTRUSTED_PEAK = ("a torch.compile CUDA-graph variant after another one in the s
 def _peak_cell(run: dict, name: str, mem: float | None) -> str:
     """'9.2 GiB', '- GiB' where not measured, or why it is not shown."""
     if not _peak_trusted(run, name):
-        return f"not comparable: {UNTRUSTED_PEAK}"
+        return "not comparable (a second torch.compile CUDA-graph tree in one process, before bench.py's reset)"
     return f"{'-' if mem is None else format(mem, '.1f')} GiB"
 
 
@@ -192,12 +192,14 @@ def shape_table(r: dict) -> list[str]:
                                                          for v in not_run) + "."]
     if separate:
         lines += ["", "Peers timed in separate runs of this shape, each against the CODA step of its own run:", ""]
-        for p in separate:
-            run, env = p["run"], p["run"]["environment"]
-            lines.append(f"- {p['name']} {p['ms']:.2f} ms, {p['coda']} {p['coda_ms']:.2f} ms in the same run "
-                         f"(coda / {p['name']} {p['coda_ms'] / p['ms']:.2f}; peak above weights "
-                         f"{_peak_cell(run, p['name'], p['mem'])}): `{run['command']}`, {env['date']}"
-                         f"{_code(env)}, SM clock {(run['variants'][p['name']].get('clocks') or {}).get('sm_mhz_mean', float('nan')):.0f} MHz.")
+        for run in {id(p["run"]): p["run"] for p in separate}.values():  # one line a run, in the peers' order
+            env, ours = run["environment"], [p for p in separate if p["run"] is run]
+            clock = lambda n: (run["variants"][n].get("clocks") or {}).get("sm_mhz_mean", float("nan"))  # noqa: E731
+            timed = "; ".join(f"{p['name']} {p['ms']:.2f} ms (coda / {p['name']} {p['coda_ms'] / p['ms']:.2f}, peak above "
+                              f"weights {_peak_cell(run, p['name'], p['mem'])}, SM clock {clock(p['name']):.0f} MHz)"
+                              for p in ours)
+            lines.append(f"- {ours[0]['coda']} {ours[0]['coda_ms']:.2f} ms against {timed}: `{run['command']}`, "
+                         f"{env['date']}{_code(env)}.")
     for run in r.get("memory_runs", []):
         peaks = ", ".join(f"{n} {row['peak_above_weights_gib']:.1f}" for n, row in run["variants"].items()
                           if row.get("peak_above_weights_gib") is not None)

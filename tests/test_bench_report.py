@@ -169,8 +169,8 @@ def test_peers_from_separate_runs_compare_within_their_own_run(tmp_path):
     # the main run's compile (40 / 31 = 1.29) is closer than max-autotune (38 / 36 = 1.06 in its own run); the old
     # run's compile is not shown (the main run timed compile), its liger is (the main run did not)
     assert "| 125m | coda | 40.00 | compile | 31.00 | 1.29 |" in text
-    assert "- compile-max-autotune 36.00 ms, coda 38.00 ms in the same run (coda / compile-max-autotune 1.06" in text
-    assert "- liger 60.00 ms, coda 45.00 ms in the same run (coda / liger 0.75; peak above weights 2.5 GiB)" in text
+    assert "- coda 38.00 ms against compile-max-autotune 36.00 ms (coda / compile-max-autotune 1.06" in text
+    assert "- coda 45.00 ms against liger 60.00 ms (coda / liger 0.75, peak above weights 2.5 GiB, SM clock" in text
     assert "- compile 31.00 ms" not in text
     assert "| 2.5 |" in text.split("## Per shape")[0]  # the lowest peer memory counts the separate runs' peers
     assert "Not run at this shape:" not in text  # both not-run peers were timed in separate runs
