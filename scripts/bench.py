@@ -28,7 +28,9 @@ causal attention counted as half, against the bf16 GEMM peak measured in the sam
 (the variant's own: the model, its step and what it keeps, not what earlier variants left allocated;
 total, and above the fp32 weights), and the ratios to coda and to the floor. --profile adds the
 per-op breakdown of a coda step (kernel time by op, launches per step, GPU idle from the timeline).
-A variant that fails is recorded with its error; the run goes on. Writes <out>/bench_<shape>.json.
+A variant that fails is recorded with its error; the run goes on. Writes <out>/bench_<shape>.json
+after every variant (those not yet reached listed as `pending`), so a run cut short keeps what it
+measured; torch.compile is reset between variants, so each starts as in a fresh process.
 """
 
 from __future__ import annotations
