@@ -378,12 +378,14 @@ def attention_calls(cfg, shape: Shape) -> tuple[Callable[[], None], Callable[[],
             lambda: ops.attention_backward(g_o, qkv, o, lse, H, G, shape.seq))
 
 
-def bench_floor(cfg, shape: Shape, iters: int, warmup: int) -> dict:
-    """Sum over the step's GEMMs of the faster of cuBLAS and quack, plus FA4 forward + backward,
-    each timed alone (the floor); then the same kernels back to back in the step's order, timed as
-    the model variants' steps are (the floor at a sustained step's clocks)."""
+def bench_floor(cfg, shape: Shape, iters: int, warmup: int, quack_tuned: bool = False) -> dict:
+    """Sum over the step's GEMMs of the fastest of cuBLAS and quack (its default config, and with
+    quack_tuned its autotuner's pick too), plus FA4 forward + backward, each timed alone (the floor);
+    then the same kernels back to back in the step's order, timed as the model variants' steps are
+    (the floor at a sustained step's clocks)."""
     with GpuClocks() as clocks:
-        floor = _floor_per_kernel(cfg, shape)
+        floor = _floor_per_kernel(cfg, shape, quack_tuned)
+    floor["quack_tuned"] = quack_tuned
     floor["clocks"] = clocks.result
     sequence = _floor_sequence(cfg, shape, floor)
     with GpuClocks() as clocks:
@@ -396,21 +398,36 @@ def bench_floor(cfg, shape: Shape, iters: int, warmup: int) -> dict:
     return floor
 
 
-def _floor_per_kernel(cfg, shape: Shape) -> dict:
+def floor_gemm(backend: str, a, b) -> Callable[[], torch.Tensor]:
+    """a @ b on one of the floor's GEMM backends: "cublas" (torch.matmul), "quack" (quack's default
+    config) or "quack-tuned" (quack's autotuner: its first call tries every SM90 config it can run)."""
+    if backend == "cublas":
+        return functools.partial(torch.matmul, a, b)
+    from quack.gemm_interface import gemm as quack_gemm
+
+    return functools.partial(quack_gemm, a, b, tuned=backend == "quack-tuned")
+
+
+def _floor_per_kernel(cfg, shape: Shape, quack_tuned: bool = False) -> dict:
     M = shape.batch * shape.seq
+    backends = ("cublas", "quack", "quack-tuned") if quack_tuned else ("cublas", "quack")
     rows, total = [], 0.0
     for name, m, n, k, layout, count in step_gemms(cfg, M):
         a, b = gemm_operands(m, n, k, layout)
-        row = {"gemm": name, "m": m, "n": n, "k": k, "count": count, "cublas_ms": do_bench_graph(lambda: a @ b)}
-        try:
-            from quack.gemm_interface import gemm as quack_gemm
-
-            quack_gemm(a, b, tuned=False)
-            row["quack_ms"] = do_bench_graph(lambda: quack_gemm(a, b, tuned=False))
-        except Exception as e:  # no GPU, or a layout quack's default cannot run: cuBLAS alone
-            row["quack_error"] = f"{type(e).__name__}: {e}"[:200]
-        row["best_ms"] = min(row["cublas_ms"], row.get("quack_ms", math.inf))
-        row["best"] = "quack" if row.get("quack_ms", math.inf) < row["cublas_ms"] else "cublas"
+        row = {"gemm": name, "m": m, "n": n, "k": k, "count": count}
+        for backend in backends:
+            key = backend.replace("-", "_")
+            try:
+                fn = floor_gemm(backend, a, b)
+                fn()  # compiles (quack), autotunes (quack-tuned)
+                row[f"{key}_ms"] = do_bench_graph(fn)
+            except Exception as e:  # no GPU, or a layout quack cannot run: the others alone
+                if backend == "cublas":
+                    raise
+                row[f"{key}_error"] = f"{type(e).__name__}: {e}"[:200]
+        row["best"] = min((b for b in backends if f"{b.replace('-', '_')}_ms" in row),
+                          key=lambda b: row[f"{b.replace('-', '_')}_ms"])
+        row["best_ms"] = row[f"{row['best'].replace('-', '_')}_ms"]
         total += count * row["best_ms"]
         rows.append(row)
         del a, b
@@ -442,12 +459,7 @@ def _floor_sequence(cfg, shape: Shape, floor: dict) -> FloorSequence:
     gemms = {}
     for name, m, n, k, layout, _ in step_gemms(cfg, M):
         a, b = gemm_operands(m, n, k, layout)
-        if best[name] == "quack":
-            from quack.gemm_interface import gemm as quack_gemm
-
-            gemms[name] = functools.partial(quack_gemm, a, b, tuned=False)
-        else:
-            gemms[name] = functools.partial(torch.matmul, a, b)
+        gemms[name] = floor_gemm(best[name], a, b)
     gemms["attention fwd"], gemms["attention bwd"] = attention_calls(cfg, shape)
     forward = ["qkv fwd", "attention fwd", "o fwd", "gate_up fwd", "down fwd"]
     head = ["lm_head fwd", "lm_head dgrad", "lm_head wgrad"]
@@ -697,7 +709,7 @@ def _kernel_class(name: str) -> str:
 # ---- driver ---------------------------------------------------------------------------------
 
 def run(shape_name: str, variants: list[str], iters: int, warmup: int, profile_steps: int,
-        save: Callable[[dict], None] = lambda result: None) -> dict:
+        save: Callable[[dict], None] = lambda result: None, floor_quack_tuned: bool = False) -> dict:
     """Every variant of one shape; `save` gets the result so far after each variant, so a run cut short
     (a device call's time limit) keeps what it measured."""
     shape = SHAPES[shape_name]
@@ -719,7 +731,7 @@ def run(shape_name: str, variants: list[str], iters: int, warmup: int, profile_s
     for variant in variants:
         t0 = time.perf_counter()
         try:
-            row = (bench_floor(cfg, shape, iters, warmup) if variant == "floor"
+            row = (bench_floor(cfg, shape, iters, warmup, floor_quack_tuned) if variant == "floor"
                    else bench_model(variant, cfg, state, batch, iters, warmup))
             result["variants"][variant] = row
             print(f"  {variant:22s} fwd+bwd {row['fwd_bwd']['median_ms']:8.2f} ms  ({time.perf_counter() - t0:5.0f} s)",
@@ -834,6 +846,9 @@ def main() -> None:
     p.add_argument("--profile-steps", type=int, default=3, help="profiled coda steps (0: no breakdown)")
     p.add_argument("--tag", default="", help="suffix of the JSON name (bench_<shape><tag>.json), e.g. for a profile-only run")
     p.add_argument("--out", type=Path, default=Path("runs/bench"))
+    p.add_argument("--floor-quack-tuned", action="store_true",
+                   help="the floor's GEMMs also at quack's autotuned config (its first call per shape tries every "
+                        "SM90 config quack can run: minutes of device time)")
     p.add_argument("--logits-chunk-mib", type=int, default=None,
                    help="bound on one chunk of CODA's LM-head exponentials, MiB (default coda.LOGITS_CHUNK_BYTES)")
     args = p.parse_args()
@@ -855,7 +870,7 @@ def main() -> None:
         result["not_run"] = [v for v in (*MODEL_VARIANTS, "floor") if v not in variants]
         path.write_text(json.dumps(result, indent=1, default=str))
 
-    result = run(args.shape, variants, args.iters, args.warmup, args.profile_steps, save)
+    result = run(args.shape, variants, args.iters, args.warmup, args.profile_steps, save, args.floor_quack_tuned)
     save(result)
     print_table(result)
     print(f"\nwrote {path}")

@@ -207,8 +207,11 @@ def shape_table(r: dict) -> list[str]:
                   f"{run['environment']['date']}{_code(run['environment'])}): {peaks} GiB; the summary's coda peak is this one."]
     floor = r["variants"].get("floor")
     if floor:
-        lines += ["", f"Floor: GEMMs {floor['gemm_ms']:.2f} ms (each at the faster of cuBLAS and quack: "
-                  f"{sum(g['best'] == 'quack' for g in floor['gemms'])} of {len(floor['gemms'])} shapes on quack) "
+        tuned = floor.get("quack_tuned")
+        on_tuned = sum(g["best"] == "quack-tuned" for g in floor["gemms"])
+        lines += ["", f"Floor: GEMMs {floor['gemm_ms']:.2f} ms (each at the fastest of cuBLAS and quack's default config"
+                  f"{' and autotuned pick' if tuned else ''}: {sum(g['best'].startswith('quack') for g in floor['gemms'])} of "
+                  f"{len(floor['gemms'])} shapes on quack{f', {on_tuned} of them autotuned' if tuned else ''}) "
                   f"+ FlashAttention 4 {floor['attention_ms']:.2f} ms (forward {floor['attention_fwd_ms']:.3f} + "
                   f"backward {floor['attention_bwd_ms']:.3f} ms per layer)."]
         b2b = floor.get("back_to_back")

@@ -52,6 +52,21 @@ def test_bench_saves_what_it_measured_after_each_variant():
     assert "pending" not in result and sorted(result["variants"]) == ["eager", "floor"]
 
 
+def test_floor_gemms_take_the_fastest_backend_that_runs():
+    """The floor times each GEMM on cuBLAS and quack (default config; with quack_tuned, its autotuner's
+    pick too) and keeps the fastest that ran; on CPU quack cannot run, so cuBLAS (torch.matmul) is
+    every GEMM's floor, with quack's errors recorded."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench
+
+    shape = bench.SHAPES["smoke"]
+    floor = bench._floor_per_kernel(bench.model_config(shape), shape, quack_tuned=True)
+    for g in floor["gemms"]:
+        assert g["best"] == "cublas" and g["best_ms"] == g["cublas_ms"] > 0, g
+        assert "quack_error" in g and "quack_tuned_error" in g and "quack_ms" not in g
+    assert abs(floor["gemm_ms"] - sum(g["count"] * g["best_ms"] for g in floor["gemms"])) < 1e-9
+
+
 def test_kernel_sequence_lists_the_last_steps_kernels_with_the_gaps_before_them():
     """bench.py's kernel_sequence (the graphed step's kernels in order): the last of `steps` steps,
     each kernel's time and the idle gap before it, overlapping kernels giving a negative gap."""
