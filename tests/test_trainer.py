@@ -207,12 +207,33 @@ def test_stop_signal_saves_a_resumable_checkpoint(tiny, tmp_path, stop_signal):
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, output
     assert f"received {stop_signal.name}" in output
+    assert f"to continue, run the same command with trainer.run_dir={tmp_path.resolve()}" in output
     (saved,) = list_checkpoints(tmp_path / "checkpoints")
     step = int(saved.name.removeprefix("step_"))
     assert step >= 3 and verify_checkpoint(saved)["step"] == step
-    last = train_in_process(tmp_path, *tiny, f"trainer.max_steps={step + 2}", "trainer.ckpt_every=0")
+    last = train_in_process(tmp_path, *tiny, f"trainer.max_steps={step + 2}", "trainer.ckpt_every=0").metrics
     assert last["step"] == step + 2
     assert [m["step"] for m in metrics(tmp_path)][-3:] == [step, step + 1, step + 2]
+
+
+def test_a_stop_signal_ends_a_multirun_sweep_too(tiny, tmp_path):
+    """SIGTERM/SIGINT saves and exits 0 from the whole sweep: the next job does not start."""
+    result = run_train("-m", *tiny, "model.impl=eager,coda", "trainer.max_steps=100", "trainer.ckpt_every=0",
+                       "debug.sigterm_after_step=3", f"trainer.run_dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    assert "received SIGTERM" in result.stdout + result.stderr
+    assert [p.name for p in list_checkpoints(tmp_path / "0" / "checkpoints")] == ["step_00000003"]
+    assert not (tmp_path / "1").exists()
+
+
+def test_resuming_with_another_global_batch_names_the_saved_one(tiny, tmp_path):
+    """A loader that cannot continue the checkpoint's data order is a config change, not a bad file:
+    the error names the saved value and does not send the user to another checkpoint."""
+    train_in_process(tmp_path, *tiny, "trainer.max_steps=4", "trainer.ckpt_every=2")
+    with pytest.raises(CheckpointError, match=r"batch_size: saved 4 vs now 8") as error:
+        train_in_process(tmp_path, *tiny, "trainer.max_steps=6", "trainer.batch_size=8")
+    assert "another trainer.run_dir" in str(error.value) and "choose another checkpoint" not in str(error.value)
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000004", "step_00000002"]
 
 
 def test_nan_loss_stops_without_checkpointing_it(tiny, tmp_path):
@@ -271,7 +292,7 @@ def test_corrupt_checkpoint_is_skipped_by_auto_and_rejected_by_path(tiny, straig
     (newest / "state.pt").write_bytes(bytes(state))
     with pytest.raises(CheckpointError, match="does not match its checksum.*choose another checkpoint"):
         train_in_process(run_dir, *tiny, f"trainer.resume={newest}", f"trainer.max_steps={N}")
-    last = train_in_process(run_dir, *tiny, f"trainer.max_steps={N}")  # auto: step 24 is corrupt, so from 18
+    last = train_in_process(run_dir, *tiny, f"trainer.max_steps={N}").metrics  # auto: step 24 is corrupt, so from 18
     assert "skipping damaged checkpoint" in caplog.text
     assert last["step"] == N
     verify_checkpoint(newest)  # rewritten; the damaged one is set aside, not deleted

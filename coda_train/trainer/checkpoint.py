@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from coda_train.data.config import DataError
 from coda_train.errors import ConfigError
 from coda_train.model import LlamaConfig
 
@@ -339,6 +340,8 @@ def restore(state: TrainState, checkpoint: Checkpoint) -> None:
         dcp.load(sharded, storage_reader=FileSystemReader(path / SHARDS_DIR))
         state.load_sharded_state_dict(sharded)
         state.load_run_state_dict(torch.load(path / RUN_STATE_FILE, map_location="cpu", weights_only=True))
+    except DataError as e:  # the data order cannot continue: this run's data settings differ, not the checkpoint
+        raise CheckpointError(f"checkpoint {path}: {e}, or start a fresh run in another trainer.run_dir") from e
     except (KeyError, ValueError, RuntimeError, CheckpointException) as e:  # another layout (its checksums are its own)
         held = path / (STATE_FILE if "files" not in checkpoint.meta else SHARDS_DIR)
         raise CheckpointError(f"checkpoint {path}: {held} does not hold this trainer's state ({type(e).__name__}: {e}); "

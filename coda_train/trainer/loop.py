@@ -33,7 +33,7 @@ from .distributed import (World, any_rank, barrier, check_fsdp_options, close_wo
 from .graphs import use_cuda_graphs
 from .metrics import METRICS_FILE, MetricsLogger, Throughput, metrics_line, mfu, rewind_metrics
 from .optim import apply_config_after_resume
-from .rundir import RunDirError, hold_run_dir, writing
+from .rundir import RunDirError, continue_hint, hold_run_dir, writing
 from .state import TrainState
 from .step import NonFiniteError, TrainStep, evaluate
 
@@ -71,8 +71,16 @@ class StopSignal:
             signal.signal(s, handler)
 
 
-def train(cfg: Config, run_dir: Path) -> Optional[dict[str, Any]]:
-    """Train per cfg, writing into run_dir; returns the last metrics line (None if nothing ran).
+@dataclasses.dataclass(frozen=True)
+class RunEnd:
+    """How a train() call ended: its last metrics line (None if nothing was logged) and, when a
+    SIGTERM/SIGINT stopped it before trainer.max_steps (after saving a checkpoint), that signal's name."""
+    metrics: Optional[dict[str, Any]]
+    stopped_by: Optional[str] = None
+
+
+def train(cfg: Config, run_dir: Path) -> RunEnd:
+    """Train per cfg, writing into run_dir; returns how the run ended (RunEnd).
     Under torchrun every rank calls this; rank 0's run_dir is used and only rank 0 writes (holding
     its lock). A STOP_ERRORS error is logged (console, and train.log once the dir is held), then raised."""
     with contextlib.ExitStack() as held:  # process group and run dir, released after the stop reason is logged
@@ -150,7 +158,7 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
 
 def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, train_step: TrainStep, val_loader: Optional[TokenLoader],
           checkpointer: Checkpointer, metrics_logger: Optional[MetricsLogger], world: World,
-          device: torch.device) -> Optional[dict[str, Any]]:
+          device: torch.device) -> RunEnd:
     """Steps until trainer.max_steps or a stop signal; logs, evaluates and checkpoints on schedule.
     Only those steps read the device (TrainStep.read/check), so the host runs ahead of the GPU between them."""
     t, debug = cfg.trainer, cfg.debug
@@ -159,6 +167,7 @@ def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, train_step: TrainS
     state.start_clock()
     throughput = Throughput()
     last: Optional[dict[str, Any]] = None
+    stopped_by: Optional[str] = None
     exit_code = 0
     try:
         if state.step >= t.max_steps:
@@ -196,9 +205,9 @@ def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, train_step: TrainS
             train_step.check()  # never save a state that a non-finite step reached
             path = _save(checkpointer, state, world)
             _finish(checkpointer, world)  # published before the message says so
+            stopped_by = signal.Signals(stop.received).name if stop.received else "a stop signal"  # another rank's
             if world.is_main:
-                log.info("received %s: saved %s and stopped; run again with the same trainer.run_dir to continue",
-                         signal.Signals(stop.received).name if stop.received else "a stop signal", path)
+                log.info("received %s: saved %s and stopped; %s", stopped_by, path, continue_hint(checkpointer.root.parent))
         _finish(checkpointer, world)  # the last step's checkpoint, written in the background
     except NonFiniteError as e:
         exit_code = EXIT_NON_FINITE
@@ -208,7 +217,7 @@ def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, train_step: TrainS
         stop.restore()
         if metrics_logger is not None:
             metrics_logger.close(exit_code)
-    return last
+    return RunEnd(last, stopped_by)
 
 
 def _non_finite_stop(error: NonFiniteError, step: int, checkpointer: Checkpointer) -> NonFiniteError:
@@ -217,8 +226,8 @@ def _non_finite_stop(error: NonFiniteError, step: int, checkpointer: Checkpointe
     newest = next(iter(list_checkpoints(checkpointer.root)), "none")
     skipped = "this step" if error.step >= step else f"steps {error.step}..{step}"
     return NonFiniteError(f"{error}; stopped without applying or saving {skipped} (newest checkpoint: {newest}). "
-                          "Resume from it with a lower optim.lr, longer optim.warmup_steps or a tighter "
-                          "optim.grad_clip", error.step)
+                          f"Resume from it with a lower optim.lr, longer optim.warmup_steps or a tighter "
+                          f"optim.grad_clip ({continue_hint(checkpointer.root.parent)})", error.step)
 
 
 def _save(checkpointer: Checkpointer, state: TrainState, world: World) -> Optional[Path]:

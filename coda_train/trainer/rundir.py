@@ -45,13 +45,19 @@ def _fix(e: OSError, run_dir: Path) -> str:
     return f"Check that filesystem ({errno.errorcode.get(e.errno, 'unknown error')}), or choose another trainer.run_dir"
 
 
+def continue_hint(run_dir: Path) -> str:
+    """How to continue the run in run_dir. Named in full: without trainer.run_dir every run (and
+    every multirun job) gets a fresh timestamped dir, so the bare command would start over."""
+    return f"to continue, run the same command with trainer.run_dir={run_dir.resolve()}"
+
+
 def write_error(e: OSError, what: str, path: Path, run_dir: Path) -> RunDirError:
     """The paragraph for an OSError `e` while writing `what` to `path` of run_dir."""
     newest = next(iter(list_checkpoints(run_dir / CHECKPOINTS_DIR)), None)
     intact = (f"The newest checkpoint, {newest}, is intact and nothing older was touched; training after it is "
               "not saved. " if newest is not None else "No checkpoint of this run exists yet. ")
     return RunDirError(f"could not write {what} to {e.filename or path}: {e.strerror or e}. {intact}{_fix(e, run_dir)}; "
-                       "then run the same command again: it continues from the newest checkpoint (partial files "
+                       f"then, {continue_hint(run_dir)}: it continues from the newest checkpoint (partial files "
                        "of the failed write are removed automatically).")
 
 
