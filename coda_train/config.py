@@ -138,7 +138,7 @@ def _non_finite_floats(node: Any, prefix: str = "") -> list[tuple[str, Any, Any]
 
 
 def check_config(cfg: Config) -> None:
-    """Cross-field checks hydra's types cannot express; raises ConfigError naming the fix."""
+    """Cross-field checks hydra's types cannot express; raises ConfigError (DataError for data.*) naming the fix."""
     t, o = cfg.trainer, cfg.optim
     for key, value, default in _non_finite_floats(cfg):  # NaN passes every comparison below
         works = "null (the preset's value)" if default is None else repr(default)
@@ -184,6 +184,13 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"optim.decay_fraction={o.decay_fraction} must be in (0, 1]")
     if cfg.model.vocab_multiple_of < 1:
         raise ConfigError(f"model.vocab_multiple_of={cfg.model.vocab_multiple_of} must be >= 1")
+    if t.eval_every and cfg.data.val_fraction == 0:
+        raise ConfigError(f"trainer.eval_every={t.eval_every} evaluates on the val split, but data.val_fraction=0 "
+                          "holds none out: set trainer.eval_every=0, or data.val_fraction>0 (e.g. 0.02)")
+    if cfg.data.tokens_per_shard < t.seq_len + 1:  # a window never crosses shards
+        raise ConfigError(f"data.tokens_per_shard={cfg.data.tokens_per_shard} is shorter than one window of "
+                          f"trainer.seq_len+1={t.seq_len + 1} tokens: raise data.tokens_per_shard (default 2**27)")
+    cfg.data.validate()  # DataError naming the fix, before any data is read
 
 
 # fields a run started from a Hugging Face directory may set: init_std only matters at init, max_seq_len only bounds seq_len

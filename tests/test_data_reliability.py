@@ -18,7 +18,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from coda_train.data import DataConfig, DataError, PreparedData, TokenLoader, prepare
 from coda_train.data import shards as shards_module
 from coda_train.data.sources import resolve_source
-from coda_train.data.tokenizer import EOS_TOKEN, MAX_PIECE_BYTES, train_bpe
+from coda_train.data.tokenizer import EOS_TOKEN, MAX_PIECE_BYTES, load_tokenizer, train_bpe
 from coda_train.durable import LockHeldError, exclusive_lock
 
 WORDS = "the model reads a token stream while loss falls seed rank epoch shard naïve 日本語 def return (x)".split()
@@ -191,6 +191,30 @@ def test_invalid_utf8_per_decode_errors(tmp_path, mode):
         assert counts["skipped"] == 1 and counts["documents"] == 5
         assert documents_in(data, "train") == [d for i, d in enumerate(docs) if i != 3]
     assert counts["first"] == {"replaced" if mode == "replace" else "skipped": f"{source}:4"}
+
+
+def test_each_decode_errors_mode_prepares_its_own_folder(tmp_path):
+    """data.decode_errors decides which documents (and so which BPE and shards) a folder holds: data
+    prepared under `replace` is not reused by a `strict` or `skip_document` run."""
+    lines = [json.dumps({"text": d}).encode() for d in make_docs(6)]
+    lines[3] = b'{"text": "caf\xe9 latin-1 bytes"}'
+    source = tmp_path / "corpus.jsonl"
+    source.write_bytes(b"\n".join(lines) + b"\n")
+    replaced = prepare(config(source, tmp_path / "cache", val_fraction=0.0, decode_errors="replace"))
+    with pytest.raises(DataError, match=rf"{source}:4: invalid UTF-8"):
+        prepare(config(source, tmp_path / "cache", val_fraction=0.0, decode_errors="strict"))
+    skipped = prepare(config(source, tmp_path / "cache", val_fraction=0.0, decode_errors="skip_document"))
+    assert skipped.path != replaced.path and skipped.manifest["document_counts"]["documents"] == 5
+
+
+def test_a_malformed_tokenizer_config_is_a_data_error_naming_it(tmp_path):
+    train_bpe(make_docs(20), 300).save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": ')
+    with pytest.raises(DataError, match=rf"could not read {tmp_path / 'tokenizer_config.json'}: .*set data.eos_token"):
+        load_tokenizer(str(tmp_path))
+    (tmp_path / "tokenizer_config.json").write_text('["not", "an", "object"]')
+    with pytest.raises(DataError, match="could not read"):
+        load_tokenizer(str(tmp_path))
 
 
 def test_invalid_utf8_in_a_text_file_names_the_line(tmp_path):

@@ -18,6 +18,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from coda_train.config import register_configs, to_dataclass
+from coda_train.data import DataError
 from coda_train.errors import ConfigError
 from coda_train.kernels import BackendError
 from coda_train.trainer.build import build_train_state, prepare_data, resolve_model
@@ -251,6 +252,29 @@ def test_cli_rejects_unknown_and_ill_typed_keys_before_training(tmp_path):
     wrong_type = run_train("trainer.max_steps=three", f"trainer.run_dir={tmp_path}")
     assert wrong_type.returncode != 0 and "could not be converted to Integer" in wrong_type.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_data_settings_that_cannot_work_stop_before_anything_is_prepared(tiny, tmp_path):
+    """Each names its fix at start, before data preparation (which can take long) writes anything."""
+    fresh = [o for o in tiny if not o.startswith("data.cache_dir=")] + [f"data.cache_dir={tmp_path / 'cache'}"]
+    cases = [(DataError, "data.source is empty", ["data.source=''"]),
+             (DataError, r"data.eos_token='</s>' is not in the BPE this run trains", ["data.eos_token='</s>'"]),
+             (ConfigError, "data.val_fraction=0 holds none out: set trainer.eval_every=0", ["data.val_fraction=0"]),
+             (ConfigError, r"data.tokens_per_shard=32 is shorter than one window of trainer.seq_len\+1=33",
+              ["data.tokens_per_shard=32"]),
+             (ConfigError, "vocab_size", ["model.vocab_size=0"])]
+    for error, message, overrides in cases:
+        with pytest.raises(error, match=message) as raised:
+            train_in_process(tmp_path / "run", *fresh, "trainer.max_steps=2", *overrides)
+        assert "tokenizer's vocabulary" not in str(raised.value)  # vocab_size=0: not 'set model.vocab_size>=1'
+    assert not (tmp_path / "cache").exists()
+
+
+def test_data_local_files_without_a_source_stops_at_start(tmp_path):
+    """data=local_files names no corpus: the run stops naming data.source instead of training on the built-in one."""
+    result = run_train("data=local_files", f"data.cache_dir={tmp_path / 'cache'}", f"trainer.run_dir={tmp_path / 'run'}")
+    assert result.returncode == 1 and "data.source is empty" in result.stdout + result.stderr, result.stderr
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_inconsistent_model_shapes_are_rejected(tiny, tmp_path):

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 DECODE_ERRORS = ("replace", "skip_document", "strict")
+EOS_TOKEN = "<|endoftext|>"  # the end-of-document token of the BPE prepare trains (tokenizer.train_bpe)
 VERIFY_SHARDS = ("first_use", "always", "never")
 
 
@@ -30,6 +31,13 @@ class DataConfig:
     verify_shards: str = "first_use"  # shard sha256 check at open: first_use (remembered per file size+mtime) | always | never
 
     def validate(self) -> None:
+        if not self.source.strip():
+            raise DataError("data.source is empty: name the corpus, e.g. data.source=/path/to/corpus.jsonl (a file, "
+                            "a folder or a glob; configs/data/local_files.yaml), or use data=builtin")
+        if self.tokenizer is None and self.eos_token not in (None, EOS_TOKEN):
+            raise DataError(f"data.eos_token={self.eos_token!r} is not in the BPE this run trains, whose end-of-document "
+                            f"token is {EOS_TOKEN!r}: leave data.eos_token unset, or set data.tokenizer to a "
+                            "tokenizer that has it")
         formats = ("auto", "text", "json", "parquet", "hub")
         if self.format not in formats:
             raise DataError(f"data.format={self.format!r} is not one of {formats}")

@@ -311,6 +311,7 @@ def _inputs(cfg: DataConfig, source: Source) -> dict:
         "val_fraction": cfg.val_fraction,
         "max_documents": cfg.max_documents,
         "tokens_per_shard": cfg.tokens_per_shard,
+        "decode_errors": cfg.decode_errors,  # replace / skip / refuse bad documents: different shards and BPE
     }
 
 

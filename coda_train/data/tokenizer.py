@@ -10,9 +10,8 @@ from typing import Iterable, Optional
 import numpy as np
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from .config import DataError
+from .config import EOS_TOKEN, DataError
 
-EOS_TOKEN = "<|endoftext|>"
 # EOS names used by common tokenizers (GPT-2/NeoX, Llama-3, Llama-2/Mistral, Gemma), tried in this order
 KNOWN_EOS_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 # longest pre-tokenized piece, in bytes: BPE training cost grows with the square of a piece's length, so a long run
@@ -55,7 +54,11 @@ def load_tokenizer(path: str) -> tuple[Tokenizer, Optional[str]]:
     config_eos = None
     config_file = file.parent / "tokenizer_config.json"
     if config_file.is_file():
-        eos = json.loads(config_file.read_text()).get("eos_token")
+        try:
+            eos = json.loads(config_file.read_text()).get("eos_token")
+        except (ValueError, AttributeError) as e:  # malformed JSON, or JSON that is not an object
+            raise DataError(f"could not read {config_file}: {e}; fix or remove it (it only names the EOS token), "
+                            "or set data.eos_token") from e
         config_eos = eos.get("content") if isinstance(eos, dict) else eos
     return tokenizer, config_eos
 

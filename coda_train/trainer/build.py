@@ -63,7 +63,8 @@ def check_model_before_data(cfg: Config, backend: str) -> None:
     """The model checks that need no tokenizer, before data preparation (which can take long): every
     model field, trainer.seq_len against max_seq_len, and the kernels' shape limits, all but the
     vocabulary's when it follows the tokenizer (model.vocab_size null). resolve_model repeats them all."""
-    llama = resolve_model_config(cfg.model, cfg.model.vocab_size or 1, cfg.trainer.seq_len)  # 1: any vocabulary passes
+    vocab = 1 if cfg.model.vocab_size is None else cfg.model.vocab_size  # any vocabulary passes; 0 or less is refused
+    llama = resolve_model_config(cfg.model, vocab, cfg.trainer.seq_len)
     errors = _shape_errors(cfg, llama, backend)
     if cfg.model.vocab_size is None:  # kernel_shape_errors gives one message per model.* key, named first
         errors = [e for e in errors if not e.startswith("model.vocab_size=")]
