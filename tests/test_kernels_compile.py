@@ -151,6 +151,7 @@ for name, cfg in PRESETS.items():
     assert kernel_shape_errors(cfg, "cute") == [], (name, kernel_shape_errors(cfg, "cute"))
 for overrides, words in [
     (dict(dim=200, n_heads=4), ("model.dim=200", "model.n_heads", "head_dim=50")),
+    (dict(n_heads=16, n_kv_heads=4), ("head_dim=16", "32, 64, 128", "model.n_heads in [1, 2, 4, 8]")),  # RoPE's 32-col subtiles
     (dict(ffn_dim=100), ("model.ffn_dim=100", "104")),
     (dict(vocab_size=1001), ("model.vocab_size=1001", "1024")),
     (dict(dim=252, n_heads=4, n_kv_heads=4), ("model.dim=252", "256")),

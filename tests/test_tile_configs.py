@@ -554,6 +554,22 @@ def test_a_damaged_cache_is_logged_with_the_fix_and_skipped_never_fatal(tile_cac
     T.add_to_cache("H200", [good])
     assert tile_cache.with_name(tile_cache.name + ".corrupt").read_text() == "{broken"
     assert json.loads(tile_cache.read_text())["gpus"]["H200"] == [good]
+    # bytes that are not UTF-8, and entries whose op or sizes have the wrong type: skipped the same way
+    tile_cache.write_bytes(b'{"gpus": {"H200": [\xff\xfe\x00garbage')
+    T.reload()
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert T.lookup("matmul", 4096, 192, 64, "H200") is None
+    assert str(tile_cache) in caplog.text
+    bad = [dict(good, op=["matmul"]), dict(good, m=True), _entry("gemm_rowscale_exp_cross_entropy", 4096, 50304, 64,
+                                                                  "128x256 c2x1 cooperative")]
+    tile_cache.write_text(json.dumps({"gpus": {"H200": [*bad, good]}}))
+    T.reload()
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert str(T.lookup(*(good[k] for k in ("op", "m", "n", "k")), "H200")) == good["config"]
+    assert "op must be an op name" in caplog.text and "m, n and k must be positive integers" in caplog.text
+    assert "n=50304 (the vocabulary) is not a multiple of tile_N=256" in caplog.text
 
 
 FAKE_TUNER = """

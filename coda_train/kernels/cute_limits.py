@@ -21,10 +21,10 @@ def need_inner(op: str, **dims: int) -> None:
 
 
 def need_rope_head_dim(op: str, hd: int) -> None:
-    """The RoPE epilogue's table tiling (CFG_ROPE.tile_N = 128 columns per tile)."""
-    need(hd > 0 and hd % 8 == 0 and (128 % hd == 0 or hd % 128 == 0),
-         f"{op}: head_dim={hd} must be a multiple of 8 that divides 128 or is a multiple of 128 "
-         "(RoPE table tiling)")
+    """The RoPE epilogue's table tiling (CFG_ROPE.tile_N = 128 columns per tile), in quack's SM90
+    epilogue subtiles of 32 columns (gcd(32, tile_N)), each within one head."""
+    need(hd > 0 and hd % 32 == 0 and (128 % hd == 0 or hd % 128 == 0),
+         f"{op}: head_dim={hd} must be 32, 64, 128 or a multiple of 128 (RoPE table tiling in 32-column epilogue subtiles)")
 
 
 def need_swiglu_width(op: str, n2: int) -> None:

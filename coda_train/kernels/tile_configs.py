@@ -146,13 +146,18 @@ def _entry_error(e) -> Optional[str]:
     """What is wrong with one table entry, or None."""
     if not isinstance(e, dict) or not {"op", "m", "n", "k", "config"} <= set(e):
         return f"an entry needs op, m, n, k and config, got {e!r}"
-    if not all(isinstance(e[d], int) and e[d] > 0 for d in "mnk"):
+    if not isinstance(e["op"], str):
+        return f"op must be an op name (a string), got {e!r}"
+    if not all(isinstance(e[d], int) and not isinstance(e[d], bool) and e[d] > 0 for d in "mnk"):
         return f"m, n and k must be positive integers, got {e!r}"
     try:
         cfg = None if e["config"] == CUBLAS else Cfg.parse(e["config"])
     except (ValueError, TypeError) as ex:
         return str(ex)
-    return "; ".join(config_errors(e["op"], cfg)) or None
+    errors = config_errors(e["op"], cfg)
+    if e["op"] == "gemm_rowscale_exp_cross_entropy" and cfg is not None and e["n"] % cfg.tile_N:
+        errors.append(f"its n={e['n']} (the vocabulary) is not a multiple of tile_N={cfg.tile_N}")  # one offset per N tile
+    return "; ".join(errors) or None
 
 
 def parse_entries(entries: list, where: str, skip_fix: Optional[str] = None) -> dict[Key, Optional[Cfg]]:
@@ -179,7 +184,7 @@ def _read_table_file(path, fix: str) -> dict:
     try:
         with open(path) as f:
             data = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON or bytes that are not UTF-8
         raise ConfigError(f"cannot read the tile config table {path}: {e}; {fix}") from None
     if not isinstance(data, dict) or not isinstance(data.get("gpus"), dict):
         raise ConfigError(f"tile config table {path}: expected {{\"gpus\": {{GPU name: [entries]}}}}; {fix}")

@@ -132,8 +132,8 @@ def kernel_shape_errors(cfg: LlamaConfig, backend: str) -> list[str]:
         fix = (f"model.n_heads in {heads}, with model.n_kv_heads a divisor of it" if heads else
                f"none divides dim={d} so; change model.dim too (e.g. to a multiple of 128)")
         report(f"model.dim={d} with model.n_heads={H} gives head_dim={hd}", msgs,
-               f"the cute attention/RoPE kernels need head_dim in {ok} (a multiple of 8 that divides 128 or is "
-               f"a multiple of 128, and <= 256 for FlashAttention 4 on sm90); choose model.n_heads so that "
+               f"the cute attention/RoPE kernels need head_dim in {ok} (32, 64, 128 or a multiple of 128 for the RoPE "
+               f"epilogue's 32-column subtiles, and <= 256 for FlashAttention 4 on sm90); choose model.n_heads so that "
                f"dim/n_heads is one of those: {fix}")
     report(f"model.n_kv_heads={G}", violated("n_kv_heads"), f"choose model.n_kv_heads a divisor of n_heads={H}")
     report(f"model.ffn_dim={F}", violated("ffn_dim"), f"choose model.ffn_dim={next_ok('ffn_dim', F)} or another multiple of 8")
