@@ -226,11 +226,14 @@ def test_shape_errors_fail_before_data_preparation(tiny, tmp_path):
         train_in_process(tmp_path / "run", *fresh_data, "model.n_heads=3")
     assert not cache.exists() and not (tmp_path / "run").exists()
     # the cute kernels' limits, checked on CPU: every dim but a vocabulary that follows the tokenizer
+    cute_ok = [*tiny, "model.n_heads=2"]  # head_dim 32: the tiny model's 16 is below the RoPE epilogue's subtile
+    with pytest.raises(ConfigError, match="head_dim=16"):
+        check_model_before_data(compose_config(tmp_path, *tiny), "cute")
     with pytest.raises(ConfigError, match="model.ffn_dim=100"):
-        check_model_before_data(compose_config(tmp_path, *tiny, "model.ffn_dim=100"), "cute")
-    check_model_before_data(compose_config(tmp_path, *tiny, "model.vocab_multiple_of=1"), "cute")
+        check_model_before_data(compose_config(tmp_path, *cute_ok, "model.ffn_dim=100"), "cute")
+    check_model_before_data(compose_config(tmp_path, *cute_ok, "model.vocab_multiple_of=1"), "cute")
     with pytest.raises(ConfigError, match="model.vocab_size=300"):
-        check_model_before_data(compose_config(tmp_path, *tiny, "model.vocab_size=300"), "cute")
+        check_model_before_data(compose_config(tmp_path, *cute_ok, "model.vocab_size=300"), "cute")
 
 
 def test_meta_json_missing_a_key_is_a_checkpoint_error(tiny, tmp_path, caplog):
