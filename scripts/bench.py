@@ -414,20 +414,19 @@ def _floor_per_kernel(cfg, shape: Shape, quack_tuned: bool = False) -> dict:
     rows, total = [], 0.0
     for name, m, n, k, layout, count in step_gemms(cfg, M):
         a, b = gemm_operands(m, n, k, layout)
-        row = {"gemm": name, "m": m, "n": n, "k": k, "count": count}
+        row, times = {"gemm": name, "m": m, "n": n, "k": k, "count": count}, {}
         for backend in backends:
             key = backend.replace("-", "_")
             try:
                 fn = floor_gemm(backend, a, b)
                 fn()  # compiles (quack), autotunes (quack-tuned)
-                row[f"{key}_ms"] = do_bench_graph(fn)
+                times[backend] = row[f"{key}_ms"] = do_bench_graph(fn)
             except Exception as e:  # no GPU, or a layout quack cannot run: the others alone
                 if backend == "cublas":
                     raise
                 row[f"{key}_error"] = f"{type(e).__name__}: {e}"[:200]
-        row["best"] = min((b for b in backends if f"{b.replace('-', '_')}_ms" in row),
-                          key=lambda b: row[f"{b.replace('-', '_')}_ms"])
-        row["best_ms"] = row[f"{row['best'].replace('-', '_')}_ms"]
+        row["best"] = min(times, key=times.get)
+        row["best_ms"] = times[row["best"]]
         total += count * row["best_ms"]
         rows.append(row)
         del a, b
