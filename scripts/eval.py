@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         if batch_size < 1 or not 1 <= seq_len <= ckpt.model_config.max_seq_len or (args.max_batches or 1) < 1:
             raise ConfigError(f"need --batch-size >= 1, 1 <= --seq-len <= max_seq_len={ckpt.model_config.max_seq_len} "
                               f"and --max-batches >= 1; got {batch_size}, {seq_len}, {args.max_batches}")
-        device = pick_device(args.device)
+        device = pick_device(args.device, "--device ")
         dtype = pick_compute_dtype(args.dtype, device)
         if args.text:
             texts = [Path(f).read_text(encoding="utf-8", errors="replace") for f in args.text]

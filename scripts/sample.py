@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     log_progress_to_stderr()  # the text alone goes to stdout
     try:
         ckpt = open_checkpoint(args.checkpoint, args.tokenizer)
-        device = pick_device(args.device)
+        device = pick_device(args.device, "--device ")
         dtype = pick_compute_dtype(args.dtype, device)
         model = load_eager_model(ckpt, device, dtype)
         prompt = ckpt.tokenizer.encode(args.prompt, add_special_tokens=False).ids if args.prompt else [ckpt.eos_id]

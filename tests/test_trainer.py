@@ -349,8 +349,10 @@ def test_wandb_logger_runs_offline_without_network_or_key(tiny, tmp_path):
 def test_device_cuda_without_a_gpu_names_the_fix():
     from coda_train.trainer.device import pick_device
 
-    with pytest.raises(ConfigError, match="trainer.device=cuda but no CUDA GPU is visible; use trainer.device=auto or cpu"):
+    with pytest.raises(ConfigError, match="trainer.device=cuda but no CUDA GPU is visible; use trainer.device=auto or trainer.device=cpu"):
         pick_device("cuda")
+    with pytest.raises(ConfigError, match="--device cuda but no CUDA GPU is visible; use --device auto or --device cpu"):
+        pick_device("cuda", "--device ")  # scripts/eval.py and sample.py: their own option
     assert pick_device("auto") == torch.device("cpu")
 
 

@@ -11,9 +11,10 @@ DEVICES = ("auto", "cpu", "cuda")  # auto: cuda when a GPU is visible, else cpu
 COMPUTE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def pick_device(name: str) -> torch.device:
+def pick_device(name: str, option: str = "trainer.device=") -> torch.device:
+    """The device `name` names; `option` is how the caller's user spells the setting (a script's "--device ")."""
     if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("trainer.device=cuda but no CUDA GPU is visible; use trainer.device=auto or cpu")
+        raise ConfigError(f"{option}cuda but no CUDA GPU is visible; use {option}auto or {option}cpu")
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(name)
