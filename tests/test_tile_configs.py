@@ -400,6 +400,25 @@ for name, prog in (("op", S.E.dswiglu_rowscale_stat), ("narrow", S.dswiglu_subti
     assert usage["op"]["spill_stores"] > 500 and usage["narrow"]["spill_stores"] <= 64, usage
 
 
+def test_gamma_on_load_rows_compile_gpu_blind(stack, tmp_path):
+    """scripts/gamma_on_load.py's alternatives (F3/F6 without the h store, F1 scaling x by γ as its mainloop
+    loads it through quack's A transform, the weight gradients with γ as a column scale) trace and compile
+    GPU-blind at the 125m widths on the H200's configs, so the device call that measures them is known to build."""
+    out = _run('''
+import sys, torch
+sys.path.insert(0, "scripts")
+import gamma_on_load as G
+from coda_train.kernels.cute._launch import compile_only
+with compile_only("H200"):
+    runs, _ = G.make_runs("125m", torch.device("cpu"))
+    for name, fn in runs.items():
+        fn()
+        print("compiled", name, flush=True)
+''', env=dict(ENV, QUACK_CACHE_DIR=str(tmp_path / "qc")), timeout=1200)
+    compiled = [line[9:] for line in out.splitlines() if line.startswith("compiled ")]
+    assert compiled == ["F3 no h", "F6 no h", "F1 γ on load", "dW_qkv γ", "dW_gu γ"], out
+
+
 def compile_dswiglu_variant(variant: str, tmp_path: Path, before: str = "", after: str = "", **env) -> str:
     """Compile the 125m dSwiGLU at 128x128 pingpong GPU-blind in a subprocess with scripts/epilogue_stages.py's
     `variant` applied (`before` runs after the patch, `after` after the compile); its stdout. Each variant has a

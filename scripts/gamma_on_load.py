@@ -1,0 +1,172 @@
+"""Would applying γ on load pay? The RMSNorm weight γ taken out of the stored h = x⊙γ and applied by the
+GEMMs that read it, against the shipped ops at the bench shapes, on one Hopper GPU (docs/kernels.md,
+"Storing fewer tiles", the narrower form of folding γ).
+
+    python scripts/gamma_on_load.py [--shapes 125m,1b,8b] [--sustained SECONDS] [--out DIR]
+
+Today F3 and F6 store x and h = x⊙γ (with the partial Σx²), F1 and F5 read h, and the weight gradients of
+W_qkv and W_gate_up read h. Without h, F3/F6 store x alone; F1 and F5 read x with γ either folded into their
+weight's compute copy (W diag γ: the GEMM as today) or, for F1, applied as its mainloop loads x (quack's
+register-sourced A transform, γ as a kvec_m64 strip: γ repeated M/64 times; quack 0.6.5 refuses the transform
+with F5's concat_layout, "transform_a: plain dense GEMM only"); the weight gradients read x and scale their
+output columns by γ in the epilogue. Rows, each at the shipped op's tile config (a cuBLAS weight gradient's
+γ row at quack's default config):
+  F3, F3 no h          x1 = x + o W_oᵀ with and without the h store (K = attention width)
+  F6, F6 no h          x2 = x1 + a W_downᵀ with and without it (K = ffn_dim)
+  F1, F1 γ on load     qkv = RoPE(r·(h W_qkvᵀ)) from h, and from x with γ on load
+  dW_qkv, dW_qkv γ     (r g_y)ᵀ h as shipped (matmul_tn), and ((r g_y)ᵀ x)⊙γ
+  dW_gu, dW_gu γ       the same for W_gate_up
+Per shape: ms a call (median of triton.testing.do_bench; with --sustained, also back to back under the
+power cap, as epilogue_ablation.py), the sum of the five differences (one layer's change with γ folded
+into the weights plus F1's transform: negative is faster; the weight-fold form leaves F1 as it is, so
+subtract F1's difference for it), and each alternative's outputs against the shipped op's on the same
+values (F3/F6 and F1 should be bitwise equal: the transform rounds the exact product of two bf16 values
+once, as F3's h store does; the weight gradients differ by h's rounding). Writes gamma_on_load.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from quack.epilogue.frontend import gemm_epilogue
+from quack.epilogue.ops import ColVecReduce, RowVecLoad
+
+from coda_train.kernels import Example, op_set
+from coda_train.kernels.cute import _epilogues as E
+from coda_train.kernels.cute import _rotated_columns
+from coda_train.kernels.cute._epilogues import as_stored  # a global: quack keys its cache on each helper
+from coda_train.kernels.cute._launch import cfg_for, colvec, gemm, rowvec, stat_cols
+from coda_train.kernels.testing import relative_error
+from coda_train.kernels.tile_configs import default_cfg
+from coda_train.model import PRESETS
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # epilogue_ablation.sustained
+
+SHAPES = {"125m": ("llama3_125m", 8, 2048, 12), "1b": ("llama3_1b", 4, 4096, 16), "8b": ("llama3_8b", 2, 4096, 4)}  # bench.py's, with its layers
+PAIRS = (("F3", "F3 no h"), ("F6", "F6 no h"), ("F1", "F1 γ on load"), ("dW_qkv", "dW_qkv γ"), ("dW_gu", "dW_gu γ"))
+
+
+# F3/F6 without h: x = residual + acc (bf16), per-tile Σx²; the next RMSNorm's γ goes to the GEMMs that read x.
+@gemm_epilogue(reduces={"sumsq": ColVecReduce("sumsq", scaled=True)})
+def residual_sumsq_partial(acc, c):
+    x = as_stored(acc + c)
+    return {"D": x, "sumsq": (x, x)}
+
+
+# A weight gradient read from x instead of h = x⊙γ: D = (gᵀ x)⊙γ, γ per output column (fp32 D).
+@gemm_epilogue(ops={"gamma": RowVecLoad("gamma")})
+def column_scale(acc, gamma):
+    return {"D": acc * gamma}
+
+
+def make_runs(shape: str, device: torch.device) -> tuple[dict, dict]:
+    """Every row's launch on one set of inputs (runs), and for each alternative the function returning its
+    outputs and the shipped op's on the same values (checks). On CPU (compile-only, tests) the alternatives'
+    rows alone: the shipped ops go through the op set, which needs a GPU."""
+    preset, batch, seq, _ = SHAPES[shape]
+    dims = PRESETS[preset].kernel_dims(batch * seq, seq)
+    M, d, F, qkv, attn = dims.rows, dims.dim, dims.ffn_dim, dims.qkv_dim, dims.n_heads * dims.head_dim
+    gen = torch.Generator(device).manual_seed(0) if device.type == "cuda" else None
+    x = Example(dims, torch.bfloat16, device, gen)
+    ops = op_set("cute") if device.type == "cuda" else None
+    res, o, a_in, gamma, r, rope = x.act(M, d), x.act(M, attn), x.act(M, F), x.gamma(d), x.rowscale(), x.rope()
+    w_o, w_down, w_qkv = x.weight(d, attn), x.weight(d, F), x.weight(qkv, d)
+    g_y, g_gu = x.act(M, qkv), x.act(M, 2 * F)
+    h = (res.float() * gamma.float()).to(torch.bfloat16)  # F3's h of these x (rounded once)
+    strip = gamma.reshape(1, d).expand(M // 64, d).contiguous()  # the kvec_m64 strip: γ for every 64 rows
+    empty = lambda *s, dtype=torch.bfloat16: torch.empty(*s, device=device, dtype=dtype)  # noqa: E731
+
+    def no_h(a, w):  # F3 / F6 without the h store
+        cfg = cfg_for("gemm_residual_rmsnorm_partial", M, d, a.shape[1])
+        out, (sumsq, tiles) = empty(M, d), stat_cols(M, d, cfg, device)
+        gemm(residual_sumsq_partial, a, w, out, C=res, cfg=cfg, epi={"sumsq": tiles})
+        return out, sumsq
+
+    def rope_on_load():
+        out = empty(M, qkv)
+        gemm(E.rowscale_rope, res, w_qkv, out, cfg=cfg_for("gemm_rowscale_rope", M, qkv, d), strip=(E.strip_scale_cols, strip),
+             epi={"cs": rope, "r": colvec(r), "rot": _rotated_columns(qkv, dims.n_rope_cols, device)})
+        return out
+
+    def wgrad_scaled(g):  # ((r g)ᵀ x)⊙γ
+        n = g.shape[1]
+        out = empty(n, d, dtype=torch.float32)
+        gemm(column_scale, g.mT, res.mT, out, cfg=cfg_for("matmul_tn", n, d, M) or default_cfg("gemm_rowscale"),
+             epi={"gamma": rowvec(gamma)})
+        return out
+
+    runs = {
+        "F3 no h": lambda: no_h(o, w_o),
+        "F6 no h": lambda: no_h(a_in, w_down),
+        "F1 γ on load": rope_on_load,
+        "dW_qkv γ": lambda: wgrad_scaled(g_y),
+        "dW_gu γ": lambda: wgrad_scaled(g_gu),
+    }
+    if ops is None:
+        return runs, {}
+    runs |= {
+        "F3": lambda: ops.gemm_residual_rmsnorm_partial(o, w_o, res, gamma),
+        "F6": lambda: ops.gemm_residual_rmsnorm_partial(a_in, w_down, res, gamma),
+        "F1": lambda: ops.gemm_rowscale_rope(h, r, w_qkv, rope, dims.n_rope_cols),
+        "dW_qkv": lambda: ops.matmul_tn(g_y, h),
+        "dW_gu": lambda: ops.matmul_tn(g_gu, h),
+    }
+    runs = {name: runs[name] for pair in PAIRS for name in pair}  # shipped, then its alternative
+    checks = {
+        "F3 no h": lambda: (runs["F3 no h"](), [t for i, t in enumerate(runs["F3"]()) if i != 1]),  # x and Σx²
+        "F6 no h": lambda: (runs["F6 no h"](), [t for i, t in enumerate(runs["F6"]()) if i != 1]),
+        "F1 γ on load": lambda: ([rope_on_load()], [runs["F1"]()]),
+        "dW_qkv γ": lambda: ([wgrad_scaled(g_y)], [runs["dW_qkv"]()]),
+        "dW_gu γ": lambda: ([wgrad_scaled(g_gu)], [runs["dW_gu"]()]),
+    }
+    return runs, checks
+
+
+def measure(shape: str, sustained_s: float) -> dict:
+    from triton.testing import do_bench
+
+    from epilogue_ablation import sustained
+
+    runs, checks = make_runs(shape, torch.device("cuda"))
+    row = {"shape": shape, "ms": {}, "max_abs_diff": {}, "rel_err": {}}
+    for name, fn in runs.items():
+        fn()
+        row["ms"][name] = do_bench(fn, warmup=10, rep=100, return_mode="median")
+    if sustained_s:
+        row["sustained"] = {name: sustained(fn, sustained_s) for name, fn in runs.items()}
+    for name, check in checks.items():
+        got, want = check()
+        row["max_abs_diff"][name] = max((g.float() - w.float()).abs().max().item() for g, w in zip(got, want))
+        row["rel_err"][name] = max(relative_error(g, w) for g, w in zip(got, want))
+    times = {n: s["ms"] for n, s in row["sustained"].items()} if sustained_s else row["ms"]
+    row["layer_delta_ms"] = sum(times[new] - times[old] for old, new in PAIRS)
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="125m,1b,8b")
+    p.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
+                   help="also run each row back to back this long (the layer sum then uses these times)")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/gamma_on_load")))
+    args = p.parse_args()
+    rows = [measure(s, args.sustained) for s in args.shapes.split(",")]
+    for row in rows:
+        print(f"{row['shape']}: ms a call (do_bench{', sustained' if args.sustained else ''}); alternative vs shipped")
+        for old, new in PAIRS:
+            t = {n: row["sustained"][n]["ms"] for n in (old, new)} if args.sustained else row["ms"]
+            print(f"  {old:8s} {t[old]:8.4f}   {new:14s} {t[new]:8.4f}   {t[new] - t[old]:+8.4f}   "
+                  f"max |diff| {row['max_abs_diff'][new]:.2e}, rel {row['rel_err'][new]:.2e}")
+        n_layers = SHAPES[row["shape"]][3]
+        print(f"  one layer {row['layer_delta_ms']:+.4f} ms; the bench step's {n_layers} layers {n_layers * row['layer_delta_ms']:+.3f} ms")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gamma_on_load.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
