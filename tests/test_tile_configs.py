@@ -401,8 +401,9 @@ for name, prog in (("op", S.E.dswiglu_rowscale_stat), ("narrow", S.dswiglu_subti
 
 
 def test_gamma_on_load_rows_compile_gpu_blind(stack, tmp_path):
-    """scripts/gamma_on_load.py's alternatives (F3/F6 without the h store, F1 scaling x by γ as its mainloop
-    loads it through quack's A transform, the weight gradients with γ as a column scale) trace and compile
+    """scripts/gamma_on_load.py's alternatives (F3/F6 without the h store, B3/B6b without γ and their g_γ reduce,
+    the weight gradients with γ as a column scale and the g_γ reduce, F1 scaling x by γ as its mainloop loads it
+    through quack's A transform) trace and compile
     GPU-blind at the 125m widths on the H200's configs, so the device call that measures them is known to build."""
     out = _run('''
 import sys, torch
@@ -416,7 +417,7 @@ with compile_only("H200"):
         print("compiled", name, flush=True)
 ''', env=dict(ENV, QUACK_CACHE_DIR=str(tmp_path / "qc")), timeout=1200)
     compiled = [line[9:] for line in out.splitlines() if line.startswith("compiled ")]
-    assert compiled == ["F3 no h", "F6 no h", "F1 γ on load", "dW_qkv γ", "dW_gu γ"], out
+    assert compiled == ["F3 no h", "F6 no h", "B3 no γ", "B6b no γ", "dW_qkv γ", "dW_gu γ", "F1 γ on load"], out
 
 
 def compile_dswiglu_variant(variant: str, tmp_path: Path, before: str = "", after: str = "", **env) -> str:
