@@ -146,11 +146,11 @@ def make_runs(shape: str, device: torch.device) -> tuple[dict, dict]:
     checks = {
         "F3 no h": lambda: (runs["F3 no h"](), [t for i, t in enumerate(runs["F3"]()) if i != 1]),  # x and Σx²
         "F6 no h": lambda: (runs["F6 no h"](), [t for i, t in enumerate(runs["F6"]()) if i != 1]),
-        "F1 γ on load": lambda: ([rope_on_load()], [runs["F1"]()]),
-        "B3 no γ": lambda: ([runs["B3 no γ"]()], [runs["B3"]()[0]]),
+        "B3 no γ": lambda: ([runs["B3 no γ"]()], [runs["B3"]()[0]]),  # g_x (g_γ: the weight gradient's now)
         "B6b no γ": lambda: ([runs["B6b no γ"]()], [runs["B6b"]()[0]]),
-        "dW_qkv γ": lambda: ([wgrad_scaled(g_y, w_qkv_f)], [runs["dW_qkv"]()]),
-        "dW_gu γ": lambda: ([wgrad_scaled(g_gu, w_gu_f)], [runs["dW_gu"]()]),
+        "dW_qkv γ": lambda: ([runs["dW_qkv γ"]()], [runs["dW_qkv"]()]),
+        "dW_gu γ": lambda: ([runs["dW_gu γ"]()], [runs["dW_gu"]()]),
+        "F1 γ on load": lambda: ([runs["F1 γ on load"]()], [runs["F1"]()]),
     }
     return runs, checks
 
