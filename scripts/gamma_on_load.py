@@ -1,8 +1,8 @@
-"""Would applying γ on load pay? The RMSNorm weight γ taken out of the stored h = x⊙γ and applied by the
-GEMMs that read it, against the shipped ops at the bench shapes, on one Hopper GPU (docs/kernels.md,
-"Storing fewer tiles", the narrower form of folding γ).
+"""Would folding γ out of h pay? The RMSNorm weight γ taken out of the stored h = x⊙γ and applied by the
+GEMMs that read it, against the shipped ops at bench.py's shapes, on one Hopper GPU (docs/kernels.md,
+"Storing fewer tiles": the weight-fold form and the narrower one).
 
-    python scripts/gamma_on_load.py [--shapes 125m,1b,8b] [--sustained SECONDS] [--out DIR]
+    python scripts/gamma_on_load.py [--shapes 125m,1b-4x4096,8b-slice] [--sustained SECONDS] [--out DIR]
 
 Today F3 and F6 store x and h = x⊙γ (with the partial Σx²), F1 and F5 read h, and the weight gradients of
 W_qkv and W_gate_up read h. Without h, F3/F6 store x alone; F1 and F5 read x with γ either folded into their
@@ -48,9 +48,9 @@ from coda_train.kernels.testing import relative_error
 from coda_train.kernels.tile_configs import default_cfg
 from coda_train.model import PRESETS
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # epilogue_ablation.sustained
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench.SHAPES, epilogue_ablation.sustained
+from bench import SHAPES  # noqa: E402
 
-SHAPES = {"125m": ("llama3_125m", 8, 2048, 12), "1b": ("llama3_1b", 4, 4096, 16), "8b": ("llama3_8b", 2, 4096, 4)}  # bench.py's, with its layers
 FOLD = (("F3", "F3 no h"), ("F6", "F6 no h"), ("B3", "B3 no γ"), ("B6b", "B6b no γ"), ("dW_qkv", "dW_qkv γ"),
         ("dW_gu", "dW_gu γ"))  # the weight-fold form, op by op
 PAIRS = FOLD + (("F1", "F1 γ on load"),)
@@ -81,8 +81,8 @@ def make_runs(shape: str, device: torch.device) -> tuple[dict, dict]:
     """Every row's launch on one set of inputs (runs), and for each alternative the function returning its
     outputs and the shipped op's on the same values (checks). On CPU (compile-only, tests) the alternatives'
     rows alone: the shipped ops go through the op set, which needs a GPU."""
-    preset, batch, seq, _ = SHAPES[shape]
-    dims = PRESETS[preset].kernel_dims(batch * seq, seq)
+    sh = SHAPES[shape]
+    dims = PRESETS[sh.preset].kernel_dims(sh.batch * sh.seq, sh.seq)
     M, d, F, qkv, attn = dims.rows, dims.dim, dims.ffn_dim, dims.qkv_dim, dims.n_heads * dims.head_dim
     gen = torch.Generator(device).manual_seed(0) if device.type == "cuda" else None
     x = Example(dims, torch.bfloat16, device, gen)
@@ -171,14 +171,14 @@ def measure(shape: str, sustained_s: float) -> dict:
         got, want = check()
         row["max_abs_diff"][name] = max((g.float() - w.float()).abs().max().item() for g, w in zip(got, want))
         row["rel_err"][name] = max(relative_error(g, w) for g, w in zip(got, want))
-    times = {n: s["ms"] for n, s in row["sustained"].items()} if sustained_s else row["ms"]
-    row["layer_delta_ms"] = sum(times[new] - times[old] for old, new in FOLD)
+    row["times"] = {n: s["ms"] for n, s in row["sustained"].items()} if sustained_s else row["ms"]  # what the sums use
+    row["layer_delta_ms"] = sum(row["times"][new] - row["times"][old] for old, new in FOLD)
     return row
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", default="125m,1b,8b")
+    p.add_argument("--shapes", default="125m,1b-4x4096,8b-slice")
     p.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
                    help="also run each row back to back this long (the layer sum then uses these times)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/gamma_on_load")))
@@ -186,11 +186,12 @@ def main() -> None:
     rows = [measure(s, args.sustained) for s in args.shapes.split(",")]
     for row in rows:
         print(f"{row['shape']}: ms a call (do_bench{', sustained' if args.sustained else ''}); alternative vs shipped")
+        t = row["times"]
         for old, new in PAIRS:
-            t = {n: row["sustained"][n]["ms"] for n in (old, new)} if args.sustained else row["ms"]
             print(f"  {old:8s} {t[old]:8.4f}   {new:14s} {t[new]:8.4f}   {t[new] - t[old]:+8.4f}   "
                   f"max |diff| {row['max_abs_diff'][new]:.2e}, rel {row['rel_err'][new]:.2e}")
-        n_layers = SHAPES[row["shape"]][3]
+        sh = SHAPES[row["shape"]]
+        n_layers = sh.n_layers or PRESETS[sh.preset].n_layers
         print(f"  weight fold, one layer {row['layer_delta_ms']:+.4f} ms; the bench step's {n_layers} layers "
               f"{n_layers * row['layer_delta_ms']:+.3f} ms")
     args.out.mkdir(parents=True, exist_ok=True)
