@@ -190,7 +190,7 @@ def check_config(cfg: Config) -> None:
     if cfg.data.tokens_per_shard < t.seq_len + 1:  # a window never crosses shards
         raise ConfigError(f"data.tokens_per_shard={cfg.data.tokens_per_shard} is shorter than one window of "
                           f"trainer.seq_len+1={t.seq_len + 1} tokens: raise data.tokens_per_shard (default 2**27)")
-    cfg.data.validate()  # DataError naming the fix, before any data is read
+    cfg.data.for_model(cfg.model.init_from).validate()  # as the run uses it; DataError naming the fix, before any data is read
 
 
 # fields a run started from a Hugging Face directory may set: init_std only matters at init, max_seq_len only bounds seq_len

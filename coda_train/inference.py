@@ -109,9 +109,11 @@ def open_checkpoint(path: str | Path, tokenizer: Optional[str] = None) -> Traine
 
 
 def run_data_config(meta: dict[str, Any]) -> DataConfig:
-    """The data config of the run that wrote a checkpoint (its meta.json)."""
+    """The data config of the run that wrote a checkpoint (its meta.json), as that run used it: with
+    model.init_from's tokenizer where it set no data.tokenizer (DataConfig.for_model)."""
     known = {f.name for f in dataclasses.fields(DataConfig)}
-    return DataConfig(**{k: v for k, v in meta["config"]["data"].items() if k in known})
+    data = DataConfig(**{k: v for k, v in meta["config"]["data"].items() if k in known})
+    return data.for_model((meta["config"].get("model") or {}).get("init_from"))
 
 
 def load_eager_model(ckpt: TrainedCheckpoint, device: torch.device, compute_dtype: torch.dtype) -> EagerLlama:

@@ -118,6 +118,21 @@ def test_out_of_range_values_fail_the_cross_field_check(override, message):
         check_config(load(override))
 
 
+def test_data_checks_see_the_tokenizer_of_model_init_from():
+    """A run from a Hugging Face directory tokenizes with its tokenizer: the checks that only hold for the
+    BPE a run trains (data.eos_token, data.vocab_size) do not apply, and data.tokenizer still wins."""
+    from coda_train.data import DataError
+
+    for override in ("data.eos_token='</s>'", "data.vocab_size=100"):
+        with pytest.raises(DataError):
+            check_config(load(override))
+        check_config(load(override, "model.init_from=/models/llama3"))
+    cfg = load("model.init_from=/models/llama3")
+    assert cfg.data.for_model(cfg.model.init_from).tokenizer == "/models/llama3"
+    cfg = load("model.init_from=/models/llama3", "data.tokenizer=/tok.json")
+    assert cfg.data.for_model(cfg.model.init_from).tokenizer == "/tok.json"
+
+
 def test_eval_batches_is_free_when_validation_is_off():
     check_config(load("trainer.eval_batches=0", "trainer.eval_every=0"))
 

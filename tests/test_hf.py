@@ -89,6 +89,11 @@ def tokenizer_file(tmp_path: Path, vocab_size: int = 300) -> Path:
     return path
 
 
+def tiny_cache(tiny: list[str]) -> str:
+    """The data.cache_dir the tiny fixture's overrides name."""
+    return next(o.split("=", 1)[1] for o in tiny if o.startswith("data.cache_dir="))
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -245,11 +250,17 @@ def test_continued_pretraining_from_an_export_starts_at_the_loss_it_ended_at(tra
     begins at the exported run's final validation loss: one step at a negligible learning rate, then
     the same validation batches of the same prepared corpus."""
     run_dir = tmp_path / "continued"
+    # data.vocab_size: a trained BPE's size, which the export's tokenizer makes moot (the reopened run must see that)
     result = _train_cli(*tiny, f"trainer.run_dir={run_dir}", f"model.init_from={exported}", "trainer.max_steps=1",
-                        "optim.lr=1e-12", "optim.warmup_steps=1", "trainer.eval_every=1")
+                        "optim.lr=1e-12", "optim.warmup_steps=1", "trainer.eval_every=1", "data.vocab_size=400")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "tiny-llama" in result.stdout  # the log names the model it started from
     assert abs(_last_val_loss(run_dir) - _last_val_loss(trained_run)) < 1e-5
+    # the tools that reopen a run's data find the data it trained on (the export's tokenizer), preparing none
+    prepared = sorted(p.name for p in (Path(tiny_cache(tiny))).iterdir())
+    result = run_script("eval.py", str(run_dir), "--max-batches", "1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in (Path(tiny_cache(tiny))).iterdir()) == prepared
 
 
 @pytest.mark.parametrize("override, named", [("model.dim=128", "model.dim=128 (the checkpoint has 64)"),

@@ -211,6 +211,31 @@ def test_lm_head_backward_gradcheck(chunk_rows, monkeypatch):
     assert torch.autograd.gradcheck(head, (x, norm, w), eps=1e-6, atol=1e-8)
 
 
+@pytest.mark.parametrize("shift", [0.0, 1000.0])
+def test_lm_head_gradient_keeps_fp32_precision_at_large_logits(shift):
+    """Every logit raised by shift leaves the softmax gradient as it was; in fp32 the CODA LM head's
+    weight gradient must stay within 3x of autograd's error on the same logits (H' takes its factors
+    from sum_g sum_exp_g 2^(k_g - k_max), not from exp(. - L), which loses |L| 2^-24: 10x at 1000)."""
+    g = torch.Generator().manual_seed(0)
+    M, d, V = 64, 32, 300
+    h = torch.cat([torch.randn(M, d, generator=g, dtype=torch.float64), torch.full((M, 1), shift, dtype=torch.float64)], 1)
+    w = torch.cat([torch.randn(V, d, generator=g, dtype=torch.float64) / d ** 0.5, torch.ones(V, 1, dtype=torch.float64)], 1)
+    targets = torch.randint(0, V, (M,), generator=g)
+
+    def g_w(dtype, coda):
+        hh, ww = h.to(dtype), w.to(dtype, copy=True).requires_grad_()
+        r, norm = torch.ones(M, dtype=dtype), torch.ones(d + 1, dtype=dtype)
+        if coda:
+            loss = LMHeadLoss.apply(hh, hh, r, norm, ww, norm, ww.detach(), targets, K.op_set("reference"))
+        else:
+            loss = torch.nn.functional.cross_entropy(hh @ ww.t(), targets)
+        loss.backward()
+        return ww.grad.double()
+
+    want = g_w(torch.float64, coda=False)
+    assert rel(g_w(torch.float32, coda=True), want) <= 3 * rel(g_w(torch.float32, coda=False), want) + 1e-7
+
+
 def test_lm_head_backward_is_exact_when_retained_and_scales_in_place_when_freed():
     """LMHeadLoss.backward: with the graph retained, each call gives the gradients of g_loss = 1 times
     its own g_loss, exactly (0 included), and leaves the saved tensors as they were; the last call
@@ -471,6 +496,29 @@ def test_bf16_compute_copies_are_cast_once_per_update_and_gradients_stay_fp32(mo
     assert copies == [1] and changed != before
     coda.refresh_compute_copies(force=True)  # after a fused optimizer step: every copy in one call
     assert copies == [1, len(copied)]
+
+
+@pytest.mark.parametrize("impl", ["eager", "coda"])
+def test_training_after_a_forward_under_inference_mode(impl):
+    """A user's evaluation under torch.inference_mode() must not leave the model's caches (RoPE tables,
+    bf16 compute copies) as inference tensors, which autograd refuses to save: training after it gives
+    the gradients of a model that never ran one, also after an update is seen under inference_mode."""
+    cfg = LlamaConfig(n_layers=2, n_kv_heads=2, **SMALL)
+    torch.manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16))
+    targets = tokens.roll(-1, 1)
+    models = [build_model(cfg, impl, compute_dtype=torch.bfloat16) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    for step in range(2):
+        with torch.inference_mode():
+            models[0](tokens, targets)
+        grads = [loss_and_grads(m, tokens, targets)[1] for m in models]
+        for name in grads[1]:
+            assert torch.equal(grads[0][name], grads[1][name]), (step, name)
+        for m in models:  # an update, seen by the next forward (under inference_mode for models[0])
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.sub_(1e-2 * p.grad)
 
 
 def test_compute_copies_follow_a_fused_optimizer_step_when_forced():

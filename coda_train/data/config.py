@@ -1,5 +1,6 @@
 """Data configuration (a hydra structured config) and the one error type users see."""
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -29,6 +30,14 @@ class DataConfig:
     tokens_per_shard: int = 2**27  # 256 MiB per uint16 shard
     decode_errors: str = "replace"  # invalid UTF-8: replace (U+FFFD) | skip_document | strict (error naming file:line)
     verify_shards: str = "first_use"  # shard sha256 check at open: first_use (remembered per file size+mtime) | always | never
+
+    def for_model(self, init_from: Optional[str]) -> "DataConfig":
+        """This config as a run uses it: a run started from a Hugging Face directory (model.init_from)
+        tokenizes with that model's tokenizer unless data.tokenizer names another. Training, its config
+        check and the tools that reopen a run's data (coda_train/inference.py) all read it through here."""
+        if init_from is None or self.tokenizer is not None:
+            return self
+        return dataclasses.replace(self, tokenizer=init_from)
 
     def validate(self) -> None:
         if not self.source.strip():

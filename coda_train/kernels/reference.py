@@ -250,8 +250,8 @@ def cross_entropy_exp_backward(e: Tensor, k: Tensor, sum_exp: Tensor, sum_exp_y:
     g_y = (softmax(y) - onehot(t)) * grad_scale (a 0-dim tensor) stays factored for the consumers'
     mainloops (H''): r*g_y = v * (strip (x) e), where
       strip (ceil(V/64), M) in e's dtype = 2^(k_g - k_max) of column block j//64 (exact powers of two),
-      v (M,) fp32 = grad_scale * r * 2^k_max * e^-L,
-      e's target column rewritten in place to (p_t - 1) e^L 2^-k_t (the onehot), its group's offset
+      v (M,) fp32 = grad_scale * r * 2^k_max * e^-L = grad_scale * r / s, s = sum_g sum_exp_g 2^(k_g - k_max),
+      e's target column rewritten in place to (p_t - 1) e^L 2^-k_t = (p_t - 1) s 2^(k_max - k_t) (the onehot), its group's offset
       k_t first raised to k_max - MAX_OCTAVES if lower (the group's other columns, then below
       2^-MAX_OCTAVES of the row's largest, written as 0), so every factor stays a normal number;
     hs = v * h in h.dtype (the weight gradient's B operand), and the final RMSNorm's reverse-fusion
@@ -260,7 +260,9 @@ def cross_entropy_exp_backward(e: Tensor, k: Tensor, sum_exp: Tensor, sum_exp_y:
     M, V = e.shape
     rows, t = torch.arange(M, device=e.device), targets.reshape(-1)
     k_max = kf.amax(-1)
-    L = k_max * LN2 + torch.log((se * torch.exp2(kf - k_max[:, None])).sum(-1))
+    w = torch.exp2(kf - k_max[:, None])
+    s = (se * w).sum(-1)  # sum_j e^y_j / 2^k_max; every factor below comes from s, not from L = k_max ln2 + ln s,
+    L = k_max * LN2 + torch.log(s)  # which carries the largest logit's size: exp(. - L) would cancel it away
     g_t = t // STAT_TILE_N
     k_t = kf[rows, g_t]
     k_adj = kf.clone()
@@ -268,12 +270,12 @@ def cross_entropy_exp_backward(e: Tensor, k: Tensor, sum_exp: Tensor, sum_exp_y:
     raised = k_adj[rows, g_t] > k_t
     cols = torch.arange(V, device=e.device)
     e[raised[:, None] & ((cols // STAT_TILE_N)[None, :] == g_t[:, None])] = 0
-    e[rows, t] = ((torch.exp(yt - L) - 1) * torch.exp(L - k_adj[rows, g_t] * LN2)).to(e.dtype)
+    e[rows, t] = ((torch.exp(yt - L) - 1) * s * torch.exp2(k_max - k_adj[rows, g_t])).to(e.dtype)
     strip = torch.exp2(k_adj - k_max[:, None]).repeat_interleave(STAT_TILE_N // STRIP_COLS, dim=1)
     strip = strip[:, :-(-V // STRIP_COLS)].t().contiguous().to(e.dtype)
     scale = grad_scale.to(kf.dtype)
-    v = scale * _f(r) * torch.exp(k_max * LN2 - L)
-    stat = scale * ((sey * torch.exp(kf * LN2 - L[:, None])).sum(-1) - yt)
+    v = scale * _f(r) / s
+    stat = scale * ((sey * w).sum(-1) / s - yt)
     return L - yt, strip, v, (v[:, None] * _f(h)).to(h.dtype), stat[:, None]
 
 

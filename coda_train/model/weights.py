@@ -124,7 +124,7 @@ class LlamaWeights(nn.Module):
             return p.detach()
         held = self._copies.get(id(p))
         if held is None or held[0] is not p:
-            with torch.no_grad():
+            with torch.no_grad(), torch.inference_mode(False):  # made under inference_mode, a cache would refuse training
                 held = (p, (p._version, p.data_ptr()), p.detach().to(self.compute_dtype, copy=True))
             self._copies[id(p)] = held
         return held[2]
@@ -144,12 +144,16 @@ class LlamaWeights(nn.Module):
         dtype = torch.float64 if self.compute_dtype == torch.float64 else torch.float32
         key = (rows, seq_len, torch.device(device), dtype)
         if key not in self._rope_cache:  # the same few tables every step: build each once
-            hd = self.cfg.head_dim
-            inv_freq = self.cfg.rope_theta ** (-torch.arange(0, hd, 2, dtype=torch.float64, device=device) / hd)
-            angles = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=device), inv_freq)
-            table = torch.stack((angles.cos(), angles.sin()), dim=-1).reshape(seq_len, hd).to(dtype)
-            self._rope_cache[key] = table.repeat(rows // seq_len, 1)
+            with torch.inference_mode(False):  # a normal tensor even under inference_mode: training reuses it
+                self._rope_cache[key] = self._rope_table(rows, seq_len, device, dtype)
         return self._rope_cache[key]
+
+    def _rope_table(self, rows: int, seq_len: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+        hd = self.cfg.head_dim
+        inv_freq = self.cfg.rope_theta ** (-torch.arange(0, hd, 2, dtype=torch.float64, device=device) / hd)
+        angles = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=device), inv_freq)
+        table = torch.stack((angles.cos(), angles.sin()), dim=-1).reshape(seq_len, hd).to(dtype)
+        return table.repeat(rows // seq_len, 1)
 
     def _check_batch(self, tokens: Tensor, targets: Tensor) -> None:
         if tokens.dim() != 2 or tokens.shape != targets.shape:

@@ -38,11 +38,8 @@ def check_compute(cfg: Config, backend: str, compute_dtype: torch.dtype) -> None
 
 
 def data_config(cfg: Config) -> DataConfig:
-    """The run's data config; a run started from a Hugging Face directory (model.init_from) tokenizes
-    with that model's tokenizer unless data.tokenizer names another."""
-    if cfg.model.init_from is None or cfg.data.tokenizer is not None:
-        return cfg.data
-    return dataclasses.replace(cfg.data, tokenizer=cfg.model.init_from)
+    """The run's data config (DataConfig.for_model: model.init_from's tokenizer unless data.tokenizer is set)."""
+    return cfg.data.for_model(cfg.model.init_from)
 
 
 def prepare_data(cfg: DataConfig, world: World) -> PreparedData:

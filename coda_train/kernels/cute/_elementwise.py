@@ -44,12 +44,13 @@ def _ce_exp_row_kernel(e_ptr, k_ptr, se_ptr, sey_ptr, yt_ptr, t_ptr, r_ptr, h_pt
     w = tl.where(gm, tl.exp2(k - k_max), 0.0)
     se = tl.load(se_ptr + row * G + g, mask=gm, other=0.0)
     sey = tl.load(sey_ptr + row * G + g, mask=gm, other=0.0)
-    L = k_max * LN2 + tl.log(tl.sum(se * w, axis=0))
+    s = tl.sum(se * w, axis=0)  # the factors come from s, not L, whose size (the largest logit's) would cancel
+    L = k_max * LN2 + tl.log(s)
     yt = tl.load(yt_ptr + row)
     t = tl.load(t_ptr + row).to(tl.int64)
     scale = tl.load(scale_ptr)
-    v = scale * tl.load(r_ptr + row) * tl.exp(k_max * LN2 - L)
-    stat = scale * (tl.sum(tl.where(gm, sey * tl.exp(k * LN2 - L), 0.0), axis=0) - yt)
+    v = scale * tl.load(r_ptr + row) / s
+    stat = scale * (tl.sum(sey * w, axis=0) / s - yt)
     tl.store(loss_ptr + row, L - yt)
     tl.store(v_ptr + row, v)
     tl.store(stat_ptr + row, stat)
@@ -58,7 +59,7 @@ def _ce_exp_row_kernel(e_ptr, k_ptr, se_ptr, sey_ptr, yt_ptr, t_ptr, r_ptr, h_pt
     g_t = t // GROUP
     k_t = tl.load(k_ptr + row * G + g_t)
     k_adj = tl.maximum(k_t, k_max - MAX_OCTAVES)
-    fix = (tl.exp(yt - L) - 1.0) * tl.exp(L - k_adj * LN2)
+    fix = (tl.exp(yt - L) - 1.0) * s * tl.exp2(k_max - k_adj)
     if k_adj > k_t:  # the group's other columns are below 2^-MAX_OCTAVES of the row's largest: 0 (one store)
         cols = g_t * GROUP + tl.arange(0, GROUP)
         tl.store(e_ptr + row * V + cols, tl.where(cols == t, fix, 0.0).to(e_ptr.dtype.element_ty), mask=cols < V)
