@@ -4,8 +4,8 @@
     python train.py model=llama3_125m trainer.max_steps=2000 trainer.run_dir=runs/125m
     python train.py -m model.impl=coda,eager           # one run per value (multirun)
 
-Exit codes: 0 finished, or stopped by SIGTERM/SIGINT after saving a checkpoint (a multirun stops
-too; run again with the trainer.run_dir the message names to continue); 1 bad input (config, data, backend, checkpoint, or the run dir in
+Exit codes: 0 finished, or stopped by SIGTERM/SIGINT after saving a checkpoint, or during data preparation
+(a multirun stops too; run again with the trainer.run_dir the message names to continue); 1 bad input (config, data, backend, checkpoint, or the run dir in
 use by another run; nothing trained); 3 the loss or gradient norm became non-finite (that state is not
 saved); 4 a file of the run dir could not be written (disk full, read-only, permissions; the newest
 checkpoint is intact: fix the cause and run again to continue).

@@ -4,6 +4,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -90,6 +91,21 @@ def test_in_range_corruption_fails_the_checksum_at_first_use(tmp_path, corpus):
         PreparedData.open(data.path)
     assert prepare(config(corpus, tmp_path / "cache", verify_shards="never")).path == data.path  # the user's opt-out
     assert folder_bytes(data.path) == damaged
+
+
+def test_a_copy_that_keeps_mtimes_is_verified_at_its_first_use(tmp_path, corpus):
+    """cp -a, rsync -a and tar keep each shard's mtime and bring verified.json along: the copy's shards are
+    still hashed at its first use, so a byte damaged in transfer (its mtime then restored) is caught."""
+    data = prepare(config(corpus, tmp_path / "cache"))
+    copy = tmp_path / "copy" / data.path.name
+    shutil.copytree(data.path, copy, copy_function=shutil.copy2)  # contents and mtimes, verified.json included
+    shard = copy / "val_00000.bin"
+    times = shard.stat()
+    damage(shard, np.array([7, 7, 7, 7], dtype=np.uint16))
+    os.utime(shard, ns=(times.st_atime_ns, times.st_mtime_ns))
+    with pytest.raises(DataError, match=rf"shard {shard} does not match the sha256"):
+        PreparedData.open(copy)
+    PreparedData.open(data.path)  # the original, untouched, opens as before
 
 
 def test_checksums_are_verified_once_per_file_version(tmp_path, corpus, monkeypatch):

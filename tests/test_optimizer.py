@@ -96,6 +96,24 @@ def test_state_dict_is_torch_adamw_s_both_ways():
             assert torch.equal(again.state[p][k].cpu(), v.cpu()), k
 
 
+@pytest.mark.parametrize("saved, here", [("foreach", "fused"), ("fused", "foreach")])
+def test_a_loaded_state_steps_the_way_this_machine_does(saved, here):
+    """A checkpoint's groups carry the saving device's fused/foreach; loaded elsewhere (a CPU run resumed on a
+    GPU, or back) the optimizer keeps its own, so the GPU's found_inf never reaches torch's foreach AdamW."""
+    params = _params("cpu")
+    source = AdamW(_groups(params), nn.Module(), **HYPER, **{saved: True})
+    _set_grads(params, 0)
+    source.step()
+    opt = AdamW(_groups(params), nn.Module(), **HYPER, **{here: True})
+    opt.load_state_dict(source.state_dict())
+    assert all(bool(g["fused"]) == (here == "fused") and bool(g["foreach"]) == (here == "foreach")
+               for g in opt.param_groups)
+    if here == "fused":
+        opt.found_inf = torch.zeros(())  # as TrainStep sets it for the fused path
+    _set_grads(params, 1)
+    opt.step()
+
+
 def test_clip_factor_is_the_factor_clip_grads_with_norm_applies():
     params = _params("cpu")
     _set_grads(params, 0, scale=3.0)

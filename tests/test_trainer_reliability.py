@@ -277,6 +277,48 @@ def test_resume_by_path_refuses_what_it_cannot_read_and_keeps_the_run(tiny, tmp_
     assert steps_logged(tmp_path) == [1, 2]
 
 
+def test_a_run_started_from_another_runs_checkpoint_continues_with_auto_and_never_over_itself(tiny, tmp_path):
+    """trainer.resume=<another run's checkpoint>: a stop says to continue with trainer.resume=auto, and the same
+    command again is refused before it touches the run's own checkpoints (starting over from the other run
+    would set them aside and prune them); with auto the run continues where it stopped."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    train_in_process(first, *tiny, "trainer.max_steps=2", "trainer.ckpt_every=2")
+    command = [*tiny, f"trainer.run_dir={second}", "trainer.max_steps=6", "trainer.ckpt_every=2",
+               f"trainer.resume={first / 'checkpoints' / 'step_00000002'}"]
+    stopped = run_train(*command, "debug.sigterm_after_step=4")
+    assert stopped.returncode == 0, stopped.stderr[-2000:]
+    assert f"trainer.run_dir={second.resolve()} and trainer.resume=auto" in stopped.stdout + stopped.stderr
+    before = snapshot(second)
+    again = run_train(*command)
+    out = again.stdout + again.stderr
+    assert again.returncode == 1 and "already holds checkpoints of its own (newest: step_00000004)" in out, out[-2000:]
+    assert "trainer.resume=auto" in out and snapshot(second) == before
+    continued = run_train(*command[:-1], "trainer.resume=auto")
+    assert continued.returncode == 0, continued.stderr[-2000:]
+    assert steps_logged(second) == [3, 4, 5, 6]
+
+
+def test_set_aside_names_stay_unique_when_a_pid_repeats(tmp_path, monkeypatch):
+    """A container's entrypoint gets the same PID at every launch: a second resume from the same older step
+    must still find a free name for what it sets aside."""
+    monkeypatch.setattr(os, "getpid", lambda: 7)
+    save_checkpoint(tmp_path, 1, {"w": torch.zeros(2)}, {"model": {}}, keep_last=5)
+    for _ in range(2):  # step 2 written, then set aside by a resume from step 1: twice, by the same PID
+        save_checkpoint(tmp_path, 2, {"w": torch.zeros(2)}, {"model": {}}, keep_last=5)
+        set_aside_newer(tmp_path, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".replaced-step_00000002-7", ".replaced-step_00000002-8",
+                                                          "step_00000001"]
+
+
+def test_exit_code_of_a_stop_during_data_preparation_is_zero():
+    """SIGTERM/SIGINT while preparing data is a stop, not bad input: train.py exits 0 as after a step."""
+    from coda_train.data import DataError, PreparationInterrupted
+    from coda_train.trainer.loop import exit_code
+
+    assert exit_code(PreparationInterrupted(signal.SIGTERM)) == 0
+    assert exit_code(DataError("bad")) == 1
+
+
 def test_set_aside_checkpoints_count_against_keep_last(tmp_path):
     def save(step):
         save_checkpoint(tmp_path, step, {"w": torch.full((4,), float(step))}, {"model": {}}, keep_last=3)

@@ -29,7 +29,7 @@ class DataConfig:
     max_documents: Optional[int] = None  # use only the first N non-empty documents
     tokens_per_shard: int = 2**27  # 256 MiB per uint16 shard
     decode_errors: str = "replace"  # invalid UTF-8: replace (U+FFFD) | skip_document | strict (error naming file:line)
-    verify_shards: str = "first_use"  # shard sha256 check at open: first_use (remembered per file size+mtime) | always | never
+    verify_shards: str = "first_use"  # shard sha256 check at open: first_use (remembered per file size, mtime, ctime, inode) | always | never
 
     def for_model(self, init_from: Optional[str]) -> "DataConfig":
         """This config as a run uses it: a run started from a Hugging Face directory (model.init_from)

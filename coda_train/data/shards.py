@@ -153,9 +153,11 @@ class PreparedData:
 
 
 def _stamp(file: Path, sha256: str) -> list:
-    """What a verification is remembered by: a rewrite or copy changes the mtime, so it is verified again."""
+    """What a verification is remembered by: a rewrite changes the mtime, and a copy (even one that keeps the
+    mtime and brings verified.json along: cp -a, rsync -a, tar) or a restored mtime changes the ctime (no
+    tool sets it) and the inode, so it is verified again."""
     stat = file.stat()
-    return [stat.st_size, stat.st_mtime_ns, sha256]
+    return [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino, sha256]
 
 
 def _read_verified(folder: Path) -> dict:

@@ -133,10 +133,14 @@ def remove_partial_writes(root: Path) -> None:
 
 
 def set_aside_newer(root: Path, step: int) -> None:
-    """Move the checkpoints of root newer than `step` (the resume point) to .replaced-step_*-<pid>."""
+    """Move the checkpoints of root newer than `step` (the resume point) to .replaced-step_*-<pid, or the
+    first free number after it>."""
     for path in list_checkpoints(root):
         if int(STEP_DIR.match(path.name).group(1)) > step:
-            aside = root / f".replaced-{path.name}-{os.getpid()}"
+            n = os.getpid()
+            while (root / f".replaced-{path.name}-{n}").exists():  # a PID repeats (containers): the next free name
+                n += 1
+            aside = root / f".replaced-{path.name}-{n}"
             log.warning("this run continues from step %d, so %s (a later step of another trajectory, or damaged) "
                         "is moved to %s; it counts against trainer.keep_last and is pruned first", step, path, aside)
             os.rename(path, aside)
@@ -403,7 +407,20 @@ def find_resume_checkpoint(resume: str, run_dir: Path) -> Optional[Checkpoint]:
             raise CheckpointError(f"every checkpoint in {root} is damaged (see the warnings above); point "
                                   "trainer.resume at a good checkpoint elsewhere, or start over in a new trainer.run_dir")
         return found
-    path = Path(resume)
+    found = _checkpoint_at(Path(resume), resume)
+    own = list_checkpoints(root)
+    if own and root.resolve() not in found.path.resolve().parents:
+        # another run's checkpoint into a run dir with progress of its own: starting over would set that progress
+        # aside and prune it (e.g. the same command run again after a stop)
+        raise CheckpointError(f"trainer.resume={resume} starts from another run's checkpoint, but trainer.run_dir={run_dir} "
+                              f"already holds checkpoints of its own (newest: {own[0].name}): to continue this run, use "
+                              f"trainer.resume=auto; to start again from {resume}, choose a new trainer.run_dir")
+    return found
+
+
+def _checkpoint_at(path: Path, resume: str) -> Checkpoint:
+    """The checkpoint trainer.resume=path names: that checkpoint (it must be good), or the newest good one of
+    a run dir or checkpoints dir."""
     if (path / META_FILE).exists() or (path / STATE_FILE).exists():  # one checkpoint: it must be good
         try:
             return Checkpoint(path, verify_checkpoint(path))

@@ -15,7 +15,7 @@ import torch
 from omegaconf import OmegaConf
 
 from coda_train.config import Config, check_config
-from coda_train.data import DataError, TokenLoader
+from coda_train.data import DataError, PreparationInterrupted, TokenLoader
 from coda_train.durable import LockHeldError
 from coda_train.errors import ConfigError
 from coda_train.kernels import resolve_backend
@@ -39,7 +39,7 @@ from .step import NonFiniteError, TrainStep, evaluate
 
 log = logging.getLogger(__name__)
 
-# Exit codes of train.py (0: finished, or stopped by SIGTERM/SIGINT after saving a checkpoint).
+# Exit codes of train.py (0: finished, or stopped by SIGTERM/SIGINT: after saving a checkpoint, or during data preparation).
 EXIT_BAD_INPUT = 1  # config, data, backend, checkpoint, or the run dir in use by another run
 EXIT_NON_FINITE = 3
 EXIT_RUN_DIR = 4  # a run-dir write failed (disk full, read-only, permissions); earlier checkpoints intact
@@ -49,6 +49,8 @@ STOP_ERRORS = (ConfigError, DataError, CheckpointError, LockHeldError, RunDirErr
 
 def exit_code(error: Exception) -> int:
     """train.py's exit code for one of STOP_ERRORS."""
+    if isinstance(error, PreparationInterrupted):  # a stop by SIGTERM/SIGINT, not bad input: 0, as after a step
+        return 0
     if isinstance(error, NonFiniteError):
         return EXIT_NON_FINITE
     return EXIT_RUN_DIR if isinstance(error, RunDirError) else EXIT_BAD_INPUT
@@ -207,12 +209,13 @@ def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, train_step: TrainS
             _finish(checkpointer, world)  # published before the message says so
             stopped_by = signal.Signals(stop.received).name if stop.received else "a stop signal"  # another rank's
             if world.is_main:
-                log.info("received %s: saved %s and stopped; %s", stopped_by, path, continue_hint(checkpointer.root.parent))
+                log.info("received %s: saved %s and stopped; %s", stopped_by, path,
+                         continue_hint(checkpointer.root.parent, t.resume))
         _finish(checkpointer, world)  # the last step's checkpoint, written in the background
     except NonFiniteError as e:
         exit_code = EXIT_NON_FINITE
         _finish(checkpointer, world)  # a save in flight holds a finite state (each save reads its step first)
-        raise _non_finite_stop(e, state.step, checkpointer) from None
+        raise _non_finite_stop(e, state.step, checkpointer, t.resume) from None
     finally:
         stop.restore()
         if metrics_logger is not None:
@@ -220,14 +223,14 @@ def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, train_step: TrainS
     return RunEnd(last, stopped_by)
 
 
-def _non_finite_stop(error: NonFiniteError, step: int, checkpointer: Checkpointer) -> NonFiniteError:
+def _non_finite_stop(error: NonFiniteError, step: int, checkpointer: Checkpointer, resume: str) -> NonFiniteError:
     """The error a run stops with: which steps were not applied (a fused step runs ahead of the check
     until the next step that reads the device), the newest checkpoint, and the fix."""
     newest = next(iter(list_checkpoints(checkpointer.root)), "none")
     skipped = "this step" if error.step >= step else f"steps {error.step}..{step}"
     return NonFiniteError(f"{error}; stopped without applying or saving {skipped} (newest checkpoint: {newest}). "
                           f"Resume from it with a lower optim.lr, longer optim.warmup_steps or a tighter "
-                          f"optim.grad_clip ({continue_hint(checkpointer.root.parent)})", error.step)
+                          f"optim.grad_clip ({continue_hint(checkpointer.root.parent, resume)})", error.step)
 
 
 def _save(checkpointer: Checkpointer, state: TrainState, world: World) -> Optional[Path]:

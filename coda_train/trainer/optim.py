@@ -58,6 +58,14 @@ class AdamW(torch.optim.AdamW):
         if len({bool(group["fused"]) for group in self.param_groups}) > 1:
             raise ValueError("coda_train's AdamW steps every parameter group one way: fused=True for all or none")
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, but how to step stays this machine's (build_optimizer's fused/foreach): a checkpoint's groups
+        carry the flags of the device that saved it, and a CPU-written foreach group would take the fused
+        path's found_inf into torch's foreach AdamW on a GPU."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            group["fused"], group["foreach"] = self.defaults["fused"], self.defaults["foreach"]
+
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:

@@ -45,10 +45,13 @@ def _fix(e: OSError, run_dir: Path) -> str:
     return f"Check that filesystem ({errno.errorcode.get(e.errno, 'unknown error')}), or choose another trainer.run_dir"
 
 
-def continue_hint(run_dir: Path) -> str:
+def continue_hint(run_dir: Path, resume: str = "auto") -> str:
     """How to continue the run in run_dir. Named in full: without trainer.run_dir every run (and
-    every multirun job) gets a fresh timestamped dir, so the bare command would start over."""
-    return f"to continue, run the same command with trainer.run_dir={run_dir.resolve()}"
+    every multirun job) gets a fresh timestamped dir, so the bare command would start over; and a run
+    started with trainer.resume=never or a path continues with auto (never refuses a run dir in use,
+    a path would start from it again)."""
+    hint = f"to continue, run the same command with trainer.run_dir={run_dir.resolve()}"
+    return hint if resume == "auto" else f"{hint} and trainer.resume=auto"
 
 
 def write_error(e: OSError, what: str, path: Path, run_dir: Path) -> RunDirError:
