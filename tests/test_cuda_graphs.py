@@ -61,7 +61,7 @@ def fused_adamw(monkeypatch):
 def test_fused_steps_run_ahead_and_a_non_finite_one_is_never_applied(tiny, tmp_path, fused_adamw):
     cfg = compose_config(tmp_path, *tiny, "trainer.grad_accum_steps=2")
     world = World()
-    data = prepare_data(cfg.data, world)
+    data = prepare_data(cfg.data)
     llama = resolve_model(cfg, data.vocab_size, "reference")
 
     def fresh() -> TrainStep:

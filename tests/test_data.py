@@ -184,6 +184,31 @@ def test_resume_reproduces_the_uninterrupted_sequence(prepared, stop):
         assert torch.equal(x, rx) and torch.equal(y, ry)
 
 
+def optimizer_steps(loaders: list[TokenLoader], steps: int) -> list[list[tuple]]:
+    """Each optimizer step's windows (as sorted token tuples) over all ranks' loaders, accum_steps micro-batches each."""
+    out = []
+    for _ in range(steps):
+        rows = [x for loader in loaders for _ in range(loader.accum_steps) for x in loader.next_batch()[0]]
+        out.append(sorted(tuple(r.tolist()) for r in rows))
+    return out
+
+
+def test_resume_with_the_batch_made_up_by_accumulation_reads_the_same_windows_per_optimizer_step(prepared):
+    """2 ranks x batch 2 resumed on 1 process x batch 2 x 2 micro-batches (a run moved to fewer GPUs): each optimizer
+    step reads the same 4 windows as the uninterrupted run, across the epoch boundary too; a layout whose epochs
+    end elsewhere, or whose optimizer step is another size, is refused naming what differs."""
+    two = lambda: [TokenLoader(prepared, "train", 2, 16, seed=5, rank=r, world_size=2) for r in range(2)]  # noqa: E731
+    straight = optimizer_steps(two(), 2 * two()[0].steps_per_epoch + 3)
+    before = two()
+    split = before[0].steps_per_epoch - 2
+    optimizer_steps(before, split)
+    one = TokenLoader(prepared, "train", 2, 16, seed=5, accum_steps=2)
+    one.load_state_dict(json.loads(json.dumps(before[0].state_dict())))
+    assert optimizer_steps([one], len(straight) - split) == straight[split:]
+    with pytest.raises(DataError, match=r"batch_size x world_size: saved 4 vs now 2, accum_steps: saved 1 vs now 1"):
+        TokenLoader(prepared, "train", 2, 16, seed=5).load_state_dict(before[0].state_dict())  # half the step
+
+
 def all_windows(data: PreparedData, split: str, seq_len: int) -> Counter:
     windows = Counter()
     for shard in data.shards(split):

@@ -455,3 +455,28 @@ def test_a_stop_on_one_rank_stops_every_rank_through_the_host_side_control_group
     mp.spawn(_stop_check_worker, args=(str(tmp_path / "store"), str(tmp_path / "seen")), nprocs=2)
     for rank in (0, 1):
         assert json.loads((tmp_path / f"seen.{rank}").read_text()) == [True, False, True]
+
+
+def test_a_stop_that_begins_on_another_rank_is_logged_in_train_log(tiny, tmp_path, monkeypatch):
+    """Rank 0 alone holds train.log: a data error only rank 1 meets (its third batch, here made to fail by a
+    sitecustomize) is written there too, naming the rank, and rank 0's broken collective says where to look."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    from coda_train.data import DataError, TokenLoader\n"
+        "    real, calls = TokenLoader.next_batch, []\n"
+        "    def next_batch(self):\n"
+        "        calls.append(1)\n"
+        "        if len(calls) == 3:\n"
+        "            raise DataError('shard train_00000.bin holds a damaged token (test)')\n"
+        "        return real(self)\n"
+        "    TokenLoader.next_batch = next_batch\n")
+    monkeypatch.setenv("PYTHONPATH", f"{hooks}:{REPO}")
+    run_dir = tmp_path / "run"
+    result = run_two_ranks(*tiny, "trainer.max_steps=6", "trainer.eval_every=0", "trainer.ckpt_every=0",
+                           "trainer.batch_size=2", f"trainer.run_dir={run_dir}")
+    assert result.returncode != 0
+    log = (run_dir / "train.log").read_text()
+    assert "rank 1 stopped: shard train_00000.bin holds a damaged token (test)" in log, log[-2000:]

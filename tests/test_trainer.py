@@ -98,7 +98,7 @@ def test_train_state_round_trip_takes_the_same_next_steps(tiny, tmp_path):
     takes the same next steps bit for bit; a non-finite step changes no weight and no counter."""
     cfg = compose_config(tmp_path, *tiny, "trainer.grad_accum_steps=2")
     cpu, world = torch.device("cpu"), World()
-    data = prepare_data(cfg.data, world)
+    data = prepare_data(cfg.data)
     llama = resolve_model(cfg, data.vocab_size, "reference")
 
     def fresh_state():
@@ -235,6 +235,18 @@ def test_resuming_with_another_global_batch_names_the_saved_one(tiny, tmp_path):
         train_in_process(tmp_path, *tiny, "trainer.max_steps=6", "trainer.batch_size=8")
     assert "another trainer.run_dir" in str(error.value) and "choose another checkpoint" not in str(error.value)
     assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000004", "step_00000002"]
+
+
+def test_resuming_with_the_batch_made_up_by_accumulation_continues_the_run(tiny, tmp_path):
+    """A checkpoint of batch 4 resumed with batch 2 x 2 micro-batches (a run moved to less memory): the same
+    windows each optimizer step, so the same losses up to the order the two halves' gradients are summed in."""
+    straight, moved = tmp_path / "straight", tmp_path / "moved"
+    train_in_process(straight, *tiny, "trainer.max_steps=4", "trainer.ckpt_every=2", "trainer.eval_every=0")
+    shutil.copytree(straight / "checkpoints" / "step_00000002", moved / "checkpoints" / "step_00000002")
+    train_in_process(moved, *tiny, "trainer.max_steps=4", "trainer.eval_every=0", "trainer.batch_size=2",
+                     "trainer.grad_accum_steps=2")
+    for a, b in zip(metrics(moved), metrics(straight)[2:], strict=True):
+        assert a["step"] == b["step"] and a["tokens"] == b["tokens"] and a["loss"] == pytest.approx(b["loss"], rel=1e-5)
 
 
 def test_nan_loss_stops_without_checkpointing_it(tiny, tmp_path):

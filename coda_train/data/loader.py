@@ -16,29 +16,35 @@ class TokenLoader:
 
     Each epoch visits every window once in a permutation seeded by (seed, epoch); rank r takes every world_size-th
     window of it, so ranks are disjoint and together cover the epoch. All ranks must use the same seed, and their
-    states are identical, so checkpointing rank 0's state_dict() is enough.
+    states are identical, so checkpointing rank 0's state_dict() is enough. accum_steps, the micro-batches of one
+    optimizer step, only tells a resume which layouts read the same windows per optimizer step (load_state_dict).
     """
 
     def __init__(
-        self, data: PreparedData, split: str, batch_size: int, seq_len: int, seed: int, rank: int = 0, world_size: int = 1
+        self, data: PreparedData, split: str, batch_size: int, seq_len: int, seed: int, rank: int = 0, world_size: int = 1,
+        accum_steps: int = 1,
     ):
-        if batch_size < 1 or seq_len < 1 or seed < 0 or not 0 <= rank < world_size:
-            settings = f"batch_size={batch_size}, seq_len={seq_len}, seed={seed}, rank={rank}, world_size={world_size}"
+        if batch_size < 1 or seq_len < 1 or seed < 0 or accum_steps < 1 or not 0 <= rank < world_size:
+            settings = (f"batch_size={batch_size}, seq_len={seq_len}, seed={seed}, rank={rank}, world_size={world_size}, "
+                        f"accum_steps={accum_steps}")
             raise DataError(f"invalid loader settings: {settings}; all must be positive (seed >= 0) and rank < world_size")
         self.data, self.split = data, split
         self.batch_size, self.seq_len, self.seed, self.rank, self.world_size = batch_size, seq_len, seed, rank, world_size
+        self.accum_steps = accum_steps
         self.shards = data.shards(split)
         # windows never straddle shards: each shard loses < seq_len tokens, and a window is one contiguous memmap slice
         windows_per_shard = [max(0, (len(shard) - 1) // seq_len) for shard in self.shards]
         self.shard_offsets = np.cumsum([0] + windows_per_shard)  # first global window index of each shard
         self.num_windows = int(self.shard_offsets[-1])
         self.windows_per_rank = self.num_windows // world_size  # equal per rank, so all ranks take the same number of steps
-        self.steps_per_epoch = self.windows_per_rank // batch_size
+        # micro-steps per epoch: whole optimizer steps, so an epoch uses the first (N // (B*W*A)) * B*W*A windows of
+        # its permutation, the same for every layout of one optimizer batch (and no step straddles two epochs)
+        self.steps_per_epoch = self.windows_per_rank // (batch_size * accum_steps) * accum_steps
         if self.steps_per_epoch == 0:
             raise DataError(
                 f"the {split} split has {data.num_tokens(split)} tokens = {self.num_windows} windows of {seq_len}+1, fewer than "
-                f"one batch of {batch_size} per rank x {world_size} ranks; use a smaller batch_size/seq_len, more data, "
-                f"or a larger val_fraction"
+                f"one batch of {batch_size} x {accum_steps} micro-batches per rank x {world_size} ranks; use a smaller "
+                f"batch_size/seq_len/grad_accum_steps, more data, or a larger val_fraction"
             )
         self.epoch, self.step = 0, 0
         self._order_epoch: Optional[int] = None
@@ -68,6 +74,7 @@ class TokenLoader:
             "batch_size": self.batch_size,
             "seq_len": self.seq_len,
             "world_size": self.world_size,
+            "accum_steps": self.accum_steps,
             "num_windows": self.num_windows,
             "split": self.split,
             "tokenizer": self.data.manifest["tokenizer"]["fingerprint"],
@@ -76,25 +83,35 @@ class TokenLoader:
     def load_state_dict(self, state: dict) -> None:
         """Continue exactly where the saved loader stopped; refuses states whose batches this loader cannot reproduce."""
         mine = self.state_dict()
-        # rank r's step s is windows r, r+W, ... of the permutation's slice [s*B*W, (s+1)*B*W): every split
-        # of the global batch B*W into ranks takes the same windows per step (and the same epoch length)
-        differing = {k: (state.get(k), mine[k]) for k in mine
-                     if k not in ("epoch", "step", "batch_size", "world_size") and state.get(k) != mine[k]}
-        saved_global = state.get("batch_size", 0) * state.get("world_size", 0)
-        if saved_global != self.batch_size * self.world_size:
-            key, saved, now = (("batch_size", state.get("batch_size"), self.batch_size) if state.get("world_size") == self.world_size
-                               else ("batch_size x world_size", saved_global, self.batch_size * self.world_size))
-            differing[key] = (saved, now)
+        # rank r's micro-step s is windows r, r+W, ... of the permutation's slice [s*G, (s+1)*G), G = B*W, and an
+        # epoch uses its first (N // (G*A)) * G*A windows: every layout with the same G*A reads the same windows per
+        # optimizer step (with the same G, per micro-step too), e.g. a run moved to fewer GPUs, its batch made up
+        # by accumulation
+        layout = ("epoch", "step", "batch_size", "world_size", "accum_steps")
+        differing = {k: (state.get(k), mine[k]) for k in mine if k not in layout and state.get(k) != mine[k]}
+        saved_micro = state.get("batch_size", 0) * state.get("world_size", 0)
+        micro = self.batch_size * self.world_size
+        saved_accum = state.get("accum_steps", self.accum_steps)  # not saved before 2026-12-05: take it as unchanged
+        step = state.get("step", 0)
+        if saved_micro != micro:  # (the same G with another A: the same micro-steps, as a batch-size schedule makes)
+            if saved_micro * saved_accum == micro * self.accum_steps and (step * saved_micro) % micro == 0:
+                step = step * saved_micro // micro  # the same windows consumed, counted in this layout's micro-steps
+            else:
+                if state.get("world_size") == self.world_size:
+                    differing["batch_size"] = (state.get("batch_size"), self.batch_size)
+                else:
+                    differing["batch_size x world_size"] = (saved_micro, micro)
+                differing["accum_steps"] = (saved_accum, self.accum_steps)
         if differing:
             detail = ", ".join(f"{k}: saved {saved!r} vs now {now!r}" for k, (saved, now) in differing.items())
             raise DataError(
-                f"cannot resume the data position, the loader differs from the checkpoint ({detail}); "
-                f"resume with the same data and global batch (trainer.batch_size x processes)"
+                f"cannot resume the data position, the loader differs from the checkpoint ({detail}); resume with the "
+                f"same data and global batch (trainer.batch_size x processes x trainer.grad_accum_steps)"
             )
-        if not (0 <= state["step"] <= self.steps_per_epoch and state["epoch"] >= 0):
-            position = f"epoch={state['epoch']} step={state['step']}"
+        if not (0 <= step <= self.steps_per_epoch and state["epoch"] >= 0):
+            position = f"epoch={state['epoch']} step={step}"
             raise DataError(f"loader state {position} is out of range (steps_per_epoch={self.steps_per_epoch})")
-        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+        self.epoch, self.step = int(state["epoch"]), int(step)
 
     def _rank_order(self, epoch: int) -> np.ndarray:
         if self._order_epoch != epoch:  # one permutation per epoch, rebuilt only when the epoch changes

@@ -65,7 +65,7 @@ class EagerLlama(LlamaWeights):
         # causal over all positions: new token i sees cached ones and new ones up to itself
         mask = None if start == 0 or T == 1 else torch.ones(T, start + T, dtype=torch.bool, device=tokens.device).tril(start)
 
-        x = F.embedding(tokens, self.tok_emb.to(dt))
+        x = F.embedding(tokens, self.tok_emb).to(dt)  # the rows, then their cast: not a cast of the whole table
         for i, layer in enumerate(self.layers):  # under FSDP2 the call gathers the block's weights around it
             x = layer(self._block, x, i, cos, sin, mask, cache)
         if cache is not None:

@@ -43,10 +43,10 @@ class LigerLlama(EagerLlama):
         cos, sin = cos.repeat(1, 2)[None], sin.repeat(1, 2)[None]  # (1, T, hd): Liger's half layout
         rows = self._interleaved_to_halves_rows(tokens.device)
 
-        x = F.embedding(tokens, self.tok_emb.to(dt))
+        x = F.embedding(tokens, self.tok_emb).to(dt)  # the rows, then their cast: not a cast of the whole table
         for layer in self.layers:
             h = liger_rms_norm(x, layer.attn_norm.to(dt), cfg.norm_eps, in_place=False)
-            q, k, v = F.linear(h, layer.w_qkv[rows].to(dt)).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
+            q, k, v = F.linear(h, layer.w_qkv.to(dt)[rows]).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)  # bf16 gather
             q, k = liger_rope(q.view(B, T, H, hd).transpose(1, 2), k.view(B, T, Hkv, hd).transpose(1, 2), cos, sin)
             o = F.scaled_dot_product_attention(q, k, v.view(B, T, Hkv, hd).transpose(1, 2), is_causal=True,
                                                enable_gqa=H != Hkv)
@@ -59,9 +59,11 @@ class LigerLlama(EagerLlama):
         return liger_fused_linear_cross_entropy(h.view(B * T, -1), self.lm_weight.to(dt), targets.reshape(-1))
 
     def _interleaved_to_halves_rows(self, device: torch.device) -> Tensor:
-        """Row order of w_qkv: in each q and k head, even columns then odd ones; v rows unchanged."""
+        """Row order of w_qkv: in each q and k head, even columns then odd ones; v rows unchanged. Built on
+        the device: a host-built index copied there would sync the stream every forward."""
         cfg, hd = self.cfg, self.cfg.head_dim
-        per_head = torch.cat((torch.arange(0, hd, 2), torch.arange(1, hd, 2)))
+        arange = lambda *a: torch.arange(*a, device=device)  # noqa: E731
+        per_head = torch.cat((arange(0, hd, 2), arange(1, hd, 2)))
         n_rope_heads = cfg.n_heads + cfg.n_kv_heads
-        rope_rows = (torch.arange(n_rope_heads)[:, None] * hd + per_head).flatten()
-        return torch.cat((rope_rows, torch.arange(n_rope_heads * hd, cfg.qkv_dim))).to(device)
+        rope_rows = (arange(n_rope_heads)[:, None] * hd + per_head).flatten()
+        return torch.cat((rope_rows, arange(n_rope_heads * hd, cfg.qkv_dim)))

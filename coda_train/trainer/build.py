@@ -42,14 +42,11 @@ def data_config(cfg: Config) -> DataConfig:
     return cfg.data.for_model(cfg.model.init_from)
 
 
-def prepare_data(cfg: DataConfig, world: World) -> PreparedData:
-    """The prepared data, on every rank: rank 0 prepares (or finds) it first, the others then open it."""
-    if not world.is_main:
-        barrier(world)
-    data = prepare(cfg)
-    if world.is_main:
-        barrier(world)
-    return data
+def prepare_data(cfg: DataConfig) -> PreparedData:
+    """The prepared data, on every rank. No collective around it: the cache folder's lock lets one process
+    prepare while the others wait for it as long as it takes (a barrier would time out under NCCL after 10
+    minutes, and a first preparation of a large corpus takes longer), then they open what it made."""
+    return prepare(cfg)
 
 
 def _shape_errors(cfg: Config, llama: LlamaConfig, backend: str) -> list[str]:
@@ -78,7 +75,8 @@ def resolve_model(cfg: Config, tokenizer_vocab_size: int, backend: str) -> Llama
 
 
 def build_loader(data: PreparedData, split: str, t: TrainerConfig, world: World) -> TokenLoader:
-    return TokenLoader(data, split, t.batch_size, t.seq_len, t.seed, world.rank, world.world_size)
+    accum = t.grad_accum_steps if split == "train" else 1  # evaluation batches are not optimizer steps
+    return TokenLoader(data, split, t.batch_size, t.seq_len, t.seed, world.rank, world.world_size, accum)
 
 
 def build_train_state(cfg: Config, llama: LlamaConfig, data: PreparedData, backend: str, device: torch.device,

@@ -33,7 +33,7 @@ from .distributed import (World, any_rank, barrier, check_fsdp_options, close_wo
 from .graphs import use_cuda_graphs
 from .metrics import METRICS_FILE, MetricsLogger, Throughput, metrics_line, mfu, rewind_metrics
 from .optim import apply_config_after_resume
-from .rundir import RunDirError, continue_hint, hold_run_dir, writing
+from .rundir import RunDirError, continue_hint, hold_run_dir, log_in_run_dir, writing
 from .state import TrainState
 from .step import NonFiniteError, TrainStep, evaluate
 
@@ -85,6 +85,8 @@ def train(cfg: Config, run_dir: Path) -> RunEnd:
     """Train per cfg, writing into run_dir; returns how the run ended (RunEnd).
     Under torchrun every rank calls this; rank 0's run_dir is used and only rank 0 writes (holding
     its lock). A STOP_ERRORS error is logged (console, and train.log once the dir is held), then raised."""
+    world: Optional[World] = None
+    holding = False  # the run dir is held (its train.log exists): where a stop on any rank is logged
     with contextlib.ExitStack() as held:  # process group and run dir, released after the stop reason is logged
         try:
             check_config(cfg)
@@ -103,12 +105,24 @@ def train(cfg: Config, run_dir: Path) -> RunEnd:
             cuda_graphs = use_cuda_graphs(cfg.trainer.cuda_graphs, cfg.model.impl, device, parallel)
             run_dir = from_main(run_dir, world)
             held.enter_context(hold_run_dir(run_dir, world))  # before anything reads or writes the run dir
+            holding = True
             result = _train(cfg, run_dir, backend, process_device(device, world), compute_dtype, world, parallel,
                             cuda_graphs)
             barrier(world)  # every rank done (rank 0's last checkpoint too) before gloo/NCCL tear down
             return result
         except STOP_ERRORS as e:
             log.error("%s", e)
+            if holding and not world.is_main:
+                log_in_run_dir(run_dir, f"rank {world.rank} stopped: {e}")
+            raise
+        except Exception as e:
+            if holding and world.distributed:  # most likely a collective that another rank's stop cut short
+                message = (f"rank {world.rank} stopped on {type(e).__name__}: {e} (in a multi-process run most "
+                           "likely because another rank stopped first: its reason is in train.log or on its console)")
+                if world.is_main:
+                    log.error("%s", message)
+                else:
+                    log_in_run_dir(run_dir, message)
             raise
 
 
@@ -116,7 +130,7 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
            world: World, parallel: str, cuda_graphs: bool) -> Optional[dict[str, Any]]:
     t = cfg.trainer
     resume_from = find_resume_checkpoint(t.resume, run_dir)  # before data preparation, which can be long
-    data = prepare_data(data_config(cfg), world)
+    data = prepare_data(data_config(cfg))
     llama = resolve_model(cfg, data.vocab_size, backend)
     if resume_from is not None:
         check_same_model(resume_from, llama)
