@@ -323,12 +323,13 @@ def bench_model(variant: str, cfg, state: dict, batch, iters: int, warmup: int) 
         optimizer.step()
 
     reset_peak()
-    step = step_times(train_step, iters, warmup)
+    with GpuClocks() as step_clocks:  # the full step's own clock: the two phases may run at different ones
+        step = step_times(train_step, iters, warmup)
     peak_step = peak_memory() - base
     n_tokens = tokens.numel()
     result = {
         "variant": variant, "setup_s": setup_s, "fwd_bwd": summary(fb), "fwd_bwd_synced": summary(fb_synced),
-        "clocks": clocks.result, "step": summary(step),
+        "clocks": clocks.result, "step": summary(step), "step_clocks": step_clocks.result,
         "tokens_per_s": n_tokens / statistics.median(step) * 1e3,
         "peak_fwd_bwd_gib": peak_fb / 2**30 if peak_fb else None,
         "peak_above_weights_gib": (peak_fb - weight_bytes) / 2**30 if peak_fb else None,

@@ -175,8 +175,8 @@ def shape_table(r: dict) -> list[str]:
     lines = [f"### {r['shape']}: {r['preset']}, {r['n_layers']} layers, {r['batch']} x {r['seq']} tokens",
              "", f"`{r['command']}` on {env['gpu']}, {env['date']}{_code(env)}; bf16 GEMM peak measured in the same run: "
              f"{r['gemm_peak_tflops']['peak']:.0f} TFLOP/s; " + STEP_TIMING[r.get("step_timing", "synced")], "",
-             "| variant | fwd+bwd ms (median) | min | max | synced ms | full step ms | tokens/s | MFU (fwd+bwd) | peak GiB | above weights GiB | / coda (faster launch) | / floor | SM MHz (mean) | W (mean) | clock held by |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| variant | fwd+bwd ms (median) | min | max | synced ms | full step ms | tokens/s | MFU (fwd+bwd) | peak GiB | above weights GiB | / coda (faster launch) | / floor | SM MHz (mean) | full step SM MHz | W (mean) | clock held by |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for name, row in r["variants"].items():
         fb = row["fwd_bwd"]
@@ -185,9 +185,10 @@ def shape_table(r: dict) -> list[str]:
                      f"{100 * row['mfu_fwd_bwd']:.1f}% | {fmt(_peak(r, name, 'peak_fwd_bwd_gib'), '.1f')} | "
                      f"{fmt(_peak(r, name), '.1f')} | {fmt(_over_coda(r, row), '.2f')} | "
                      f"{fmt(row.get('over_floor'), '.2f')} | {fmt((row.get('clocks') or {}).get('sm_mhz_mean'), '.0f')} | "
+                     f"{fmt((row.get('step_clocks') or {}).get('sm_mhz_mean'), '.0f')} | "
                      f"{fmt((row.get('clocks') or {}).get('power_w_mean'), '.0f')} | {clock_reasons(row.get('clocks'))} |")
     for name, err in r["failed"].items():
-        lines.append(f"| {name} | failed: {err.splitlines()[0][:160]} | | | | | | | | | | | | | |")
+        lines.append(f"| {name} | failed: {err.splitlines()[0][:160]} | | | | | | | | | | | | | | |")
     untrusted = [n for n in r["variants"] if not _peak_trusted(r, n)]
     if untrusted:
         lines += ["", f"Peak memory of {', '.join(untrusted)} not shown: {UNTRUSTED_PEAK}."]
