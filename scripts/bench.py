@@ -11,6 +11,10 @@ Variants (bf16 compute, fp32 master weights, fused AdamW):
   compile-graphs        torch.compile mode="reduce-overhead" (CUDA graphs)
   compile-max-autotune  torch.compile mode="max-autotune" (GEMM autotuning + CUDA graphs); slow to
                         compile, so opt-in per shape (--variants) and reported as skipped otherwise
+  compile-fa4, compile-graphs-fa4, compile-max-autotune-fa4
+                        the same with FlashAttention 4 (CODA's attention) in place of SDPA's, as two
+                        torch custom ops torch.compile traces (scripts/fa4_peer.py): the compile peers
+                        with the best attention on Hopper
   liger                 eager with Liger kernels
   coda                  the CODA model on the cute backend
   coda-graphs           coda with forward+backward replayed as one CUDA graph (the trainer's
@@ -76,10 +80,14 @@ MODEL_VARIANTS = {  # variant -> (model impl, torch.compile mode, CUDA_GRAPH, or
     "compile-graphs": ("eager", "reduce-overhead"),
     "compile-max-autotune": ("eager", "max-autotune"),
     "liger": ("liger", None),
+    # the compile peers with CODA's attention, FlashAttention 4, in place of SDPA's (scripts/fa4_peer.py)
+    "compile-fa4": ("eager-fa4", "default"),
+    "compile-graphs-fa4": ("eager-fa4", "reduce-overhead"),
+    "compile-max-autotune-fa4": ("eager-fa4", "max-autotune"),
     "coda": ("coda", None),
     "coda-graphs": ("coda", CUDA_GRAPH),
 }
-DEFAULT_VARIANTS = "eager,compile,compile-graphs,liger,coda,coda-graphs,floor"
+DEFAULT_VARIANTS = "eager,compile,compile-graphs,compile-fa4,compile-graphs-fa4,liger,coda,coda-graphs,floor"
 
 
 # bf16 on the GPU; the CPU smoke run checks the harness in fp32 (CPU bf16 GEMMs are slow and odd)
@@ -258,7 +266,12 @@ def build(impl: str, cfg, state: dict):
     from coda_train.model import build_model
 
     backend = "cute" if impl == "coda" and DEVICE.type == "cuda" else "reference"
-    model = build_model(cfg, impl, backend=backend, compute_dtype=COMPUTE_DTYPE).to(DEVICE)
+    if impl == "eager-fa4":  # a peer of the bench only, not a model.impl
+        from fa4_peer import EagerFA4Llama  # scripts/fa4_peer.py
+
+        model = EagerFA4Llama(cfg, compute_dtype=COMPUTE_DTYPE).to(DEVICE)
+    else:
+        model = build_model(cfg, impl, backend=backend, compute_dtype=COMPUTE_DTYPE).to(DEVICE)
     model.load_state_dict(state)
     return model
 

@@ -124,3 +124,30 @@ def test_graph_kernels_take_the_op_of_the_eager_kernel_they_align_with():
                                   "gemm_residual_rmsnorm_partial": 0.04, "[elementwise]": 0.003,
                                   "rstd_from_partials": 0.002}
     assert list(got["by_owner_ms"])[0] == "gemm_rowscale_rope"  # largest first
+
+
+def test_the_fa4_peer_is_the_eager_model_with_another_attention_kernel():
+    """scripts/fa4_peer.py (the compile peers with FlashAttention 4): its custom ops pass torch's op checks (schema,
+    fake tensors for torch.compile, autograd), and the model it builds computes the eager model's loss and
+    gradients (on CPU the ops' plain-torch path, float64)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import torch
+
+    from coda_train.model import LlamaConfig, build_model
+    from fa4_peer import EagerFA4Llama, fa4_causal
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 9, h, 8, generator=g, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    torch.library.opcheck(fa4_causal, (q, k, v))
+    cfg = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=50, max_seq_len=16)
+    torch.manual_seed(0)
+    eager = build_model(cfg, "eager", compute_dtype=torch.float64).double()
+    peer = EagerFA4Llama(cfg, compute_dtype=torch.float64).double()
+    peer.load_state_dict(eager.state_dict())
+    tokens = torch.randint(0, 50, (2, 16), generator=g)
+    losses = [m(tokens, tokens.roll(-1, 1)) for m in (eager, peer)]
+    for loss in losses:
+        loss.backward()
+    assert torch.allclose(losses[0], losses[1], rtol=1e-12)
+    for (name, a), b in zip(eager.named_parameters(), peer.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-9, atol=1e-12), name

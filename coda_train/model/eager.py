@@ -74,6 +74,12 @@ class EagerLlama(LlamaWeights):
         h = F.rms_norm(x, (cfg.dim,), self.norm.to(dt), cfg.norm_eps)
         return F.linear(h, self.lm_weight.to(dt))
 
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool) -> Tensor:
+        """Attention of (B, heads, T, hd) q, k, v: SDPA with GQA, the kernel the eager and torch.compile peers
+        use (scripts/fa4_peer.py swaps in FlashAttention 4, CODA's, for a peer with that attention)."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+
     def _block(self, layer: LayerWeights, x: Tensor, i: int, cos: Tensor, sin: Tensor, mask: Optional[Tensor],
                cache: Optional[KVCache]) -> Tensor:
         """Block i from its weights module's call (LayerWeights.forward): attention, then the MLP."""
@@ -88,7 +94,7 @@ class EagerLlama(LlamaWeights):
         v = v.view(B, T, Hkv, hd).transpose(1, 2)
         if cache is not None:
             k, v = cache.append(i, k, v)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=start == 0, enable_gqa=H != Hkv)
+        o = self.attend(q, k, v, mask, causal=start == 0)
         x = x + F.linear(o.transpose(1, 2).reshape(B, T, H * hd), layer.w_o.to(dt))
 
         h = F.rms_norm(x, (d,), layer.mlp_norm.to(dt), cfg.norm_eps)

@@ -142,7 +142,8 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
     if resume_from is not None:
         restore(state, resume_from)
         apply_config_after_resume(state.optimizer, state.scheduler, cfg.optim)
-        log.info("resumed from %s (step %d)", resume_from.path, state.step)
+        if world.is_main:  # once, not once per rank
+            log.info("resumed from %s (step %d)", resume_from.path, state.step)
     val_loader = build_loader(data, "val", t, world) if t.eval_every else None
 
     config = OmegaConf.to_container(OmegaConf.structured(cfg))
