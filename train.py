@@ -17,6 +17,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from coda_train.config import register_configs, to_dataclass
@@ -35,7 +36,9 @@ def main(cfg: DictConfig) -> None:
         log.error("%s", e)
         sys.exit(EXIT_BAD_INPUT)
     try:
-        end = train(config, Path(HydraConfig.get().runtime.output_dir))
+        hydra_config = HydraConfig.get()
+        sweep_dir = Path(hydra_config.sweep.dir) if hydra_config.mode == RunMode.MULTIRUN else None
+        end = train(config, Path(hydra_config.runtime.output_dir), sweep_dir)
     except STOP_ERRORS as e:  # train() logged it; kernels.BackendError is a ConfigError
         sys.exit(exit_code(e))
     if end.stopped_by:  # saved and stopped: exit now, so a multirun sweep stops too instead of starting its next job

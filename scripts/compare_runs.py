@@ -32,6 +32,7 @@ import palette_png  # noqa: E402  (scripts/palette_png.py)
 class Run:
     name: str
     program: str | None  # model.impl, with the kernel backend for coda: what "the same model" means below
+    settings: dict  # the rest of config.yaml but what tells runs of one setting apart (run_dir, seed, logger)
     steps: np.ndarray
     loss: np.ndarray
     tokens: np.ndarray
@@ -45,7 +46,16 @@ def read_run(run_dir: Path) -> Run:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         sys.exit(f"error: {path} not found; pass run directories written by train.py")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    rows = []
+    for n, line in lines:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            if n != lines[-1][0]:
+                sys.exit(f"error: {path}:{n} is not a JSON line; the metrics file is damaged")
+            # the last line cut short (a run killed or out of disk mid-write), as the trainer's rewind skips it
+            print(f"warning: {path}:{n} is cut short and left out", file=sys.stderr)
     train = [r for r in rows if "loss" in r]
     if not train:
         sys.exit(f"error: {path} has no training steps logged")
@@ -57,7 +67,7 @@ def read_run(run_dir: Path) -> Run:
     name = f"{impl} ({run_dir.name})" if impl else run_dir.name
     tps = [r["tokens_per_s"] for r in train if r.get("tokens_per_s")]
     # Steady-state throughput: median over the second half of the run (skips compile/warm-up).
-    return Run(name=name, program=run_program(run_dir / "config.yaml"),
+    return Run(name=name, program=run_program(run_dir / "config.yaml"), settings=run_settings(run_dir / "config.yaml"),
                steps=np.array([r["step"] for r in train]),
                loss=np.array([r["loss"] for r in train], dtype=np.float64),
                tokens=np.array([r.get("tokens", math.nan) for r in train], dtype=np.float64),
@@ -69,6 +79,32 @@ def read_run(run_dir: Path) -> Run:
 def run_impl(config_path: Path) -> str | None:
     """model.impl of a run's config.yaml; None when the file or the key is absent."""
     return _config_value(config_path, "model", "impl")
+
+
+# keys that differ between runs of one setting: where it ran, its seed (run-to-run noise), where it logged
+RUN_IDENTITY = {("trainer", "run_dir"), ("trainer", "seed"), ("trainer", "progress_bar"), ("logger",)}
+
+
+def run_settings(config_path: Path) -> dict:
+    """config.yaml flattened to {"group.key": value}, without RUN_IDENTITY and what run_program covers ({} if absent)."""
+    config = yaml.safe_load(config_path.read_text()) if config_path.is_file() else None
+    flat = {}
+
+    def walk(node, path: tuple) -> None:
+        if path in RUN_IDENTITY or path[:1] in RUN_IDENTITY or path in (("model", "impl"), ("kernels", "backend")):
+            return
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, (*path, str(key)))
+        else:
+            flat[".".join(path)] = node
+    walk(config if isinstance(config, dict) else {}, ())
+    return flat
+
+
+def settings_differ(a: "Run", b: "Run") -> list[str]:
+    """The config keys (but RUN_IDENTITY) whose values differ between two runs."""
+    return sorted(k for k in a.settings.keys() | b.settings.keys() if a.settings.get(k) != b.settings.get(k))
 
 
 def run_program(config_path: Path) -> str | None:
@@ -106,7 +142,8 @@ def compare(runs: list[Run], window: int) -> list[dict]:
     for run in runs:
         common, i_ref, i_run = np.intersect1d(ref.steps, run.steps, return_indices=True)
         d_raw = np.abs(run.loss[i_run] - ref.loss[i_ref])
-        d_smooth = np.abs(smooth(run.loss, window)[i_run] - smooth(ref.loss, window)[i_ref])
+        # smoothed over the common steps only: runs logged every 1 and every 5 steps average the same points
+        d_smooth = np.abs(smooth(run.loss[i_run], window) - smooth(ref.loss[i_ref], window))
         tail = common >= common[0] + 0.9 * (common[-1] - common[0]) if len(common) else common
         table.append({
             "run": run.name, "steps": int(run.steps[-1]),
@@ -123,22 +160,32 @@ def compare(runs: list[Run], window: int) -> list[dict]:
 
 def pairs(runs: list[Run], window: int) -> list[dict]:
     """Every pair of runs: mean and max |Δ| of the smoothed losses over the last 10% of the steps both
-    logged, and whether the two runs are of the same model (model.impl, and for coda kernels.backend)."""
+    logged, and whether the two runs are of the same model (model.impl, and for coda kernels.backend) run with
+    the same settings (all of config.yaml but the run dir, seed and logger): only such pairs measure run-to-run noise."""
     rows = []
     for i, a in enumerate(runs):
         for b in runs[i + 1:]:
             row = compare([a, b], window)[1]
-            rows.append({"a": a.name, "b": b.name,
-                         "same_model": a.program is not None and a.program == b.program,
+            differ = settings_differ(a, b)
+            rows.append({"a": a.name, "b": b.name, "settings_differ": differ,
+                         "same_model": a.program is not None and a.program == b.program and not differ,
                          "mean_abs_dloss_smoothed_last10pct": row["mean_abs_dloss_smoothed_last10pct"],
                          "max_abs_dloss_smoothed_last10pct": row["max_abs_dloss_smoothed_last10pct"]})
     return rows
 
 
+def _same(row: dict) -> str:
+    """The pair table's 'same model' cell: yes, or no with the settings that differ (up to three)."""
+    if row["same_model"]:
+        return "yes"
+    differ = row.get("settings_differ") or []
+    return f"no ({', '.join(differ[:3])}{', ...' if len(differ) > 3 else ''})" if differ else "no"
+
+
 def pairs_markdown(rows: list[dict]) -> str:
     lines = ["| run | run | same model | mean |Δ| smoothed, last 10% | max |Δ| smoothed, last 10% |",
              "|---|---|---|---:|---:|"]
-    lines += [f"| {r['a']} | {r['b']} | {'yes' if r['same_model'] else 'no'} | "
+    lines += [f"| {r['a']} | {r['b']} | {_same(r)} | "
               f"{r['mean_abs_dloss_smoothed_last10pct']:.5f} | {r['max_abs_dloss_smoothed_last10pct']:.5f} |"
               for r in rows if r["mean_abs_dloss_smoothed_last10pct"] is not None]
     for same, what in ((True, "same model (run-to-run noise)"), (False, "across models")):
@@ -215,6 +262,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--x", choices=["step", "tokens", "time"], default="step", help="x axis of the plot")
     args = p.parse_args(argv)
     runs = [read_run(d) for d in args.runs]
+    names = [r.name for r in runs]
+    for run, run_dir in zip(runs, args.runs):  # two sweeps' job 0 are both "eager (0)": name their sweep too
+        if names.count(run.name) > 1:
+            run.name = run.name.replace(f"({run_dir.name})", f"({run_dir.parent.name}/{run_dir.name})")
     window = args.smooth or max(1, len(runs[0].steps) // 50)
     out = args.out or args.runs[0].parent / "compare.png"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -36,8 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ckpt = open_checkpoint(args.checkpoint, args.tokenizer)
         trainer = ckpt.meta["config"]["trainer"]
-        batch_size, seq_len = args.batch_size or trainer["batch_size"], args.seq_len or trainer["seq_len"]
-        if batch_size < 1 or not 1 <= seq_len <= ckpt.model_config.max_seq_len or (args.max_batches or 1) < 1:
+        batch_size = trainer["batch_size"] if args.batch_size is None else args.batch_size
+        seq_len = trainer["seq_len"] if args.seq_len is None else args.seq_len
+        max_batches_ok = args.max_batches is None or args.max_batches >= 1
+        if batch_size < 1 or not 1 <= seq_len <= ckpt.model_config.max_seq_len or not max_batches_ok:
             raise ConfigError(f"need --batch-size >= 1, 1 <= --seq-len <= max_seq_len={ckpt.model_config.max_seq_len} "
                               f"and --max-batches >= 1; got {batch_size}, {seq_len}, {args.max_batches}")
         device = pick_device(args.device, "--device ")
@@ -49,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             data = ckpt.data or prepare(run_data_config(ckpt.meta))
             batches = TokenLoader(data, args.split, batch_size, seq_len, seed=0).iter_eval(args.max_batches)
             what = f"the {args.split} split of {data.path}"
-        if args.text and args.max_batches:
+        if args.text and args.max_batches is not None:
             batches = (b for b, _ in zip(batches, range(args.max_batches)))
         model = load_eager_model(ckpt, device, dtype)
         loss, tokens = mean_loss(model, batches, device)

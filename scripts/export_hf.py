@@ -36,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # export_hf removed what it had written
+        print(f"error: could not write the export to {args.out}: {e.strerror or e}; nothing was left there: free space "
+              "or choose another --out", file=sys.stderr)
+        return 1
     print(f"exported {ckpt.path} (step {ckpt.meta['step']}) to {out}:")
     for file in sorted(out.iterdir()):
         print(f"  {file.name:<32} {file.stat().st_size:>12,} bytes")

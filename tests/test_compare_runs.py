@@ -93,3 +93,30 @@ def test_three_runs_or_more_add_every_pair_split_by_model(tmp_path):
     # two runs: no pair table (the one pair is the run table's |Δ| row)
     compare_runs.main([*dirs[:2], "--out", str(tmp_path / "two.png")])
     assert "pairs" not in json.loads((tmp_path / "two.json").read_text())
+
+
+def test_runs_logged_at_other_intervals_and_runs_of_other_settings_are_told_apart(tmp_path):
+    """One trajectory logged every step and every 5 steps compares as identical (smoothed on the steps both
+    logged); a pair with another learning rate is not counted as run-to-run noise (the differing key is named);
+    two sweeps' job dirs of one name get their sweep's name; a metrics line cut short at the end is left out."""
+    compare_runs = compare_runs_module()
+    loss = {s: 5.0 - 0.01 * s + 0.05 * (s % 7) for s in range(1, 201)}
+
+    def run(path: Path, every: int, lr: float, cut: bool = False) -> str:
+        path.mkdir(parents=True)
+        lines = "".join(json.dumps({"step": s, "loss": loss[s]}) + "\n" for s in loss if s % every == 0)
+        (path / "metrics.jsonl").write_text(lines + ('{"step": 201, "loss": 3.' if cut else ""))
+        (path / "config.yaml").write_text(f"model: {{impl: eager}}\noptim: {{lr: {lr}}}\ntrainer: {{seed: {every}}}\n")
+        return str(path)
+
+    dirs = [run(tmp_path / "a" / "0", 1, 3e-4, cut=True), run(tmp_path / "b" / "0", 5, 3e-4), run(tmp_path / "c" / "0", 1, 1e-3)]
+    out = tmp_path / "cmp.png"
+    compare_runs.main([*dirs, "--out", str(out), "--smooth", "5"])
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert [r["run"] for r in result["runs"]] == ["eager (a/0)", "eager (b/0)", "eager (c/0)"]
+    assert result["runs"][1]["mean_abs_dloss_smoothed_last10pct"] == 0.0
+    by_pair = {(p["a"], p["b"]): p for p in result["pairs"]}
+    assert by_pair[("eager (a/0)", "eager (b/0)")]["same_model"]  # another seed: the same setting
+    lr_pair = by_pair[("eager (a/0)", "eager (c/0)")]
+    assert not lr_pair["same_model"] and lr_pair["settings_differ"] == ["optim.lr"]
+    assert "| eager (a/0) | eager (c/0) | no (optim.lr) |" in out.with_suffix(".md").read_text()

@@ -403,3 +403,31 @@ def test_export_refuses_a_non_empty_output_dir(trained_run, tmp_path):
     result = run_script("export_hf.py", str(trained_run), "--out", str(tmp_path))
     assert result.returncode == 1 and "not an empty directory" in result.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+
+
+def test_export_errors_leave_no_temp_folder(trained_run, tmp_path, monkeypatch):
+    """A bad --max-shard-size is refused before any write; a write that fails (a full disk) removes the
+    half-written folder and says so in one line."""
+    result = run_script("export_hf.py", str(trained_run), "--out", str(tmp_path / "e"), "--max-shard-size", "banana")
+    assert result.returncode == 1 and "--max-shard-size='banana' is not a size" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+    import huggingface_hub
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(huggingface_hub, "save_torch_state_dict", disk_full)
+    ckpt = open_checkpoint(trained_run)
+    with pytest.raises(OSError):
+        export_hf(ckpt.weights, ckpt.model_config, tmp_path / "e", tokenizer_file=ckpt.tokenizer_file,
+                  eos_token=ckpt.eos_token)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_eval_and_sample_refuse_zero_and_negative_counts(trained_run):
+    """0 is not 'the default': eval's --seq-len, --batch-size and --max-batches, and sample's --max-new-tokens,
+    are refused with the valid range instead of falling back or failing later."""
+    for flag in ("--seq-len", "--batch-size", "--max-batches"):
+        result = run_script("eval.py", str(trained_run), flag, "0")
+        assert result.returncode == 1 and "need --batch-size >= 1" in result.stderr, (flag, result.stderr[-500:])
+    result = run_script("sample.py", str(trained_run), "--prompt", "def ", "--max-new-tokens", "-5")
+    assert result.returncode == 1 and "max_new_tokens=-5 must be >= 0" in result.stderr, result.stderr[-500:]

@@ -223,6 +223,8 @@ def test_a_stop_signal_ends_a_multirun_sweep_too(tiny, tmp_path):
                        "debug.sigterm_after_step=3", f"trainer.run_dir={tmp_path}")
     assert result.returncode == 0, result.stderr
     assert "received SIGTERM" in result.stdout + result.stderr
+    # the whole sweep again continues it: its own -m command with a job's dir would nest a new sweep there
+    assert f"run the same multirun command with trainer.run_dir={tmp_path.resolve()} (each job" in result.stdout + result.stderr
     assert [p.name for p in list_checkpoints(tmp_path / "0" / "checkpoints")] == ["step_00000003"]
     assert not (tmp_path / "1").exists()
 
@@ -247,6 +249,21 @@ def test_resuming_with_the_batch_made_up_by_accumulation_continues_the_run(tiny,
                      "trainer.grad_accum_steps=2")
     for a, b in zip(metrics(moved), metrics(straight)[2:], strict=True):
         assert a["step"] == b["step"] and a["tokens"] == b["tokens"] and a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+
+
+def test_a_run_records_its_data_paths_absolute(tiny, tmp_path, monkeypatch):
+    """data.cache_dir given relative to where train.py ran: the checkpoint's config names it absolute, so eval.py,
+    sample.py and export_hf.py run from elsewhere reopen the same prepared data instead of preparing it again."""
+    from coda_train.data import DataConfig
+
+    cache = next(o.split("=", 1)[1] for o in tiny if o.startswith("data.cache_dir="))
+    monkeypatch.chdir(Path(cache).parent)
+    train_in_process(tmp_path, *tiny, "data.cache_dir=cache", "trainer.max_steps=1", "trainer.eval_every=0")
+    meta = json.loads((tmp_path / "checkpoints" / "step_00000001" / "meta.json").read_text())
+    assert meta["config"]["data"]["cache_dir"] == str(Path(cache).absolute())
+    assert DataConfig(source="builtin").with_absolute_paths().source == "builtin"  # a name, not a path
+    assert DataConfig(source="corpus.jsonl").with_absolute_paths().source == str(Path("corpus.jsonl").absolute())
+    assert DataConfig(source="*.jsonl").with_absolute_paths().source == str(Path("*.jsonl").absolute())
 
 
 def test_nan_loss_stops_without_checkpointing_it(tiny, tmp_path):

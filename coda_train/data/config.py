@@ -2,6 +2,7 @@
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 DECODE_ERRORS = ("replace", "skip_document", "strict")
@@ -38,6 +39,19 @@ class DataConfig:
         if init_from is None or self.tokenizer is not None:
             return self
         return dataclasses.replace(self, tokenizer=init_from)
+
+    def with_absolute_paths(self) -> "DataConfig":
+        """This config with its local paths (source, tokenizer, cache_dir) absolute, as a run records it: the tools
+        that reopen its data (eval, sample, export) may run from another directory. Names (builtin, a hub
+        dataset) stay as they are."""
+        def absolute(value: Optional[str]) -> Optional[str]:
+            if value is None:
+                return None
+            path = Path(value).expanduser()
+            local = path.exists() or (any(c in value for c in "*?[") and path.parent.exists())
+            return str(path.absolute()) if local else value
+        return dataclasses.replace(self, source=absolute(self.source), tokenizer=absolute(self.tokenizer),
+                                   cache_dir=str(Path(self.cache_dir).expanduser().absolute()))
 
     def validate(self) -> None:
         if not self.source.strip():

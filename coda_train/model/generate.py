@@ -41,6 +41,8 @@ def generate(model: EagerLlama, prompt: list[int], max_new_tokens: int, *, tempe
         raise ValueError("the prompt is empty; start it with at least one token (e.g. the EOS that separates documents)")
     if temperature < 0 or (top_k is not None and top_k < 1) or (top_p is not None and not 0 < top_p <= 1):
         raise ValueError(f"need temperature >= 0, top_k >= 1, 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
     if len(prompt) + max_new_tokens > cfg.max_seq_len:
         raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                          f"max_seq_len={cfg.max_seq_len}; shorten one of them")

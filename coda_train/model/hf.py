@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -200,6 +201,8 @@ def export_hf(state_dict: dict[str, Tensor], cfg: LlamaConfig, out_dir: str | Pa
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} exists and is not an empty directory; choose a new --out (nothing was written)")
+    if isinstance(max_shard_size, str) and not re.fullmatch(r"\s*\d+(\.\d+)?\s*[KMGT]B\s*", max_shard_size, re.IGNORECASE):
+        raise ConfigError(f"--max-shard-size={max_shard_size!r} is not a size such as 5GB or 500MB (units KB, MB, GB, TB)")
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     check_tokenizer_fits(tokenizer, cfg, str(tokenizer_file))
     eos_id = tokenizer.token_to_id(eos_token)
@@ -213,21 +216,25 @@ def export_hf(state_dict: dict[str, Tensor], cfg: LlamaConfig, out_dir: str | Pa
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
-    hf_config(cfg, bos_token_id=bos_id, eos_token_id=eos_id, dtype=dtype).save_pretrained(tmp)
-    # copies: split views of one fused tensor share storage, which safetensors refuses to write
-    weights = {name: t.detach().to("cpu", dtype, copy=True) for name, t in to_hf_state_dict(state_dict, cfg).items()}
-    save_torch_state_dict(weights, tmp, max_shard_size=max_shard_size, metadata={"format": "pt"})
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=bos_token, eos_token=eos_token,
-                                         unk_token=unk_token, model_max_length=cfg.max_seq_len).save_pretrained(tmp)
-    # ours byte for byte (transformers adds a no-op post-processor): the same fingerprint, so
-    # data.tokenizer=DIR is recognized as the tokenizer the model was trained with
-    shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
-    transformers.GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=eos_id,
-                                  suppress_tokens=padding_ids).save_pretrained(tmp)
-    tmp.chmod(0o755)  # mkdtemp makes it private; the export is for others to read
-    if out.exists():
-        out.rmdir()  # empty (checked above)
-    os.rename(tmp, out)
+    try:  # a full disk, a kill: no half-written folder is left next to the export
+        hf_config(cfg, bos_token_id=bos_id, eos_token_id=eos_id, dtype=dtype).save_pretrained(tmp)
+        # copies: split views of one fused tensor share storage, which safetensors refuses to write
+        weights = {name: t.detach().to("cpu", dtype, copy=True) for name, t in to_hf_state_dict(state_dict, cfg).items()}
+        save_torch_state_dict(weights, tmp, max_shard_size=max_shard_size, metadata={"format": "pt"})
+        transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=bos_token, eos_token=eos_token,
+                                             unk_token=unk_token, model_max_length=cfg.max_seq_len).save_pretrained(tmp)
+        # ours byte for byte (transformers adds a no-op post-processor): the same fingerprint, so
+        # data.tokenizer=DIR is recognized as the tokenizer the model was trained with
+        shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
+        transformers.GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=eos_id,
+                                      suppress_tokens=padding_ids).save_pretrained(tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the export is for others to read
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
 
 

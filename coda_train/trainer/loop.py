@@ -81,8 +81,9 @@ class RunEnd:
     stopped_by: Optional[str] = None
 
 
-def train(cfg: Config, run_dir: Path) -> RunEnd:
-    """Train per cfg, writing into run_dir; returns how the run ended (RunEnd).
+def train(cfg: Config, run_dir: Path, sweep_dir: Optional[Path] = None) -> RunEnd:
+    """Train per cfg, writing into run_dir; returns how the run ended (RunEnd). sweep_dir: the multirun sweep this
+    run is a job of (its stop messages then say to run the sweep again, which continues every job's own dir).
     Under torchrun every rank calls this; rank 0's run_dir is used and only rank 0 writes (holding
     its lock). A STOP_ERRORS error is logged (console, and train.log once the dir is held), then raised."""
     world: Optional[World] = None
@@ -107,7 +108,7 @@ def train(cfg: Config, run_dir: Path) -> RunEnd:
             held.enter_context(hold_run_dir(run_dir, world))  # before anything reads or writes the run dir
             holding = True
             result = _train(cfg, run_dir, backend, process_device(device, world), compute_dtype, world, parallel,
-                            cuda_graphs)
+                            cuda_graphs, sweep_dir)
             barrier(world)  # every rank done (rank 0's last checkpoint too) before gloo/NCCL tear down
             return result
         except STOP_ERRORS as e:
@@ -127,7 +128,7 @@ def train(cfg: Config, run_dir: Path) -> RunEnd:
 
 
 def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compute_dtype: torch.dtype,
-           world: World, parallel: str, cuda_graphs: bool) -> Optional[dict[str, Any]]:
+           world: World, parallel: str, cuda_graphs: bool, sweep_dir: Optional[Path]) -> Optional[dict[str, Any]]:
     t = cfg.trainer
     resume_from = find_resume_checkpoint(t.resume, run_dir)  # before data preparation, which can be long
     data = prepare_data(data_config(cfg))
@@ -148,6 +149,10 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
 
     config = OmegaConf.to_container(OmegaConf.structured(cfg))
     config["trainer"]["run_dir"] = str(run_dir)  # this job's dir (a multirun gives each job its own)
+    # local paths absolute, so the tools that reopen the run's data find it from any directory
+    config["data"] = dataclasses.asdict(cfg.data.with_absolute_paths())
+    if cfg.model.init_from is not None:
+        config["model"]["init_from"] = str(Path(cfg.model.init_from).expanduser().absolute())
     meta = {"model": dataclasses.asdict(llama), "impl": cfg.model.impl, "config": config}
     checkpointer = Checkpointer(run_dir / CHECKPOINTS_DIR, t.keep_last, meta, resume_from,
                                 cfg.debug.sigkill_in_checkpoint_at_step, cfg.debug.disk_full_in_checkpoint_at_step,
@@ -170,13 +175,15 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
                  parallel, " cuda-graphs" if cuda_graphs else "", tokens_per_step, run_dir)
     train_step = TrainStep(state, data_parallel(state.model, parallel, device), world, device, t.grad_accum_steps,
                            cfg.optim.grad_clip, cuda_graphs)
-    return _loop(cfg, llama, state, train_step, val_loader, checkpointer, metrics_logger, world, device)
+    hint = continue_hint(run_dir, t.resume, sweep_dir)
+    return _loop(cfg, llama, state, train_step, val_loader, checkpointer, metrics_logger, world, device, hint)
 
 
 def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, train_step: TrainStep, val_loader: Optional[TokenLoader],
           checkpointer: Checkpointer, metrics_logger: Optional[MetricsLogger], world: World,
-          device: torch.device) -> RunEnd:
-    """Steps until trainer.max_steps or a stop signal; logs, evaluates and checkpoints on schedule.
+          device: torch.device, hint: str) -> RunEnd:
+    """Steps until trainer.max_steps or a stop signal; logs, evaluates and checkpoints on schedule; hint: how to
+    continue the run (rundir.continue_hint), for the stop messages.
     Only those steps read the device (TrainStep.read/check), so the host runs ahead of the GPU between them."""
     t, debug = cfg.trainer, cfg.debug
     flops_per_token = llama.flops_per_token(t.seq_len)
@@ -225,12 +232,12 @@ def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, train_step: TrainS
             stopped_by = signal.Signals(stop.received).name if stop.received else "a stop signal"  # another rank's
             if world.is_main:
                 log.info("received %s: saved %s and stopped; %s", stopped_by, path,
-                         continue_hint(checkpointer.root.parent, t.resume))
+                         hint)
         _finish(checkpointer, world)  # the last step's checkpoint, written in the background
     except NonFiniteError as e:
         exit_code = EXIT_NON_FINITE
         _finish(checkpointer, world)  # a save in flight holds a finite state (each save reads its step first)
-        raise _non_finite_stop(e, state.step, checkpointer, t.resume) from None
+        raise _non_finite_stop(e, state.step, checkpointer, hint) from None
     finally:
         stop.restore()
         if metrics_logger is not None:
@@ -238,14 +245,14 @@ def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, train_step: TrainS
     return RunEnd(last, stopped_by)
 
 
-def _non_finite_stop(error: NonFiniteError, step: int, checkpointer: Checkpointer, resume: str) -> NonFiniteError:
+def _non_finite_stop(error: NonFiniteError, step: int, checkpointer: Checkpointer, hint: str) -> NonFiniteError:
     """The error a run stops with: which steps were not applied (a fused step runs ahead of the check
     until the next step that reads the device), the newest checkpoint, and the fix."""
     newest = next(iter(list_checkpoints(checkpointer.root)), "none")
     skipped = "this step" if error.step >= step else f"steps {error.step}..{step}"
     return NonFiniteError(f"{error}; stopped without applying or saving {skipped} (newest checkpoint: {newest}). "
                           f"Resume from it with a lower optim.lr, longer optim.warmup_steps or a tighter "
-                          f"optim.grad_clip ({continue_hint(checkpointer.root.parent, resume)})", error.step)
+                          f"optim.grad_clip ({hint})", error.step)
 
 
 def _save(checkpointer: Checkpointer, state: TrainState, world: World) -> Optional[Path]:
