@@ -236,6 +236,20 @@ def test_shape_errors_fail_before_data_preparation(tiny, tmp_path):
         check_model_before_data(compose_config(tmp_path, *cute_ok, "model.vocab_size=300"), "cute")
 
 
+def test_shape_errors_of_a_model_init_from_name_the_backend_not_its_fixed_fields(tmp_path):
+    """A Hugging Face model the cute kernels cannot run (head_dim 100, vocab 32001) is refused before data
+    preparation, vocabulary included, and the fix named is the backend: its model.* fields are fixed."""
+    transformers = pytest.importorskip("transformers")
+    hf = tmp_path / "hf"
+    transformers.LlamaConfig(hidden_size=3200, num_attention_heads=32, num_key_value_heads=8, intermediate_size=8640,
+                             num_hidden_layers=2, vocab_size=32001, max_position_embeddings=256).save_pretrained(hf)
+    with pytest.raises(ConfigError) as error:
+        check_model_before_data(compose_config(tmp_path / "run", f"model.init_from={hf}", "trainer.seq_len=256"), "cute")
+    message = str(error.value)
+    assert "head_dim=100" in message and "model.vocab_size=32001" in message
+    assert f"model.init_from={hf} fixes the shape, so run it with kernels.backend=reference" in message
+
+
 def test_meta_json_missing_a_key_is_a_checkpoint_error(tiny, tmp_path, caplog):
     train_in_process(tmp_path, *tiny, "trainer.max_steps=4", "trainer.ckpt_every=2")
     newest = tmp_path / "checkpoints" / "step_00000004"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 from ..errors import ConfigError
 from ..kernels import Dims
@@ -113,10 +114,16 @@ def kernel_shape_errors(cfg: LlamaConfig, backend: str) -> list[str]:
         dims = dict(dim=d, head_dim=hd, n_heads=H, n_kv_heads=G, ffn_dim=F, vocab_size=V) | change
         return shape_errors(**dims).get(key, [])
 
-    def next_ok(key: str, n: int) -> int:
-        while violated(key, **{key: n}):
-            n += 1
-        return n
+    def next_ok(key: str, n: int) -> Optional[int]:
+        """The first value from n on that key may take; None if none within 1024 above (a cap, not an alignment)."""
+        return next((m for m in range(n, n + 1024) if not violated(key, **{key: m})), None)
+
+    def choose(key: str, n: int, alignment: str) -> str:
+        ok = next_ok(key, n)
+        if ok is None:
+            return (f"no model.{key} from {n} up runs on them (see the limits below); choose a smaller model.{key}, "
+                    f"or kernels.backend=reference")
+        return f"choose model.{key}={ok} or another {alignment}"
 
     errors = []
 
@@ -124,8 +131,8 @@ def kernel_shape_errors(cfg: LlamaConfig, backend: str) -> list[str]:
         if msgs:
             errors.append(f"{what}: {fix} (cute kernel checks: {'; '.join(msgs)})")
 
-    report(f"model.dim={d}", violated("dim"), "every inner dim of the cute GEMMs must be a multiple of 8; "
-           f"choose model.dim={next_ok('dim', d)} or another multiple of 8")
+    report(f"model.dim={d}", violated("dim"), "every inner dim of the cute GEMMs must be a multiple of 8 (and the "
+           f"embedding entry's rows fit one program); {choose('dim', d, 'multiple of 8')}")
     if msgs := violated("head_dim"):
         ok = [h for h in range(2, 1025, 2) if not violated("head_dim", head_dim=h)]
         heads = [n for n in range(1, d + 1) if d % n == 0 and d // n in ok]
@@ -136,8 +143,8 @@ def kernel_shape_errors(cfg: LlamaConfig, backend: str) -> list[str]:
                f"epilogue's 32-column subtiles, and <= 256 for FlashAttention 4 on sm90); choose model.n_heads so that "
                f"dim/n_heads is one of those: {fix}")
     report(f"model.n_kv_heads={G}", violated("n_kv_heads"), f"choose model.n_kv_heads a divisor of n_heads={H}")
-    report(f"model.ffn_dim={F}", violated("ffn_dim"), f"choose model.ffn_dim={next_ok('ffn_dim', F)} or another multiple of 8")
+    report(f"model.ffn_dim={F}", violated("ffn_dim"), choose("ffn_dim", F, "multiple of 8"))
     report(f"model.vocab_size={V}", violated("vocab_size"),
-           f"pad the vocabulary: choose model.vocab_size={next_ok('vocab_size', V)} or another multiple of 128 "
-           "(the extra embedding rows are never token ids)")
+           f"pad the vocabulary: {choose('vocab_size', V, 'multiple of 128')} (the extra embedding rows are never "
+           "token ids)")
     return errors

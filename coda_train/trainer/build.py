@@ -50,7 +50,11 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
 
 
 def _shape_errors(cfg: Config, llama: LlamaConfig, backend: str) -> list[str]:
-    return kernel_shape_errors(llama, backend) if cfg.model.impl == "coda" else []  # only coda calls CODA ops
+    errors = kernel_shape_errors(llama, backend) if cfg.model.impl == "coda" else []  # only coda calls CODA ops
+    if errors and cfg.model.init_from is not None:  # its shape is fixed: the model.* changes named are refused
+        errors.append(f"model.init_from={cfg.model.init_from} fixes the shape, so run it with kernels.backend=reference "
+                      "or model.impl=eager instead")
+    return errors
 
 
 def check_model_before_data(cfg: Config, backend: str) -> None:
@@ -60,7 +64,7 @@ def check_model_before_data(cfg: Config, backend: str) -> None:
     vocab = 1 if cfg.model.vocab_size is None else cfg.model.vocab_size  # any vocabulary passes; 0 or less is refused
     llama = resolve_model_config(cfg.model, vocab, cfg.trainer.seq_len)
     errors = _shape_errors(cfg, llama, backend)
-    if cfg.model.vocab_size is None:  # kernel_shape_errors gives one message per model.* key, named first
+    if cfg.model.vocab_size is None and cfg.model.init_from is None:  # the vocabulary follows the tokenizer (not yet read)
         errors = [e for e in errors if not e.startswith("model.vocab_size=")]
     if errors:
         raise ConfigError(f"kernels.backend={backend} cannot run this model: " + "; ".join(errors))
