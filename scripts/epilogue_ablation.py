@@ -28,7 +28,7 @@ to `packed` ablate it (docs/kernels.md measured them).
   packed      the op's epilogue on gate/up stored interleaved ((M, 2F), gate j and up j adjacent), read
               as quack's packed C and written as packed D (mode packed_cd_b16x2: one 32-bit tile load
               and store per pair where the op has two 16-bit ones each), a candidate layout; its
-              outputs are checked against the op's on the same values
+              outputs are checked against op (gate, up)'s on the same values
 
 Median of triton.testing.do_bench; prints a table and writes epilogue_ablation.json under --out.
 With --swizzle N, the rows launched here (all but `op`) run with quack's tile-scheduler group size

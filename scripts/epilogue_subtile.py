@@ -25,6 +25,7 @@ from quack.epilogue.frontend import gemm_epilogue, unpack
 from quack.epilogue.ops import ColVecLoad, ColVecReduce, RowVecLoad, TileStore
 
 from coda_train.kernels.cute import _epilogues as E
+from coda_train.kernels.cute._epilogues import as_stored, dswiglu_from_a, swiglu  # globals: quack keys its cache on each helper
 from coda_train.kernels.cute._launch import colvec, gemm, rowvec, stat_cols
 from coda_train.kernels.testing import relative_error
 from coda_train.kernels.tile_configs import Cfg
@@ -48,18 +49,18 @@ class SubtileStore(TileStore):
 
 
 def _dswiglu(acc, gate, a, r):
-    dg, du = E.dswiglu_from_a(gate, a, acc)
+    dg, du = dswiglu_from_a(gate, a, acc)
     return {"g_gate": dg * r, "g_up": du * r, "stat": dg * gate + acc * a}
 
 
 def _swiglu(acc, r):
     g, u = unpack(acc * r)
-    g, u = E.as_stored(g), E.as_stored(u)
-    return {"gate": g, "a": E.swiglu(g, u)}
+    g = as_stored(g)
+    return {"gate": g, "a": swiglu(g, u)}
 
 
 def _residual(acc, c, gamma):
-    x = E.as_stored(acc + c)
+    x = as_stored(acc + c)
     return {"D": x, "h": x * gamma, "sumsq": (x, x)}
 
 

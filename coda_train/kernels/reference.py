@@ -125,11 +125,11 @@ def gemm_residual_rmsnorm_partial(a: Tensor, w: Tensor, residual: Tensor, gamma:
                                       w_gate_up=x.weight(2 * x.dims.ffn_dim, x.dims.dim))},
          gemm=lambda h, w_gate_up, **_: _gemm_shape(h, w_gate_up))
 def gemm_rowscale_swiglu(h: Tensor, r: Tensor, w_gate_up: Tensor) -> tuple[Tensor, Tensor]:
-    """(F5) [gate | up] = r * (h @ w_gate_up^T), rounded; returns gate and a = silu(gate) * up. up is
-    not stored: B1 recovers up * sigmoid(gate) as a / gate."""
-    gu = (_f(h @ w_gate_up.t()) * r[:, None]).to(h.dtype)
-    g, u = _f(gu).chunk(2, dim=-1)
-    return gu[:, : gu.shape[1] // 2].clone(), (F.silu(g) * u).to(h.dtype)
+    """(F5) [gate | up] = r * (h @ w_gate_up^T); returns the rounded gate and a = silu(gate) * up from the
+    rounded gate and the unrounded up. up is not stored: B1 recovers up * sigmoid(gate) as a / gate."""
+    g, u = (_f(h @ w_gate_up.t()) * r[:, None]).chunk(2, dim=-1)
+    gate = g.to(h.dtype).contiguous()  # a tensor of its own, not a view of the (M, 2F) product
+    return gate, (F.silu(_f(gate)) * u).to(h.dtype)
 
 
 def _lm_head_examples(x: Example) -> dict:
@@ -381,10 +381,15 @@ def attention_rope_backward_rowscale_stat(g_o: Tensor, qkv: Tensor, o: Tensor, l
     return (g_y * r[:, None]).to(qkv.dtype), stat
 
 
+FLT_MIN = torch.finfo(torch.float32).tiny
+
+
 def up_times_sigmoid(gate: Tensor, a: Tensor) -> Tensor:
-    """(B1) up * sigmoid(gate) = a / gate from F5's stored gate and a; 0 where gate is exactly 0 (there a
-    is 0 and up is lost: the one place B1 differs from dSwiGLU on (gate, up), docs/design.md)."""
-    return torch.where(gate == 0, torch.zeros_like(a), a / torch.where(gate == 0, torch.ones_like(gate), gate))
+    """(B1) up * sigmoid(gate) = a / gate from F5's stored gate and a; 0 where |gate| < FLT_MIN (0 or
+    subnormal: there a is 0 or subnormal and up is lost, and the GPU's flush-to-zero reciprocal would
+    give inf; the one place B1 differs from dSwiGLU on (gate, up), docs/design.md)."""
+    lost = gate.abs() < FLT_MIN
+    return torch.where(lost, torch.zeros_like(a), a / torch.where(lost, torch.ones_like(gate), gate))
 
 
 @declare(fake=lambda g_out, w_down, gate, a, r: (_new(g_out, g_out.shape[0], 2 * w_down.shape[1]),

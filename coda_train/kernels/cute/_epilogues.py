@@ -103,12 +103,13 @@ def residual_rmsnorm_partial(acc, c, gamma):
 
 # F5: [gate | up] = r * h W_gu^T, a = silu(gate) * up. quack's concat_layout reads the weight's
 # [gate | up] row halves pair-interleaved (no copy), so gate column j and up column j arrive as one
-# accumulator pair; the rounded gate and a (from the rounded gate and up) go to two half-width stores.
-# up is not stored: B1 recovers up * sigmoid(gate) as a / gate (docs/design.md, F5 and B1).
+# accumulator pair; the rounded gate and a (from the rounded gate and the fp32 up: one rounding, so
+# a / gate in B1 is as accurate as a stored up) go to two half-width stores. up is not stored
+# (docs/design.md, "SwiGLU: two stored tiles each way").
 @gemm_epilogue(outputs=("gate", "a"), ops={"r": ColVecLoad("r")}, mode="acc_pair")
 def rowscale_swiglu(acc, r):
     g, u = unpack(acc * r)
-    g, u = as_stored(g), as_stored(u)
+    g = as_stored(g)
     return {"gate": g, "a": swiglu(g, u)}
 
 
@@ -168,12 +169,16 @@ def strip_scale_cols(x, u):
 # B1: acc = g_out W_down = g_a; dSwiGLU from F5's gate and a (two tile loads): q = up * sigmoid(gate)
 # = a / gate, g_gate = g_a q (1 + gate (1 - sigmoid)), g_up = g_a silu(gate); stores r*g_gate and r*g_up
 # into the halves of one (M, 2F) buffer (no D: a is F5's); per-tile partials of sum g_gu * gu, whose up
-# half is g_up * up = g_a * a.
+# half is g_up * up = g_a * a. Scalars: SM90's frontend calls it once per element.
+_FLT_MIN = 1.1754943508222875e-38  # below it (0 or subnormal) the ftz rcp would give inf: q = 0 (reference.up_times_sigmoid)
+
+
 @dsl_user_op
 @cute.jit
 def _dswiglu_from_a(gate: Float32, a: Float32, dout: Float32, *, loc=None, ip=None):
     sig = _sigmoid(gate)
-    q = a * mlir_math.rcp(gate, approx=True, ftz=True, loc=loc, ip=ip) if Boolean(gate != 0.0) else Float32(0.0)
+    rcp_gate = mlir_math.rcp(gate, approx=True, ftz=True, loc=loc, ip=ip)
+    q = a * rcp_gate if Boolean(abs(gate) >= _FLT_MIN) else Float32(0.0)
     dup = (gate * sig) * dout
     dgate = q * (1.0 + gate - gate * sig) * dout
     return dgate, dup
