@@ -384,6 +384,13 @@ def attention_rope_backward_rowscale_stat(g_o: Tensor, qkv: Tensor, o: Tensor, l
 FLT_MIN = torch.finfo(torch.float32).tiny
 
 
+def _swiglu_pair(x: Example) -> dict:
+    """B1's saved inputs as F5 makes them: a random gate and a = silu(gate) * up of a random up (so a / gate is
+    up * sigmoid(gate), not the ratio of two unrelated values)."""
+    gate, up = x.act(x.dims.rows, x.dims.ffn_dim), x.act(x.dims.rows, x.dims.ffn_dim)
+    return dict(gate=gate, a=(F.silu(_f(gate)) * _f(up)).to(gate.dtype))
+
+
 def up_times_sigmoid(gate: Tensor, a: Tensor) -> Tensor:
     """(B1) up * sigmoid(gate) = a / gate from F5's stored gate and a; 0 where |gate| < FLT_MIN (0 or
     subnormal: there a is 0 or subnormal and up is lost, and the GPU's flush-to-zero reciprocal would
@@ -395,8 +402,7 @@ def up_times_sigmoid(gate: Tensor, a: Tensor) -> Tensor:
 @declare(fake=lambda g_out, w_down, gate, a, r: (_new(g_out, g_out.shape[0], 2 * w_down.shape[1]),
                                                  _new(g_out, g_out.shape[0], n_stat_cols(w_down.shape[1]), stat=True)),
          examples=lambda x: {"": dict(g_out=x.act(x.dims.rows, x.dims.dim), w_down=x.weight(x.dims.dim, x.dims.ffn_dim),
-                                      gate=x.act(x.dims.rows, x.dims.ffn_dim), a=x.act(x.dims.rows, x.dims.ffn_dim),
-                                      r=x.rowscale())},
+                                      **_swiglu_pair(x), r=x.rowscale())},
          partials={1: lambda w_down, **_: n_stat_cols(w_down.shape[1])},
          gemm=lambda g_out, w_down, **_: (g_out.shape[0], w_down.shape[1], g_out.shape[1]))
 def gemm_dswiglu_rowscale_stat(g_out: Tensor, w_down: Tensor, gate: Tensor, a: Tensor, r: Tensor) -> tuple[Tensor, Tensor]:
