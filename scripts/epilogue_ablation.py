@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -267,7 +268,8 @@ def main() -> None:
     args = p.parse_args()
     global SWIZZLE
     SWIZZLE = args.swizzle
-    rows = {s: ablate(*SHAPES[s], args.rows.split(","), args.sustained) for s in args.shapes.split(",")}
+    names = [n.strip() for n in re.split(r",(?![^()]*\))", args.rows)]  # commas inside a row's name, e.g. "op (gate, up)"
+    rows = {s: ablate(*SHAPES[s], names, args.sustained) for s in args.shapes.split(",")}
     names = list(next(iter(rows.values()))["ms"])
     print(f"{'shape':6s}{'config':26s}" + "".join(f"{n:>10s}" for n in names) + "   (ms; op / bare)")
     for s, row in rows.items():
