@@ -3,8 +3,14 @@ and tile config with parts of its epilogue removed, at the bench shapes' widths,
 
     python scripts/epilogue_ablation.py [--shapes 125m,1b,8b] [--out DIR]
 
-Rows, each the model's g_a = g_out W_down (M x ffn_dim, K = dim) on the op's tuned tile config:
+Rows, each the model's g_a = g_out W_down (M x ffn_dim, K = dim) on the op's tuned tile config. The op
+reads F5's gate and a and stores g_gate and g_up (four tiles); until 2026-12-05 it read gate and up and
+also stored a recomputed a (five tiles): `op (gate, up)` is that program, and the rows from `3 stores`
+to `packed` ablate it (docs/kernels.md measured them).
   bare        D = acc (one bf16 store): the GEMM alone
+  4 tiles     g_gate = acc * gate, g_up = acc * a, no D: the op's two loads and two stores with two
+              multiplies an element, no dSwiGLU: what its traffic costs without its arithmetic
+  op (gate, up) the op's program before 2026-12-05: dSwiGLU from gate and up, D = the recomputed a
   3 stores    D, g_gate, g_up = acc (the op's three bf16 stores, no loads)
   2 loads     D = acc * gate + up (the op's two tile loads, one store)
   5 tiles     D = acc, g_gate = acc * gate, g_up = acc * up: the op's two loads and three stores with
@@ -22,7 +28,7 @@ Rows, each the model's g_a = g_out W_down (M x ffn_dim, K = dim) on the op's tun
   packed      the op's epilogue on gate/up stored interleaved ((M, 2F), gate j and up j adjacent), read
               as quack's packed C and written as packed D (mode packed_cd_b16x2: one 32-bit tile load
               and store per pair where the op has two 16-bit ones each), a candidate layout; its
-              outputs are checked against the op's on the same values
+              outputs are checked against op (gate, up)'s on the same values
 
 Median of triton.testing.do_bench; prints a table and writes epilogue_ablation.json under --out.
 With --swizzle N, the rows launched here (all but `op`) run with quack's tile-scheduler group size
@@ -41,15 +47,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from quack.epilogue.frontend import gemm_epilogue, pack, unpack
-from quack.activation import dswiglu_tanh as _dswiglu_tanh
+from quack.activation import dswiglu as _dswiglu, dswiglu_tanh as _dswiglu_tanh
 from quack.epilogue.ops import ColVecLoad, ColVecReduce
 
 from coda_train.kernels import op_set
+from coda_train.kernels.library import CUTE_IMPLS
 from coda_train.kernels.testing import relative_error
 from coda_train.kernels.cute import _epilogues as E
 from coda_train.kernels.cute import _launch
@@ -79,6 +88,11 @@ def two_loads(acc, gate, up):
 
 
 @gemm_epilogue(outputs=("g_gate", "g_up"))
+def four_tiles(acc, gate, a):
+    return {"g_gate": acc * gate, "g_up": acc * a}
+
+
+@gemm_epilogue(outputs=("g_gate", "g_up"))
 def five_tiles(acc, gate, up):
     return {"D": acc, "g_gate": acc * gate, "g_up": acc * up}
 
@@ -101,7 +115,13 @@ def dswiglu_rowscale(acc, gate, up, r):
 
 
 dswiglu_tanh = E._Library(_dswiglu_tanh)
-dswiglu = E.dswiglu  # the op's helper (an E._Library, which quack's kernel cache can key)
+dswiglu = E._Library(_dswiglu)  # quack's dSwiGLU on (gate, up): the op's helper until 2026-12-05
+
+
+@gemm_epilogue(outputs=("g_gate", "g_up"), ops={"r": ColVecLoad("r")}, reduces={"stat": ColVecReduce("stat")})
+def dswiglu_gate_up_rowscale_stat(acc, gate, up, r):
+    dg, du, a = dswiglu(gate, up, acc)
+    return {"D": a, "g_gate": dg * r, "g_up": du * r, "stat": dg * gate + du * up}
 
 
 @gemm_epilogue(outputs=("a",), ops={"r": ColVecLoad("r")}, reduces={"stat": ColVecReduce("stat")}, mode="packed_cd_b16x2")
@@ -123,21 +143,27 @@ def dswiglu_r_first_stat(acc, gate, up, r):
     return {"D": a, "g_gate": dg, "g_up": du, "stat": dg * gate + du * up}
 
 
-def ablate(M: int, F: int, d: int, rows: list[str], sustained_s: float = 0.0) -> dict:
-    from triton.testing import do_bench
-
-    dev = torch.device("cuda")
+def make_runs(M: int, F: int, d: int, dev: torch.device) -> tuple[dict, SimpleNamespace]:
+    """Every row's launch on one set of inputs and output buffers (the buffers, for the comparisons)."""
     rn = lambda *s: torch.randn(*s, device=dev, dtype=torch.bfloat16)  # noqa: E731
     g_out, w_down, gu, r = rn(M, d), rn(d, F), rn(M, 2 * F), torch.rand(M, device=dev) + 0.5
+    gate_c = gu[:, :F].contiguous()  # F5 stores gate and a as tensors of their own
+    a_in = torch.nn.functional.silu(gu[:, :F].float()).mul(gu[:, F:].float()).bfloat16()  # F5's a of these gate, up
     cfg = cfg_for("gemm_dswiglu_rowscale_stat", M, F, d)
     a, g_gu = torch.empty(M, F, device=dev, dtype=torch.bfloat16), torch.empty(M, 2 * F, device=dev, dtype=torch.bfloat16)
     gate, up = gu[:, :F], gu[:, F:]
     gu_i = torch.stack((gate, up), dim=-1).reshape(M, 2 * F)  # the same values, gate j and up j adjacent
     g_gu_i, a_i, stat_i = torch.empty_like(gu_i), torch.empty_like(a), stat_cols(M, F, cfg, dev)
-    ops = op_set("cute")
+    # the op as the model calls it; on CPU (compile-only, tests) the cute kernel under it
+    op = op_set("cute").gemm_dswiglu_rowscale_stat if dev.type == "cuda" else CUTE_IMPLS["gemm_dswiglu_rowscale_stat"].kernel
     stat = stat_cols(M, F, cfg, dev)[1]  # the partial-sum sink of the gemm() rows below that reduce (made once)
     runs = {
         "bare": lambda: gemm(E.plain, g_out, w_down.mT, a, cfg=cfg, epi={}),
+        "4 tiles": lambda: gemm(four_tiles, g_out, w_down.mT, None, cfg=cfg,
+                                epi={"gate": gate_c, "a": a_in, "g_gate": g_gu[:, :F], "g_up": g_gu[:, F:]}),
+        "op (gate, up)": lambda: gemm(dswiglu_gate_up_rowscale_stat, g_out, w_down.mT, a, cfg=cfg,
+                                      epi={"gate": gate, "up": up, "r": colvec(r), "g_gate": g_gu[:, :F], "g_up": g_gu[:, F:],
+                                           "stat": stat}),
         "3 stores": lambda: gemm(three_stores, g_out, w_down.mT, a, cfg=cfg, epi={"g_gate": g_gu[:, :F], "g_up": g_gu[:, F:]}),
         "2 loads": lambda: gemm(two_loads, g_out, w_down.mT, a, cfg=cfg, epi={"gate": gate, "up": up}),
         "5 tiles": lambda: gemm(five_tiles, g_out, w_down.mT, a, cfg=cfg,
@@ -148,7 +174,7 @@ def ablate(M: int, F: int, d: int, rows: list[str], sustained_s: float = 0.0) ->
                                          "stat": stat}),
         "no stat": lambda: gemm(dswiglu_rowscale, g_out, w_down.mT, a, cfg=cfg,
                                 epi={"gate": gate, "up": up, "r": colvec(r), "g_gate": g_gu[:, :F], "g_up": g_gu[:, F:]}),
-        "op": lambda: ops.gemm_dswiglu_rowscale_stat(g_out, w_down, gu, r),
+        "op": lambda: op(g_out, w_down, gate_c, a_in, r),
         "op (tanh)": lambda: gemm(dswiglu_tanh_rowscale_stat, g_out, w_down.mT, a, cfg=cfg,
                                   epi={"gate": gate, "up": up, "r": colvec(r), "g_gate": g_gu[:, :F], "g_up": g_gu[:, F:],
                                        "stat": stat}),
@@ -158,23 +184,39 @@ def ablate(M: int, F: int, d: int, rows: list[str], sustained_s: float = 0.0) ->
         "packed": lambda: gemm(dswiglu_packed_rowscale_stat, g_out, w_down.mT, g_gu_i, gu_i, cfg=cfg,
                                epi={"r": colvec(r), "a": a_i, "stat": stat_i[1]}),
     }
-    runs = {name: runs[name] for name in rows if name in runs}  # in --rows order: it is the order they run in
-    row = {"M": M, "ffn_dim": F, "dim": d, "config": str(cfg), "ms": {}}
+    return runs, SimpleNamespace(cfg=cfg, a=a, g_gu=g_gu, stat=stat, g_gu_i=g_gu_i, a_i=a_i, stat_i=stat_i)
+
+
+def ablate(M: int, F: int, d: int, rows: list[str], sustained_s: float = 0.0) -> dict:
+    from triton.testing import do_bench
+
+    runs_all, b = make_runs(M, F, d, torch.device("cuda"))
+    a, g_gu, stat, g_gu_i, a_i, stat_i = b.a, b.g_gu, b.stat, b.g_gu_i, b.a_i, b.stat_i
+    runs = {name: runs_all[name] for name in rows if name in runs_all}  # in --rows order: it is the order they run in
+    row = {"M": M, "ffn_dim": F, "dim": d, "config": str(b.cfg), "ms": {}}
     for name, fn in runs.items():
         fn()
         row["ms"][name] = do_bench(fn, warmup=10, rep=100, return_mode="median")
     if sustained_s:
         row["sustained"] = {name: sustained(fn, sustained_s) for name, fn in runs.items()}
-    if {"op", "op (tanh)"} <= set(runs):  # how far the tanh candidate's outputs are from the op's
-        g_gu_op, a_op, _ = runs["op"]()
+    def gate_up_outputs() -> tuple:  # the op before 2026-12-05 on the same values: g_gu, a, the statistic
+        runs_all["op (gate, up)"]()
+        return g_gu.clone(), a.clone(), stat.sum(-1)
+
+    if "op" in runs:  # the op (from gate and a) against its earlier program (from gate and up)
+        g_gu_op, stat_op = runs["op"]()
+        g_gu_old, _, stat_old = gate_up_outputs()
+        row["op_vs_gate_up_rel_err"] = {"g_gu": relative_error(g_gu_op, g_gu_old), "stat": relative_error(stat_op.sum(-1), stat_old)}
+    if "op (tanh)" in runs:  # how far the tanh candidate's outputs are from its base program's
+        g_gu_old, a_old, _ = gate_up_outputs()
         runs["op (tanh)"]()
-        row["tanh_rel_err"] = {"a": relative_error(a, a_op), "g_gu": relative_error(g_gu, g_gu_op)}
-    if {"op", "packed"} <= set(runs):  # the packed layout computes the op's outputs, interleaved
-        g_gu_op, a_op, stat_op = runs["op"]()
+        row["tanh_rel_err"] = {"a": relative_error(a, a_old), "g_gu": relative_error(g_gu, g_gu_old)}
+    if "packed" in runs:  # the packed layout computes its base program's outputs, interleaved
+        g_gu_old, a_old, stat_old = gate_up_outputs()
         runs["packed"]()
         g_gu_halves = g_gu_i.view(M, F, 2).transpose(1, 2).reshape(M, 2 * F)
-        row["packed_rel_err"] = {"a": relative_error(a_i, a_op), "g_gu": relative_error(g_gu_halves, g_gu_op),
-                                 "stat": relative_error(stat_i[0].sum(-1), stat_op.sum(-1))}
+        row["packed_rel_err"] = {"a": relative_error(a_i, a_old), "g_gu": relative_error(g_gu_halves, g_gu_old),
+                                 "stat": relative_error(stat_i[0].sum(-1), stat_old)}
     if "bare" in row["ms"]:
         row["gemm_tflops"] = 2 * M * F * d / row["ms"]["bare"] / 1e9
     return row
@@ -218,7 +260,7 @@ def sustained(fn, seconds: float, calls: int = 20) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="125m,1b,8b")
-    p.add_argument("--rows", default="bare,3 stores,2 loads,no stat,op,op (tanh),packed")
+    p.add_argument("--rows", default="bare,4 tiles,op,op (gate, up)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/ablation")))
     p.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
                    help="also run each row back to back this long, with the SM clock and power sampled")
@@ -226,7 +268,8 @@ def main() -> None:
     args = p.parse_args()
     global SWIZZLE
     SWIZZLE = args.swizzle
-    rows = {s: ablate(*SHAPES[s], args.rows.split(","), args.sustained) for s in args.shapes.split(",")}
+    names = [n.strip() for n in re.split(r",(?![^()]*\))", args.rows)]  # commas inside a row's name, e.g. "op (gate, up)"
+    rows = {s: ablate(*SHAPES[s], names, args.sustained) for s in args.shapes.split(",")}
     names = list(next(iter(rows.values()))["ms"])
     print(f"{'shape':6s}{'config':26s}" + "".join(f"{n:>10s}" for n in names) + "   (ms; op / bare)")
     for s, row in rows.items():
@@ -237,10 +280,12 @@ def main() -> None:
             print(f"{s:6s}sustained {n:12s} {r['ms']:8.3f} ms a call at {r['sm_mhz_mean'] or float('nan'):6.0f} MHz, "
                   f"{r['power_w_mean'] or float('nan'):5.0f} W: {r['mcycles'] or float('nan'):7.3f} M SM cycles")
     for s, row in rows.items():
+        if "op_vs_gate_up_rel_err" in row:
+            print(f"{s}: op vs op (gate, up), relative error: " + ", ".join(f"{k} {v:.2e}" for k, v in row["op_vs_gate_up_rel_err"].items()))
         if "packed_rel_err" in row:
-            print(f"{s}: packed vs op, relative error: " + ", ".join(f"{k} {v:.2e}" for k, v in row["packed_rel_err"].items()))
+            print(f"{s}: packed vs op (gate, up), relative error: " + ", ".join(f"{k} {v:.2e}" for k, v in row["packed_rel_err"].items()))
         if "tanh_rel_err" in row:
-            print(f"{s}: op (tanh) vs op, relative error: a {row['tanh_rel_err']['a']:.2e}, g_gu {row['tanh_rel_err']['g_gu']:.2e}")
+            print(f"{s}: op (tanh) vs op (gate, up), relative error: a {row['tanh_rel_err']['a']:.2e}, g_gu {row['tanh_rel_err']['g_gu']:.2e}")
     args.out.mkdir(parents=True, exist_ok=True)
     name = "epilogue_ablation.json" if args.swizzle == 8 else f"epilogue_ablation_swizzle{args.swizzle}.json"
     (args.out / name).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "swizzle": args.swizzle, "rows": rows},

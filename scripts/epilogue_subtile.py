@@ -25,6 +25,7 @@ from quack.epilogue.frontend import gemm_epilogue, unpack
 from quack.epilogue.ops import ColVecLoad, ColVecReduce, RowVecLoad, TileStore
 
 from coda_train.kernels.cute import _epilogues as E
+from coda_train.kernels.cute._epilogues import as_stored, dswiglu_from_a, swiglu  # globals: quack keys its cache on each helper
 from coda_train.kernels.cute._launch import colvec, gemm, rowvec, stat_cols
 from coda_train.kernels.testing import relative_error
 from coda_train.kernels.tile_configs import Cfg
@@ -47,26 +48,26 @@ class SubtileStore(TileStore):
         return super().config_key() + (("subtile", SUBTILE),)
 
 
-def _dswiglu(acc, gate, up, r):
-    dg, du, a = E.dswiglu(gate, up, acc)
-    return {"D": a, "g_gate": dg * r, "g_up": du * r, "stat": dg * gate + du * up}
+def _dswiglu(acc, gate, a, r):
+    dg, du = dswiglu_from_a(gate, a, acc)
+    return {"g_gate": dg * r, "g_up": du * r, "stat": dg * gate + acc * a}
 
 
 def _swiglu(acc, r):
     g, u = unpack(acc * r)
-    g, u = E.as_stored(g), E.as_stored(u)
-    return {"gate": g, "up": u, "a": E.swiglu(g, u)}
+    g = as_stored(g)
+    return {"gate": g, "a": swiglu(g, u)}
 
 
 def _residual(acc, c, gamma):
-    x = E.as_stored(acc + c)
+    x = as_stored(acc + c)
     return {"D": x, "h": x * gamma, "sumsq": (x, x)}
 
 
 # the op's programs again, with the first aux store setting the subtile (module globals: quack keys its cache on them)
 dswiglu_subtile = gemm_epilogue(outputs=(SubtileStore("g_gate"), "g_up"), ops={"r": ColVecLoad("r")},
                                 reduces={"stat": ColVecReduce("stat")})(_dswiglu)
-swiglu_subtile = gemm_epilogue(outputs=(SubtileStore("gate", gated=True), "up", "a"), ops={"r": ColVecLoad("r")},
+swiglu_subtile = gemm_epilogue(outputs=(SubtileStore("gate", gated=True), "a"), ops={"r": ColVecLoad("r")},
                                mode="acc_pair")(_swiglu)
 residual_subtile = gemm_epilogue(outputs=(SubtileStore("h"),), ops={"gamma": RowVecLoad("gamma")},
                                  reduces={"sumsq": ColVecReduce("sumsq", scaled=True)})(_residual)
@@ -80,24 +81,24 @@ def measure(shape: str, configs: list[str]) -> list[dict]:
     g = torch.Generator(dev).manual_seed(0)
     rn = lambda *s: torch.randn(*s, device=dev, dtype=torch.bfloat16, generator=g)  # noqa: E731
     r = torch.rand(M, device=dev, generator=g) + 0.5
-    g_out, w_down, gu = rn(M, d), rn(d, F) / F ** 0.5, rn(M, 2 * F)
+    g_out, w_down, gate, a = rn(M, d), rn(d, F) / F ** 0.5, rn(M, F), rn(M, F)
     a_in, x1, gamma, h, w_gate_up = rn(M, F), rn(M, d), rn(d), rn(M, d), rn(2 * F, d) / d ** 0.5
-    a, g_gu, x2, h2, gu_f, a_f = rn(M, F), rn(M, 2 * F), rn(M, d), rn(M, d), rn(M, 2 * F), rn(M, F)  # outputs, overwritten
+    g_gu, x2, h2, gate_f, a_f = rn(M, 2 * F), rn(M, d), rn(M, d), rn(M, F), rn(M, F)  # outputs, overwritten
 
     def dswiglu(prog, cfg, stat):  # B1 as the op launches it
-        gemm(prog, g_out, w_down.mT, a, cfg=cfg, epi={"gate": gu[:, :F], "up": gu[:, F:], "r": colvec(r),
-                                                      "g_gate": g_gu[:, :F], "g_up": g_gu[:, F:], "stat": stat})
+        gemm(prog, g_out, w_down.mT, None, cfg=cfg, epi={"gate": gate, "a": a, "r": colvec(r),
+                                                         "g_gate": g_gu[:, :F], "g_up": g_gu[:, F:], "stat": stat})
 
     def swiglu(prog, cfg, stat):  # F5 as the op launches it (no partial sums: stat stays zero)
         stat.zero_()
-        gemm(prog, h, w_gate_up, None, concat=("B",), cfg=cfg, epi={"gate": gu_f[:, :F], "up": gu_f[:, F:], "a": a_f, "r": colvec(r)})
+        gemm(prog, h, w_gate_up, None, concat=("B",), cfg=cfg, epi={"gate": gate_f, "a": a_f, "r": colvec(r)})
 
     def residual(prog, cfg, stat):  # F6 as the op launches it
         gemm(prog, a_in, w_down, x2, C=x1, cfg=cfg, epi={"gamma": rowvec(gamma), "h": h2, "sumsq": stat})
 
     # case: (launch, its two programs (quack's subtile, SUBTILE), its stored outputs, its GEMM's N)
-    cases = {"dswiglu": (dswiglu, (E.dswiglu_rowscale_stat, dswiglu_subtile), (a, g_gu), F),
-             "swiglu": (swiglu, (E.rowscale_swiglu, swiglu_subtile), (gu_f, a_f), F),
+    cases = {"dswiglu": (dswiglu, (E.dswiglu_rowscale_stat, dswiglu_subtile), (g_gu,), F),
+             "swiglu": (swiglu, (E.rowscale_swiglu, swiglu_subtile), (gate_f, a_f), F),
              "residual (K=ffn)": (residual, (E.residual_rmsnorm_partial, residual_subtile), (x2, h2), d)}
     rows = []
     for text in configs:

@@ -102,7 +102,7 @@ def model_gemms(d: Dims) -> list[tuple[str, tuple[int, int, int], Callable[[Exam
             acc = (lambda x: dict(acc=x.stat(V, D))) if op == "matmul_tn_exp_add" else (lambda x: {})
             return lambda x: dict(acc(x), e=x.act(C, V), strip=x.act(V // 64, C), hs=x.act(C, D))
         if op == "gemm_dswiglu_rowscale_stat":
-            return lambda x: dict(g_out=x.act(M, D), w_down=x.weight(D, F), gu=x.act(M, 2 * F), r=x.rowscale())
+            return lambda x: dict(g_out=x.act(M, D), w_down=x.weight(D, F), gate=x.act(M, F), a=x.act(M, F), r=x.rowscale())
         if op == "matmul":
             return lambda x: dict(a=x.act(M, D), b=x.weight(D, n))
         if op == "matmul_tn":

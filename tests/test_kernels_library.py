@@ -261,7 +261,7 @@ def test_partial_widths_follow_the_stat_tile():
     widths = {case: {i: op.partials[i](**kw) for i in op.partials} for op, case, kw in cases(torch.float64)}
     assert widths["gemm_residual_rmsnorm_partial"] == {2: 1}
     assert widths["gemm_residual_rmsnorm_partial(wide)"] == {2: 2}  # N = V = 200
-    assert widths["gemm_dswiglu_rowscale_stat"] == {2: 2}  # ffn_dim = 200
+    assert widths["gemm_dswiglu_rowscale_stat"] == {1: 2}  # ffn_dim = 200
     assert widths["cross_entropy_exp_backward"] == {4: 1}  # the final norm's S
     assert widths["embedding_rmsnorm_partial"] == {2: 1}
     assert widths["attention_rope_backward_rowscale_stat"] == {1: 4}  # one per head: 2 q + 1 k + 1 v

@@ -313,14 +313,43 @@ def test_dswiglu_and_norm_backward_match_autograd():
     out = (torch.nn.functional.silu(gate) * up) @ w_down.t()
     g_out = torch.randn_like(out)
     ex = torch.autograd.grad(out, (x, gamma, w_gu, w_down), g_out)
-    # The op chain B1, B2, B3.
-    gu_d, r_d = gu.detach(), r.detach()
-    g_gu, a, stat = R.gemm_dswiglu_rowscale_stat(g_out, w_down.detach(), gu_d, r_d)
+    # The op chain B1, B2, B3, from what F5 stores: the gate and a (not up).
+    gate_d, a, r_d = gate.detach(), (torch.nn.functional.silu(gate) * up).detach(), r.detach()
+    g_gu, stat = R.gemm_dswiglu_rowscale_stat(g_out, w_down.detach(), gate_d, a, r_d)
     c = R.rmsnorm_backward_coeff(stat, r_d, d)
     g_x, g_gamma = R.gemm_rmsnorm_backward(g_gu, w_gu.detach(), torch.zeros_like(x), x.detach(), gamma.detach(), c)
     assert rel(g_x, ex[0]) < 1e-12 and rel(g_gamma, ex[1]) < 1e-12
     assert rel(R.matmul_tn(g_gu, (x * gamma).detach()), ex[2]) < 1e-12
     assert rel(R.matmul_tn(g_out, a), ex[3]) < 1e-12
+
+
+def test_dswiglu_from_gate_and_a_matches_dswiglu_from_gate_and_up():
+    """B1 reads F5's gate and a, not up (docs/design.md, "SwiGLU: two stored tiles each way"): in bf16 its
+    g_gu and statistic match dSwiGLU on the stored gate and up to bf16 rounding; where |gate| < 2^-126 (0 or
+    subnormal: a is 0 or subnormal, up lost) g_gate is 0, where dSwiGLU on (gate, up) gives about g_a*up/2;
+    a zero row agrees exactly."""
+    g = torch.Generator().manual_seed(7)
+    M, d, f = 64, 32, 48
+    gate, up = (torch.randn(M, f, generator=g).bfloat16() for _ in range(2))
+    gate[3, 5], gate[4, 6], gate[7], up[7] = 0.0, 1e-39, 0.0, 0.0  # an exact-zero and a subnormal gate; a zero row
+    g_out, w_down, r = torch.randn(M, d, generator=g).bfloat16(), torch.randn(d, f, generator=g).bfloat16(), torch.rand(M, generator=g) + 0.5
+    a = (torch.nn.functional.silu(gate.float()) * up.float()).bfloat16()  # F5's a from the gate and up
+    g_gu, stat = R.gemm_dswiglu_rowscale_stat(g_out, w_down, gate, a, r)
+    # dSwiGLU on (gate, up) in fp32, the program B1 ran before
+    g_a, gf, uf = (g_out @ w_down).float(), gate.float(), up.float()
+    sig = torch.sigmoid(gf)
+    want_gate, want_up = g_a * uf * sig * (1 + gf * (1 - sig)), g_a * gf * sig
+    want = torch.cat((want_gate, want_up), -1) * r[:, None]
+    want_stat = (want_gate * gf + want_up * uf).sum(-1)
+    lost = torch.zeros_like(gf, dtype=torch.bool)
+    lost[3, 5] = lost[4, 6] = True
+    got = g_gu.float()
+    assert (got[:, :f][lost] == 0).all() and (want[:, :f][lost].abs() > 0).all()  # the one place they differ
+    assert torch.isfinite(got).all() and torch.isfinite(stat).all()
+    want[:, :f][lost] = 0.0
+    assert rel(got, want) < 5e-3 and (got[7] == want[7]).all()  # bf16: a's rounding and g_gu's store (2e-3 here)
+    assert rel(stat.sum(-1), want_stat) < 5e-3  # a lost gate's term is (nearly) 0 in both
+    assert (R.up_times_sigmoid(gate.float(), a.float())[lost] == 0).all()
 
 
 def test_reference_op_set_is_the_declared_references():

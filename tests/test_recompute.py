@@ -34,7 +34,7 @@ def test_block_recompute_gives_the_same_gradients_float64():
     assert torch.equal(loss, loss_r)
     for name, grad in grads.items():
         torch.testing.assert_close(grads_r[name], grad, rtol=0, atol=1e-10, msg=name)
-    # each block's qkv, o, lse, x1, h_m, r_m, gu are no longer kept for backward
+    # each block's qkv, o, lse, x1, h_m, r_m, gate, a are no longer kept for backward
     assert saved_r < 0.6 * saved, (saved_r, saved)
 
 

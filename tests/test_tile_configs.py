@@ -276,7 +276,7 @@ with _launch.compile_only():
             assert seen == ([cfg] if cfg else []), (op, cfg, seen)  # one launch per op
     inputs = next(i for op, _, i in tune.model_gemms(dims) if op == "gemm_dswiglu_rowscale_stat")  # ffn_dim 8192: 64 declared columns, 32 tiles of 256
     with forced({"gemm_dswiglu_rowscale_stat": Cfg(128, 256, 1, 2, False)}):
-        g_gu, a, stat = C.gemm_dswiglu_rowscale_stat.kernel(**inputs(Example(dims, torch.bfloat16, "cpu", None)))
+        g_gu, stat = C.gemm_dswiglu_rowscale_stat.kernel(**inputs(Example(dims, torch.bfloat16, "cpu", None)))
     assert stat.shape == (64, n_stat_cols(8192)) == (64, 64), stat.shape
     assert (stat[:, :32] == 1).all() and (stat[:, 32:] == 0).all()
     # F1 in one launch: the rotation mask is 1 on the q/k columns and 0 on the v columns
@@ -388,8 +388,8 @@ for cfg in (Cfg(128, 192), Cfg(128, 128)):
 
 def test_narrow_epilogue_subtile_removes_the_wide_tile_spills(stack, tmp_path):
     """scripts/epilogue_subtile.py's dSwiGLU program (16-column epilogue subtiles) compiles GPU-blind
-    and spills at most a few bytes at 128x192 pingpong, where the op's own program spills ~1 KB
-    (docs/kernels.md, "Narrower epilogue subtiles")."""
+    and spills at most a few bytes at 128x192 pingpong, where the op's own program spills (280 B of
+    stores on quack 0.6.5; ~1 KB before B1 read a in place of up: docs/kernels.md, "Narrower epilogue subtiles")."""
     usage = dswiglu_audit(tmp_path, '''
 import epilogue_subtile as S
 for name, prog in (("op", S.E.dswiglu_rowscale_stat), ("narrow", S.dswiglu_subtile)):  # 64 x 16
@@ -397,7 +397,26 @@ for name, prog in (("op", S.E.dswiglu_rowscale_stat), ("narrow", S.dswiglu_subti
     (usage,) = A.compile_and_audit(launch, Cfg(128, 192))
     print(json.dumps([name, usage]))
 ''')
-    assert usage["op"]["spill_stores"] > 500 and usage["narrow"]["spill_stores"] <= 64, usage
+    assert usage["op"]["spill_stores"] > 100 and usage["narrow"]["spill_stores"] <= 64, usage
+
+
+def test_epilogue_ablation_rows_compile_gpu_blind(stack, tmp_path):
+    """Every row of scripts/epilogue_ablation.py (the op from gate and a, its traffic alone, the program it
+    replaced on gate and up and that program's ablations) traces and compiles GPU-blind at the 125m widths
+    on the H200's configs, so the script a device session runs is known to build."""
+    out = _run('''
+import sys, torch
+sys.path.insert(0, "scripts")
+import epilogue_ablation as A
+from coda_train.kernels.cute._launch import compile_only
+with compile_only("H200"):
+    runs, _ = A.make_runs(*A.SHAPES["125m"], torch.device("cpu"))
+    for name, fn in runs.items():
+        fn()
+        print("compiled", name, flush=True)
+''', env=dict(ENV, QUACK_CACHE_DIR=str(tmp_path / "qc")), timeout=1200)
+    compiled = [line[9:] for line in out.splitlines() if line.startswith("compiled ")]
+    assert {"bare", "4 tiles", "op", "op (gate, up)", "5 tiles", "packed"} <= set(compiled), out
 
 
 def test_gamma_on_load_rows_compile_gpu_blind(stack, tmp_path):
@@ -442,15 +461,16 @@ with compile_only():
 
 def test_epilogue_stage_variants_set_the_split_they_name(stack, tmp_path):
     """scripts/epilogue_stages.py's variants, applied to the 125m dSwiGLU at 128x128 pingpong
-    (GPU-blind): quack's split is (A/B, store, load) = (5, 2, 5) stages; c8 puts all 8 subtiles of
-    loads in flight for one A/B stage, c8d hands one more A/B stage to the stores (docs/kernels.md,
-    "What sets an epilogue's pace at K = 768"). A quack upgrade that changes the split shows up here."""
+    (GPU-blind): quack's split is (A/B, store, load) = (5, 3, 5) stages (with no D store: (5, 2, 5) while B1
+    also stored a); c8 puts all 8 subtiles of loads in flight for one A/B stage, c8d hands one more A/B stage
+    to the stores (docs/kernels.md, "What sets an epilogue's pace at K = 768"). A quack upgrade that changes
+    the split shows up here."""
     splits = {}
     for variant in ("ship", "c8", "c8d"):
         out = compile_dswiglu_variant(variant, tmp_path, before="S.print_splits()")
         (split,) = [json.loads(line[6:]) for line in out.splitlines() if line.startswith("SPLIT ")]
         splits[variant] = [split["ab"], split["d"], split["c"]]
-    assert splits == {"ship": [5, 2, 5], "c8": [4, 2, 8], "c8d": [3, 4, 8]}, splits
+    assert splits == {"ship": [5, 3, 5], "c8": [4, 4, 8], "c8d": [3, 8, 8]}, splits
 
 
 def test_l2_prefetch_variants_prefetch_every_epilogue_load(stack, tmp_path):

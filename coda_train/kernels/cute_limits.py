@@ -28,7 +28,7 @@ def need_rope_head_dim(op: str, hd: int) -> None:
 
 
 def need_swiglu_width(op: str, n2: int) -> None:
-    """gate and up column halves of gu, each a multiple of 8 columns."""
+    """gate and up halves of the GEMM's 2*ffn_dim columns, each a multiple of 8 columns."""
     need(n2 % 16 == 0, f"{op}: 2*ffn_dim={n2} must be a multiple of 16 (ffn_dim multiple of 8)")
 
 

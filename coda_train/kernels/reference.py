@@ -120,15 +120,16 @@ def gemm_residual_rmsnorm_partial(a: Tensor, w: Tensor, residual: Tensor, gamma:
     return x, (xf * _f(gamma)).to(a.dtype), (xf * xf).sum(-1, keepdim=True)
 
 
-@declare(fake=lambda h, r, w_gate_up: (_new(h, h.shape[0], w_gate_up.shape[0]), _new(h, h.shape[0], w_gate_up.shape[0] // 2)),
+@declare(fake=lambda h, r, w_gate_up: (_new(h, h.shape[0], w_gate_up.shape[0] // 2), _new(h, h.shape[0], w_gate_up.shape[0] // 2)),
          examples=lambda x: {"": dict(h=x.act(x.dims.rows, x.dims.dim), r=x.rowscale(),
                                       w_gate_up=x.weight(2 * x.dims.ffn_dim, x.dims.dim))},
          gemm=lambda h, w_gate_up, **_: _gemm_shape(h, w_gate_up))
 def gemm_rowscale_swiglu(h: Tensor, r: Tensor, w_gate_up: Tensor) -> tuple[Tensor, Tensor]:
-    """(F5) gu = r * (h @ w_gate_up^T) with columns [gate | up]; a = silu(gate) * up."""
-    gu = (_f(h @ w_gate_up.t()) * r[:, None]).to(h.dtype)
-    g, u = _f(gu).chunk(2, dim=-1)
-    return gu, (F.silu(g) * u).to(h.dtype)
+    """(F5) [gate | up] = r * (h @ w_gate_up^T); returns the rounded gate and a = silu(gate) * up from the
+    rounded gate and the unrounded up. up is not stored: B1 recovers up * sigmoid(gate) as a / gate."""
+    g, u = (_f(h @ w_gate_up.t()) * r[:, None]).chunk(2, dim=-1)
+    gate = g.to(h.dtype).contiguous()  # a tensor of its own, not a view of the (M, 2F) product
+    return gate, (F.silu(_f(gate)) * u).to(h.dtype)
 
 
 def _lm_head_examples(x: Example) -> dict:
@@ -380,24 +381,40 @@ def attention_rope_backward_rowscale_stat(g_o: Tensor, qkv: Tensor, o: Tensor, l
     return (g_y * r[:, None]).to(qkv.dtype), stat
 
 
-@declare(fake=lambda g_out, w_down, gu, r: (_new(g_out, g_out.shape[0], 2 * w_down.shape[1]),
-                                            _new(g_out, g_out.shape[0], w_down.shape[1]),
-                                            _new(g_out, g_out.shape[0], n_stat_cols(w_down.shape[1]), stat=True)),
+FLT_MIN = torch.finfo(torch.float32).tiny
+
+
+def _swiglu_pair(x: Example) -> dict:
+    """B1's saved inputs as F5 makes them: a random gate and a = silu(gate) * up of a random up (so a / gate is
+    up * sigmoid(gate), not the ratio of two unrelated values)."""
+    gate, up = x.act(x.dims.rows, x.dims.ffn_dim), x.act(x.dims.rows, x.dims.ffn_dim)
+    return dict(gate=gate, a=(F.silu(_f(gate)) * _f(up)).to(gate.dtype))
+
+
+def up_times_sigmoid(gate: Tensor, a: Tensor) -> Tensor:
+    """(B1) up * sigmoid(gate) = a / gate from F5's stored gate and a; 0 where |gate| < FLT_MIN (0 or
+    subnormal: there a is 0 or subnormal and up is lost, and the GPU's flush-to-zero reciprocal would
+    give inf; the one place B1 differs from dSwiGLU on (gate, up), docs/design.md)."""
+    lost = gate.abs() < FLT_MIN
+    return torch.where(lost, torch.zeros_like(a), a / torch.where(lost, torch.ones_like(gate), gate))
+
+
+@declare(fake=lambda g_out, w_down, gate, a, r: (_new(g_out, g_out.shape[0], 2 * w_down.shape[1]),
+                                                 _new(g_out, g_out.shape[0], n_stat_cols(w_down.shape[1]), stat=True)),
          examples=lambda x: {"": dict(g_out=x.act(x.dims.rows, x.dims.dim), w_down=x.weight(x.dims.dim, x.dims.ffn_dim),
-                                      gu=x.act(x.dims.rows, 2 * x.dims.ffn_dim), r=x.rowscale())},
-         partials={2: lambda w_down, **_: n_stat_cols(w_down.shape[1])},
+                                      **_swiglu_pair(x), r=x.rowscale())},
+         partials={1: lambda w_down, **_: n_stat_cols(w_down.shape[1])},
          gemm=lambda g_out, w_down, **_: (g_out.shape[0], w_down.shape[1], g_out.shape[1]))
-def gemm_dswiglu_rowscale_stat(g_out: Tensor, w_down: Tensor, gu: Tensor, r: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(B1) g_a = g_out @ w_down; epilogue: dSwiGLU with the saved gu gives g_gu; writes r*g_gu,
-    recomputes a = silu(gate)*up for the w_down weight gradient, and the reverse-fusion statistic
-    S = sum_k g_gu*gu of the MLP norm."""
+def gemm_dswiglu_rowscale_stat(g_out: Tensor, w_down: Tensor, gate: Tensor, a: Tensor, r: Tensor) -> tuple[Tensor, Tensor]:
+    """(B1) g_a = g_out @ w_down; epilogue: dSwiGLU from F5's gate and a (q = up * sigmoid(gate) = a / gate:
+    g_gate = g_a q (1 + gate (1 - sigmoid)), g_up = g_a silu(gate)); writes r*g_gu and the reverse-fusion
+    statistic S = sum_k g_gu*gu = sum_k g_gate*gate + g_a*a of the MLP norm (g_up*up = g_a*a)."""
     g_a = _f(g_out @ w_down)
-    g, u = _f(gu).chunk(2, dim=-1)
+    g, a_f = _f(gate), _f(a)
     sig = torch.sigmoid(g)
-    silu = g * sig
-    g_gu = torch.cat((g_a * u * sig * (1 + g * (1 - sig)), g_a * silu), dim=-1)
-    stat = (g_gu * _f(gu)).sum(-1, keepdim=True)
-    return (g_gu * r[:, None]).to(g_out.dtype), (silu * u).to(g_out.dtype), stat
+    g_gate, g_up = g_a * up_times_sigmoid(g, a_f) * (1 + g * (1 - sig)), g_a * g * sig
+    stat = (g_gate * g + g_a * a_f).sum(-1, keepdim=True)
+    return (torch.cat((g_gate, g_up), dim=-1) * r[:, None]).to(g_out.dtype), stat
 
 
 @declare(fake=lambda stat_partials, r, dim: r.new_empty(r.shape[0], dtype=torch.promote_types(r.dtype, stat_dtype(stat_partials.dtype))),

@@ -89,14 +89,14 @@ class CodaBlock(Function):
                 rope: Tensor, shape: BlockShape, ops: OpSet, recompute: bool = False):
         attn_norm, w_qkv, w_o, mlp_norm, w_gate_up, w_down, next_norm = weights
         d = x.shape[1]
-        qkv, o, lse, x1, h_m, r_m, gu, a = CodaBlock._to_swiglu(x, h, r, w_qkv, w_o, mlp_norm, w_gate_up, rope, shape, ops)
+        qkv, o, lse, x1, h_m, r_m, gate, a = CodaBlock._to_swiglu(x, h, r, w_qkv, w_o, mlp_norm, w_gate_up, rope, shape, ops)
         x2, h2, sumsq2 = ops.gemm_residual_rmsnorm_partial(a, w_down, x1, next_norm)  # F6
         r2 = ops.rstd_from_partials(sumsq2, d, shape.eps)
 
-        # Saved: block inputs, qkv/o/lse for attention, x1/h_m/r_m/gu for the MLP. No normalized
-        # activation, and not a: the dSwiGLU epilogue recomputes it (B1). With recompute only the
+        # Saved: block inputs, qkv/o/lse for attention, x1/h_m/r_m/gate/a for the MLP. No normalized
+        # activation, and not up: B1 needs only up * sigmoid(gate) = a / gate. With recompute only the
         # inputs and weights: backward runs F1..F5 again.
-        activations = () if recompute else (qkv, o, lse, x1, h_m, r_m, gu)
+        activations = () if recompute else (qkv, o, lse, x1, h_m, r_m, gate, a)
         ctx.save_for_backward(x, h, r, attn_norm, w_qkv, w_o, mlp_norm, w_gate_up, w_down, rope, *activations)
         ctx.shape, ctx.ops = shape, ops
         ctx.mark_non_differentiable(h2, r2)
@@ -105,15 +105,15 @@ class CodaBlock(Function):
 
     @staticmethod
     def _to_swiglu(x, h, r, w_qkv, w_o, mlp_norm, w_gate_up, rope, shape: BlockShape, ops: OpSet):
-        """F1..F5: qkv, o, lse, x1, h_m, r_m, gu and the SwiGLU output a."""
+        """F1..F5: qkv, o, lse, x1, h_m, r_m, the gate and the SwiGLU output a."""
         H, Hkv, T, eps = shape
         d, n_rope_cols = x.shape[1], (H + Hkv) * (w_o.shape[1] // H)
         qkv = ops.gemm_rowscale_rope(h, r, w_qkv, rope, n_rope_cols)                 # F1
         o, lse = ops.attention(qkv, H, Hkv, T)                                       # F2
         x1, h_m, sumsq_m = ops.gemm_residual_rmsnorm_partial(o, w_o, x, mlp_norm)    # F3
         r_m = ops.rstd_from_partials(sumsq_m, d, eps)                                # F4
-        gu, a = ops.gemm_rowscale_swiglu(h_m, r_m, w_gate_up)                        # F5
-        return qkv, o, lse, x1, h_m, r_m, gu, a
+        gate, a = ops.gemm_rowscale_swiglu(h_m, r_m, w_gate_up)                      # F5
+        return qkv, o, lse, x1, h_m, r_m, gate, a
 
     @staticmethod
     def backward(ctx, g_x2: Tensor, _g_h2: None, _g_r2: None):
@@ -121,14 +121,14 @@ class CodaBlock(Function):
             return (None,) * 14
         x, h, r, attn_norm, w_qkv, w_o, mlp_norm, w_gate_up, w_down, rope, *activations = ctx.saved_tensors
         if activations:
-            qkv, o, lse, x1, h_m, r_m, gu = activations
+            qkv, o, lse, x1, h_m, r_m, gate, a = activations
         else:  # recompute: the forward's F1..F5 again, from the saved inputs and weights
-            qkv, o, lse, x1, h_m, r_m, gu, _ = CodaBlock._to_swiglu(x, h, r, w_qkv, w_o, mlp_norm, w_gate_up, rope,
-                                                                   ctx.shape, ctx.ops)
+            qkv, o, lse, x1, h_m, r_m, gate, a = CodaBlock._to_swiglu(x, h, r, w_qkv, w_o, mlp_norm, w_gate_up, rope,
+                                                                     ctx.shape, ctx.ops)
         H, Hkv, T, _ = ctx.shape
         d, ops = x.shape[1], ctx.ops
 
-        g_gu, a, stat_m = ops.gemm_dswiglu_rowscale_stat(g_x2, w_down, gu, r_m)                 # B1
+        g_gu, stat_m = ops.gemm_dswiglu_rowscale_stat(g_x2, w_down, gate, a, r_m)               # B1
         g_w_down = ops.matmul_tn(g_x2, a)
         c_m = ops.rmsnorm_backward_coeff(stat_m, r_m, d)                                         # B2
         g_x1, g_mlp_norm = ops.gemm_rmsnorm_backward(g_gu, w_gate_up, g_x2, x1, mlp_norm, c_m)   # B3

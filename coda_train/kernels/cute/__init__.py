@@ -122,20 +122,19 @@ def gemm_residual_rmsnorm_partial(a: Tensor, w: Tensor, residual: Tensor, gamma:
 
 @cute_impl("gemm_rowscale_swiglu", gpu_blind_compile=True)
 def gemm_rowscale_swiglu(h: Tensor, r: Tensor, w_gate_up: Tensor) -> tuple[Tensor, Tensor]:
-    """(F5) gu = r * h W^T with [gate | up] columns, a = silu(gate) * up. The weight is read
-    through quack's concat_layout view, which pairs gate row j with up row j inside the kernel
-    (no weight copy, no reordering); gate and up are stored into the two column halves of gu."""
+    """(F5) [gate | up] = r * h W^T, stored: gate and a = silu(gate) * up (not up: B1 recovers what it
+    needs of it from a). The weight is read through quack's concat_layout view, which pairs gate row j
+    with up row j inside the kernel (no weight copy, no reordering)."""
     M, K = h.shape
     N2 = w_gate_up.shape[0]
     need_bf16("gemm_rowscale_swiglu", h=h, w_gate_up=w_gate_up)
     need_swiglu_width("gemm_rowscale_swiglu", N2)
     need_inner("gemm_rowscale_swiglu", K=K)
-    gu = empty(M, N2, dtype=h.dtype, device=h.device)
+    gate = empty(M, N2 // 2, dtype=h.dtype, device=h.device)
     a = empty(M, N2 // 2, dtype=h.dtype, device=h.device)
-    F = N2 // 2
     gemm(E.rowscale_swiglu, h, w_gate_up, None, concat=("B",), cfg=cfg_for("gemm_rowscale_swiglu", M, N2, K),
-         epi={"gate": gu[:, :F], "up": gu[:, F:], "a": a, "r": colvec(r)})
-    return gu, a
+         epi={"gate": gate, "a": a, "r": colvec(r)})
+    return gate, a
 
 
 def _lse_target(op: str, program, h: Tensor, r: Tensor, w_lm: Tensor, targets: Tensor,
@@ -232,23 +231,22 @@ def attention_rope_backward_rowscale_stat(g_o: Tensor, qkv: Tensor, o: Tensor, l
 
 
 @cute_impl("gemm_dswiglu_rowscale_stat", gpu_blind_compile=True)
-def gemm_dswiglu_rowscale_stat(g_out: Tensor, w_down: Tensor, gu: Tensor, r: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(B1) g_a = g_out W_down with the dSwiGLU epilogue reading the gate/up column halves of gu
-    and writing r*g_gate / r*g_up into the halves of one (M, 2F) buffer."""
+def gemm_dswiglu_rowscale_stat(g_out: Tensor, w_down: Tensor, gate: Tensor, a: Tensor, r: Tensor) -> tuple[Tensor, Tensor]:
+    """(B1) g_a = g_out W_down with the dSwiGLU epilogue reading F5's gate and a (two tile loads) and
+    writing r*g_gate / r*g_up into the halves of one (M, 2F) buffer; no D store."""
     M, d = g_out.shape
     F = w_down.shape[1]
-    need_bf16("gemm_dswiglu_rowscale_stat", g_out=g_out, w_down=w_down, gu=gu)
+    need_bf16("gemm_dswiglu_rowscale_stat", g_out=g_out, w_down=w_down, gate=gate, a=a)
     need_inner("gemm_dswiglu_rowscale_stat", K=d, ffn_dim=F)
-    need(tuple(gu.shape) == (M, 2 * F), f"gemm_dswiglu_rowscale_stat: gu must be (M, 2*ffn_dim)=({M}, {2 * F})")
-    gu = gu.contiguous()
+    for name, t in (("gate", gate), ("a", a)):
+        need(tuple(t.shape) == (M, F), f"gemm_dswiglu_rowscale_stat: {name} must be (M, ffn_dim)=({M}, {F}), got {tuple(t.shape)}")
     cfg = cfg_for("gemm_dswiglu_rowscale_stat", M, F, d)
     g_gu = empty(M, 2 * F, dtype=g_out.dtype, device=g_out.device)
-    a = empty(M, F, dtype=g_out.dtype, device=g_out.device)
     stat, stat_tiles = stat_cols(M, F, cfg, g_out.device)
-    gemm(E.dswiglu_rowscale_stat, g_out, w_down.mT, a, cfg=cfg,
-         epi={"gate": gu[:, :F], "up": gu[:, F:], "r": colvec(r), "g_gate": g_gu[:, :F],
+    gemm(E.dswiglu_rowscale_stat, g_out, w_down.mT, None, cfg=cfg,
+         epi={"gate": gate.contiguous(), "a": a.contiguous(), "r": colvec(r), "g_gate": g_gu[:, :F],
               "g_up": g_gu[:, F:], "stat": stat_tiles})
-    return g_gu, a, stat
+    return g_gu, stat
 
 
 @cute_impl("gemm_rmsnorm_backward", gpu_blind_compile=True)

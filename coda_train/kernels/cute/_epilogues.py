@@ -16,10 +16,16 @@ ColVecSelect (pick the target column per row).
 
 from __future__ import annotations
 
-from cutlass import BFloat16, Float32
+import hashlib
+import inspect
+
+import cutlass.cute as cute
+from cutlass import BFloat16, Boolean, Float32
+from cutlass._mlir_helpers import math as mlir_math
+from cutlass.cutlass_dsl import dsl_user_op
 
 import quack
-from quack.activation import dswiglu as _dswiglu, swiglu as _swiglu
+from quack.activation import sigmoid as _sigmoid, swiglu as _swiglu
 from quack.epilogue.frontend import gemm_epilogue, pack, unpack
 from quack.epilogue.ops import (
     ColVecLoad,
@@ -38,23 +44,25 @@ _QUACK_VERSION = quack.__version__
 
 
 class _Library:
-    """A quack math helper as an epilogue dependency with a fixed cache identity. quack keys its
-    kernel cache on a deep fingerprint of each epilogue fn; helpers built on cutlass'
-    ``dsl_user_op`` capture a ContextVar that the fingerprint rejects (on Python 3.12), so we key
-    them by (module, name, quack version) instead."""
+    """A math helper built on cutlass' ``dsl_user_op`` as an epilogue dependency with a fixed cache
+    identity. quack keys its kernel cache on a deep fingerprint of each epilogue fn; such helpers
+    capture a ContextVar that the fingerprint rejects (on Python 3.12), so we key them by (module,
+    name, quack version) and, for a helper of this package, the hash of its source."""
 
     def __init__(self, fn):
         self.fn = fn
+        self.source_hash = None
+        if fn.__module__ == __name__:  # ours: an edit must change the key (quack's own follow its version)
+            self.source_hash = hashlib.sha256(inspect.getsource(inspect.unwrap(fn)).encode()).hexdigest()[:16]
 
     def __call__(self, *args):
         return self.fn(*args)
 
     def __quack_semantic_key__(self):
-        return (self.fn.__module__, self.fn.__qualname__, _QUACK_VERSION)
+        return (self.fn.__module__, self.fn.__qualname__, _QUACK_VERSION, self.source_hash)
 
 
 swiglu = _Library(_swiglu)  # silu(gate) * up
-dswiglu = _Library(_dswiglu)  # (d gate, d up, silu(gate) * up) given d out
 
 
 def as_stored(v):
@@ -93,15 +101,16 @@ def residual_rmsnorm_partial(acc, c, gamma):
     return {"D": x, "h": x * gamma, "sumsq": (x, x)}
 
 
-# F5: gu = r * h W_gu^T, a = silu(gate) * up. quack's concat_layout reads the weight's
+# F5: [gate | up] = r * h W_gu^T, a = silu(gate) * up. quack's concat_layout reads the weight's
 # [gate | up] row halves pair-interleaved (no copy), so gate column j and up column j arrive as one
-# accumulator pair; the rounded gate and up go to two half-width stores (the column halves of the
-# (M, 2F) gu buffer) and a is computed from the stored values.
-@gemm_epilogue(outputs=("gate", "up", "a"), ops={"r": ColVecLoad("r")}, mode="acc_pair")
+# accumulator pair; the rounded gate and a (from the rounded gate and the fp32 up: one rounding, so
+# a / gate in B1 is as accurate as a stored up) go to two half-width stores. up is not stored
+# (docs/design.md, "SwiGLU: two stored tiles each way").
+@gemm_epilogue(outputs=("gate", "a"), ops={"r": ColVecLoad("r")}, mode="acc_pair")
 def rowscale_swiglu(acc, r):
     g, u = unpack(acc * r)
-    g, u = as_stored(g), as_stored(u)
-    return {"gate": g, "up": u, "a": swiglu(g, u)}
+    g = as_stored(g)
+    return {"gate": g, "a": swiglu(g, u)}
 
 
 # H (evaluation): logits y = r * h W_lm^T never leave the chip: online (max, sum-exp) partials per N tile and
@@ -157,17 +166,35 @@ def strip_scale_cols(x, u):
     return x * u
 
 
-# B1: acc = g_out W_down = g_a; dSwiGLU with the saved gate/up halves (two tile loads of column
-# slices of gu); D = recomputed a; stores r*g_gate and r*g_up into the halves of one (M, 2F)
-# buffer; per-tile partials of sum g_gu * gu.
+# B1: acc = g_out W_down = g_a; dSwiGLU from F5's gate and a (two tile loads): q = up * sigmoid(gate)
+# = a / gate, g_gate = g_a q (1 + gate (1 - sigmoid)), g_up = g_a silu(gate); stores r*g_gate and r*g_up
+# into the halves of one (M, 2F) buffer (no D: a is F5's); per-tile partials of sum g_gu * gu, whose up
+# half is g_up * up = g_a * a. Scalars: SM90's frontend calls it once per element.
+_FLT_MIN = 1.1754943508222875e-38  # below it (0 or subnormal) the ftz rcp would give inf: q = 0 (reference.up_times_sigmoid)
+
+
+@dsl_user_op
+@cute.jit
+def _dswiglu_from_a(gate: Float32, a: Float32, dout: Float32, *, loc=None, ip=None):
+    sig = _sigmoid(gate)
+    rcp_gate = mlir_math.rcp(gate, approx=True, ftz=True, loc=loc, ip=ip)
+    q = a * rcp_gate if Boolean(abs(gate) >= _FLT_MIN) else Float32(0.0)
+    dup = (gate * sig) * dout
+    dgate = q * (1.0 + gate - gate * sig) * dout
+    return dgate, dup
+
+
+dswiglu_from_a = _Library(_dswiglu_from_a)
+
+
 @gemm_epilogue(
     outputs=("g_gate", "g_up"),
     ops={"r": ColVecLoad("r")},
     reduces={"stat": ColVecReduce("stat")},
 )
-def dswiglu_rowscale_stat(acc, gate, up, r):
-    dg, du, a = dswiglu(gate, up, acc)
-    return {"D": a, "g_gate": dg * r, "g_up": du * r, "stat": dg * gate + du * up}
+def dswiglu_rowscale_stat(acc, gate, a, r):
+    dg, du = dswiglu_from_a(gate, a, acc)
+    return {"g_gate": dg * r, "g_up": du * r, "stat": dg * gate + acc * a}
 
 
 # B3/B6b: acc = (r g_y) W = g_h; g_x = residual_grad (C) + gamma*acc + c*x; per-M-tile
