@@ -14,9 +14,10 @@ import types
 import pytest
 import torch
 
+from coda_train.data import prepare
 from coda_train.errors import ConfigError
 from coda_train.trainer import build as build_module
-from coda_train.trainer.build import build_train_state, prepare_data, resolve_model
+from coda_train.trainer.build import build_train_state, resolve_model
 from coda_train.trainer.checkpoint import list_checkpoints
 from coda_train.trainer.distributed import World
 from coda_train.trainer.graphs import use_cuda_graphs
@@ -61,7 +62,7 @@ def fused_adamw(monkeypatch):
 def test_fused_steps_run_ahead_and_a_non_finite_one_is_never_applied(tiny, tmp_path, fused_adamw):
     cfg = compose_config(tmp_path, *tiny, "trainer.grad_accum_steps=2")
     world = World()
-    data = prepare_data(cfg.data)
+    data = prepare(cfg.data)
     llama = resolve_model(cfg, data.vocab_size, "reference")
 
     def fresh() -> TrainStep:

@@ -18,10 +18,10 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from coda_train.config import register_configs, to_dataclass
-from coda_train.data import DataError
+from coda_train.data import DataError, prepare
 from coda_train.errors import ConfigError
 from coda_train.kernels import BackendError
-from coda_train.trainer.build import build_train_state, prepare_data, resolve_model
+from coda_train.trainer.build import build_train_state, resolve_model
 from coda_train.trainer.checkpoint import CheckpointError, list_checkpoints, load_state, verify_checkpoint
 from coda_train.trainer.distributed import World
 from coda_train.trainer.loop import train
@@ -98,7 +98,7 @@ def test_train_state_round_trip_takes_the_same_next_steps(tiny, tmp_path):
     takes the same next steps bit for bit; a non-finite step changes no weight and no counter."""
     cfg = compose_config(tmp_path, *tiny, "trainer.grad_accum_steps=2")
     cpu, world = torch.device("cpu"), World()
-    data = prepare_data(cfg.data)
+    data = prepare(cfg.data)
     llama = resolve_model(cfg, data.vocab_size, "reference")
 
     def fresh_state():

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from coda_train.config import Config, TrainerConfig, resolve_model_config
-from coda_train.data import DataConfig, PreparedData, TokenLoader, prepare
+from coda_train.data import DataConfig, PreparedData, TokenLoader
 from coda_train.errors import ConfigError
 from coda_train.model import LlamaConfig, build_model, kernel_shape_errors
 
@@ -40,13 +40,6 @@ def check_compute(cfg: Config, backend: str, compute_dtype: torch.dtype) -> None
 def data_config(cfg: Config) -> DataConfig:
     """The run's data config (DataConfig.for_model: model.init_from's tokenizer unless data.tokenizer is set)."""
     return cfg.data.for_model(cfg.model.init_from)
-
-
-def prepare_data(cfg: DataConfig) -> PreparedData:
-    """The prepared data, on every rank. No collective around it: the cache folder's lock lets one process
-    prepare while the others wait for it as long as it takes (a barrier would time out under NCCL after 10
-    minutes, and a first preparation of a large corpus takes longer), then they open what it made."""
-    return prepare(cfg)
 
 
 def _shape_errors(cfg: Config, llama: LlamaConfig, backend: str) -> list[str]:

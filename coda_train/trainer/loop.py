@@ -15,7 +15,7 @@ import torch
 from omegaconf import OmegaConf
 
 from coda_train.config import Config, check_config
-from coda_train.data import DataError, PreparationInterrupted, TokenLoader
+from coda_train.data import DataError, PreparationInterrupted, TokenLoader, prepare
 from coda_train.durable import LockHeldError
 from coda_train.errors import ConfigError
 from coda_train.kernels import resolve_backend
@@ -24,7 +24,7 @@ from coda_train.model import LlamaConfig
 from coda_train.model.liger import require_liger
 
 from .build import (build_loader, build_train_state, check_compute, check_model_before_data, data_config,
-                    prepare_data, report_untuned_gemms, resolve_model, tune_untuned_gemms)
+                    report_untuned_gemms, resolve_model, tune_untuned_gemms)
 from .checkpoint import (CHECKPOINTS_DIR, CheckpointError, Checkpointer, check_ckpt_async, check_same_model,
                          find_resume_checkpoint, list_checkpoints, restore, set_aside_newer)
 from .device import pick_compute_dtype, pick_device
@@ -131,7 +131,9 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
            world: World, parallel: str, cuda_graphs: bool, sweep_dir: Optional[Path]) -> Optional[dict[str, Any]]:
     t = cfg.trainer
     resume_from = find_resume_checkpoint(t.resume, run_dir)  # before data preparation, which can be long
-    data = prepare_data(data_config(cfg))
+    # every rank, no collective around it: the cache folder's lock lets one process prepare while the others wait
+    # as long as it takes (a barrier would time out under NCCL after 10 minutes; a first preparation can take longer)
+    data = prepare(data_config(cfg))
     llama = resolve_model(cfg, data.vocab_size, backend)
     if resume_from is not None:
         check_same_model(resume_from, llama)
@@ -231,8 +233,7 @@ def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, train_step: TrainS
             _finish(checkpointer, world)  # published before the message says so
             stopped_by = signal.Signals(stop.received).name if stop.received else "a stop signal"  # another rank's
             if world.is_main:
-                log.info("received %s: saved %s and stopped; %s", stopped_by, path,
-                         hint)
+                log.info("received %s: saved %s and stopped; %s", stopped_by, path, hint)
         _finish(checkpointer, world)  # the last step's checkpoint, written in the background
     except NonFiniteError as e:
         exit_code = EXIT_NON_FINITE

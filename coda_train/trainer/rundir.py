@@ -99,16 +99,20 @@ class _RunLogFile(logging.FileHandler):
 def log_in_run_dir(run_dir: Path, message: str) -> None:
     """One ERROR line in train.log from a rank other than 0 (rank 0 alone holds the log), so a stop that
     begins on another rank says why in the run's own log too. Best effort: that rank's host may not reach it."""
-    handler = _RunLogFile(run_dir / LOG_FILE)
-    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    handler = _run_log_handler(run_dir)
     handler.emit(logging.makeLogRecord({"name": __name__, "levelno": logging.ERROR, "levelname": "ERROR", "msg": message}))
     handler.close()
 
 
-@contextlib.contextmanager
-def _run_log(run_dir: Path) -> Iterator[None]:
+def _run_log_handler(run_dir: Path) -> _RunLogFile:
     handler = _RunLogFile(run_dir / LOG_FILE)
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    return handler
+
+
+@contextlib.contextmanager
+def _run_log(run_dir: Path) -> Iterator[None]:
+    handler = _run_log_handler(run_dir)
     logging.getLogger().addHandler(handler)
     try:
         yield
