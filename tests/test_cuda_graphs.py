@@ -17,7 +17,7 @@ import torch
 from coda_train.data import prepare
 from coda_train.errors import ConfigError
 from coda_train.trainer import build as build_module
-from coda_train.trainer.build import build_train_state, resolve_model
+from coda_train.trainer.build import build_loader, build_train_state, resolve_model
 from coda_train.trainer.checkpoint import list_checkpoints
 from coda_train.trainer.distributed import World
 from coda_train.trainer.graphs import use_cuda_graphs
@@ -66,7 +66,7 @@ def test_fused_steps_run_ahead_and_a_non_finite_one_is_never_applied(tiny, tmp_p
     llama = resolve_model(cfg, data.vocab_size, "reference")
 
     def fresh() -> TrainStep:
-        state = build_train_state(cfg, llama, data, "reference", CPU, torch.float32, world)
+        state = build_train_state(cfg, llama, build_loader(data, "train", cfg.trainer, world), "reference", CPU, torch.float32, world)
         assert state.optimizer.defaults["fused"]
         return TrainStep(state, state.model, world, CPU, 2, cfg.optim.grad_clip)
 

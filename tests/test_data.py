@@ -246,6 +246,24 @@ def test_eval_iterator_is_fixed_and_leaves_training_position(prepared):
     assert sum(seen.values()) == ranks[0].num_windows - ranks[0].num_windows % 2
 
 
+def test_loader_resumes_a_checkpoint_saved_before_epochs_were_whole_optimizer_steps(prepared, caplog):
+    """Before 2026-12-05 an epoch ran to the last whole micro-batch and states had no accum_steps: a position past
+    today's end of the epoch (the last whole optimizer step) continues at the next epoch's start, with a warning."""
+    loader = TokenLoader(prepared, "train", 2, 16, seed=5, accum_steps=3)
+    old_end = loader.windows_per_rank // 2
+    assert old_end > loader.steps_per_epoch  # this corpus leaves a partial optimizer step at the epoch's end
+    saved = {k: v for k, v in loader.state_dict().items() if k != "accum_steps"}
+    resumed = TokenLoader(prepared, "train", 2, 16, seed=5, accum_steps=3)
+    with caplog.at_level("WARNING"):
+        resumed.load_state_dict({**saved, "epoch": 4, "step": old_end})
+    assert (resumed.epoch, resumed.step) == (5, 0) and "continuing at the start of epoch 5" in caplog.text
+    within = TokenLoader(prepared, "train", 2, 16, seed=5, accum_steps=3)
+    within.load_state_dict({**saved, "epoch": 4, "step": 3})
+    assert (within.epoch, within.step) == (4, 3)
+    with pytest.raises(DataError, match="out of range"):  # a state of today's format is never moved
+        within.load_state_dict({**loader.state_dict(), "step": old_end})
+
+
 def test_loader_refuses_incompatible_state_and_tiny_splits(prepared):
     loader = TokenLoader(prepared, "train", batch_size=2, seq_len=16, seed=0)
     with pytest.raises(DataError, match="batch_size: saved 2 vs now 4"):

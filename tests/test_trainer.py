@@ -21,7 +21,7 @@ from coda_train.config import register_configs, to_dataclass
 from coda_train.data import DataError, prepare
 from coda_train.errors import ConfigError
 from coda_train.kernels import BackendError
-from coda_train.trainer.build import build_train_state, resolve_model
+from coda_train.trainer.build import build_loader, build_train_state, resolve_model
 from coda_train.trainer.checkpoint import CheckpointError, list_checkpoints, load_state, verify_checkpoint
 from coda_train.trainer.distributed import World
 from coda_train.trainer.loop import train
@@ -102,7 +102,7 @@ def test_train_state_round_trip_takes_the_same_next_steps(tiny, tmp_path):
     llama = resolve_model(cfg, data.vocab_size, "reference")
 
     def fresh_state():
-        return build_train_state(cfg, llama, data, "reference", cpu, torch.float32, world)
+        return build_train_state(cfg, llama, build_loader(data, "train", cfg.trainer, world), "reference", cpu, torch.float32, world)
 
     def steps(state, n):
         train_step = TrainStep(state, state.model, world, cpu, 2, cfg.optim.grad_clip)
@@ -297,6 +297,17 @@ def test_data_settings_that_cannot_work_stop_before_anything_is_prepared(tiny, t
             train_in_process(tmp_path / "run", *fresh, "trainer.max_steps=2", *overrides)
         assert "tokenizer's vocabulary" not in str(raised.value)  # vocab_size=0: not 'set model.vocab_size>=1'
     assert not (tmp_path / "cache").exists()
+
+
+def test_a_split_too_small_for_one_batch_stops_before_the_model_is_built(tiny, tmp_path, monkeypatch):
+    """The validation split's batch check comes with the training split's, before any model or GPU work."""
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was built before the loaders' checks")
+
+    monkeypatch.setattr("coda_train.trainer.build.build_model", no_model)
+    with pytest.raises(DataError, match="the val split has .* fewer than one batch of 512"):
+        train_in_process(tmp_path / "run", *tiny, "trainer.max_steps=2", "trainer.batch_size=512")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_data_local_files_without_a_source_stops_at_start(tmp_path):

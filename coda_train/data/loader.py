@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Iterator, Optional
 
 import numpy as np
@@ -9,6 +10,8 @@ import torch
 
 from .config import DataError
 from .shards import PreparedData
+
+log = logging.getLogger(__name__)
 
 
 class TokenLoader:
@@ -108,10 +111,18 @@ class TokenLoader:
                 f"cannot resume the data position, the loader differs from the checkpoint ({detail}); resume with the "
                 f"same data and global batch (trainer.batch_size x processes x trainer.grad_accum_steps)"
             )
-        if not (0 <= step <= self.steps_per_epoch and state["epoch"] >= 0):
-            position = f"epoch={state['epoch']} step={step}"
+        epoch = state.get("epoch", 0)
+        old_epoch_end = self.windows_per_rank // self.batch_size  # an epoch's micro-steps before they were whole optimizer steps
+        if "accum_steps" not in state and self.steps_per_epoch < step <= old_epoch_end:
+            # saved before 2026-12-05, near an epoch's end that this version cuts at the last whole optimizer step
+            log.warning("the checkpoint's data position (epoch %d, micro-step %d) is past this version's end of the epoch "
+                        "(%d micro-steps: whole optimizer steps only); continuing at the start of epoch %d", epoch, step,
+                        self.steps_per_epoch, epoch + 1)
+            epoch, step = epoch + 1, 0
+        if not (0 <= step <= self.steps_per_epoch and epoch >= 0):
+            position = f"epoch={epoch} step={step}"
             raise DataError(f"loader state {position} is out of range (steps_per_epoch={self.steps_per_epoch})")
-        self.epoch, self.step = int(state["epoch"]), int(step)
+        self.epoch, self.step = int(epoch), int(step)
 
     def _rank_order(self, epoch: int) -> np.ndarray:
         if self._order_epoch != epoch:  # one permutation per epoch, rebuilt only when the epoch changes

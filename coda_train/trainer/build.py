@@ -76,11 +76,12 @@ def build_loader(data: PreparedData, split: str, t: TrainerConfig, world: World)
     return TokenLoader(data, split, t.batch_size, t.seq_len, t.seed, world.rank, world.world_size, accum)
 
 
-def build_train_state(cfg: Config, llama: LlamaConfig, data: PreparedData, backend: str, device: torch.device,
+def build_train_state(cfg: Config, llama: LlamaConfig, train_loader: TokenLoader, backend: str, device: torch.device,
                       compute_dtype: torch.dtype, world: World, init_weights: bool = True,
                       parallel: str = "none") -> TrainState:
-    """A fresh train state at step 0: model (sharded in place when parallel is fsdp), optimizer,
-    scheduler and train loader. The weights are model.init_from's when set and init_weights (a
+    """A fresh train state at step 0 around `train_loader` (build_loader, made before the model so that a
+    split too small for one batch stops the run first): model (sharded in place when parallel is fsdp),
+    optimizer and scheduler. The weights are model.init_from's when set and init_weights (a
     resumed run takes its checkpoint's instead)."""
     seed_all(cfg.trainer.seed)  # seeded init on CPU, so both impls and every device start from the same weights
     recompute = {"recompute": cfg.trainer.recompute} if cfg.model.impl == "coda" else {}
@@ -94,7 +95,7 @@ def build_train_state(cfg: Config, llama: LlamaConfig, data: PreparedData, backe
         shard_model(model, compute_dtype, cfg.trainer.fsdp_reshard_after_forward)
     optimizer = build_optimizer(model, cfg.optim, device)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.max_steps)
-    return TrainState(model, optimizer, scheduler, build_loader(data, "train", cfg.trainer, world))
+    return TrainState(model, optimizer, scheduler, train_loader)
 
 
 def _untuned(llama: LlamaConfig, t: TrainerConfig, gpu: str):

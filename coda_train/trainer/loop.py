@@ -134,21 +134,22 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
     # every rank, no collective around it: the cache folder's lock lets one process prepare while the others wait
     # as long as it takes (a barrier would time out under NCCL after 10 minutes; a first preparation can take longer)
     data = prepare(data_config(cfg))
+    # both loaders before the model: a split too small for one batch stops the run before any GPU work
+    train_loader = build_loader(data, "train", t, world)
+    val_loader = build_loader(data, "val", t, world) if t.eval_every else None
     llama = resolve_model(cfg, data.vocab_size, backend)
     if resume_from is not None:
         check_same_model(resume_from, llama)
     if cfg.model.impl == "coda" and backend == "cute" and cfg.kernels.tune == "once":  # before the model takes GPU memory
         tune_untuned_gemms(llama, t, gpu_key(torch.cuda.get_device_name(device)), world)
 
-    state = build_train_state(cfg, llama, data, backend, device, compute_dtype, world, init_weights=resume_from is None,
+    state = build_train_state(cfg, llama, train_loader, backend, device, compute_dtype, world, init_weights=resume_from is None,
                               parallel=parallel)
     if resume_from is not None:
         restore(state, resume_from)
         apply_config_after_resume(state.optimizer, state.scheduler, cfg.optim)
         if world.is_main:  # once, not once per rank
             log.info("resumed from %s (step %d)", resume_from.path, state.step)
-    val_loader = build_loader(data, "val", t, world) if t.eval_every else None
-
     config = OmegaConf.to_container(OmegaConf.structured(cfg))
     config["trainer"]["run_dir"] = str(run_dir)  # this job's dir (a multirun gives each job its own)
     # local paths absolute, so the tools that reopen the run's data find it from any directory
