@@ -29,6 +29,9 @@ NOT_RUN_WHY = {  # why bench.py leaves a variant out unless asked (--variants)
     "compile": "not rerun in the speed calls since 2026-11-30 (device time); within 1% of compile-graphs or slower in every "
                "earlier run (docs/bench/before-speed)",
     "liger": "not rerun on 2026-12-01 (device time); slower than compile-graphs in every earlier run",
+    "compile-fa4": "its CUDA-graph form compile-graphs-fa4 was run instead (compile and compile-graphs were within 1% "
+                   "in every earlier run)",
+    "compile-max-autotune-fa4": "opt-in, as compile-max-autotune",
 }
 SHAPE_ORDER = ("125m", "1b-4x4096", "1b-2x8192", "8b-slice")
 
@@ -437,6 +440,12 @@ def main() -> None:
     p.add_argument("--md", type=Path, default=Path("docs/benchmarks.md"))
     p.add_argument("--png", type=Path, default=Path("docs/benchmarks.png"))
     args = p.parse_args()
+    gpus: dict[str, list[str]] = {}  # one report per GPU: a shape's runs are compared with each other
+    for path in args.results:
+        gpus.setdefault(json.loads(path.read_text())["environment"]["gpu"], []).append(path.as_posix())
+    if len(gpus) > 1:
+        p.error("the results come from more than one GPU (" + "; ".join(f"{g}: {' '.join(f)}" for g, f in gpus.items()) +
+                "); write one report per GPU, e.g. --md docs/benchmarks_h100.md --png docs/benchmarks_h100.png with its files")
     results = load(args.results)
     env = results[0]["environment"]
     pkgs = ", ".join(f"{k} {v}" for k, v in env["packages"].items() if v)

@@ -253,3 +253,16 @@ def test_a_second_graph_tree_variants_peak_is_not_trusted_in_runs_without_the_re
     _report([path], md, tmp_path / "b.png", tmp_path)
     text = md.read_text()
     assert "not shown" not in text and "| 3.0 | 0.5 |" in text
+
+
+def test_results_of_two_gpus_are_refused_with_the_fix(tmp_path):
+    """A shape's runs are compared with each other, so a report mixing GPUs would compare across machines."""
+    h200, h100 = _result("125m"), _result("1b-4x4096")
+    h100["environment"]["gpu"] = "NVIDIA H100 80GB HBM3"
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, r in zip(paths, (h200, h100)):
+        path.write_text(json.dumps(r))
+    run = subprocess.run([sys.executable, str(ROOT / "scripts/bench_report.py"), *map(str, paths), "--md",
+                          str(tmp_path / "b.md"), "--png", str(tmp_path / "b.png")], cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 2 and "more than one GPU" in run.stderr and "one report per GPU" in run.stderr
+    assert not (tmp_path / "b.md").exists()
