@@ -77,6 +77,8 @@ class TrainerConfig:
     cuda_graphs: str = "auto"  # one of trainer/graphs.py CUDA_GRAPHS; auto: on for model.impl=coda on one CUDA GPU
     log_every: int = 10  # steps between metrics lines (the last step is always logged)
     eval_every: int = 100  # steps between validation losses (and at the last step); 0 = never
+    # validation batches of the global batch (batch_size x processes x grad_accum_steps windows each): the same
+    # windows for every layout of one global batch, e.g. after a resume on fewer GPUs
     eval_batches: int = 8
     ckpt_every: int = 100  # steps between checkpoints (and at the last step); 0 = only at the end/signal
     keep_last: int = 3  # checkpoints kept in <run_dir>/checkpoints

@@ -264,6 +264,20 @@ def test_loader_resumes_a_checkpoint_saved_before_epochs_were_whole_optimizer_st
         within.load_state_dict({**loader.state_dict(), "step": old_end})
 
 
+def test_validation_windows_are_the_same_for_every_layout_of_one_global_batch(prepared):
+    """The trainer evaluates eval_batches x grad_accum_steps micro-batches per rank (trainer/loop.py): every
+    layout of one global batch (batch_size x processes x grad_accum_steps) reads the same windows."""
+    def evaluated(batch_size, world_size, accum_steps, eval_batches=3):
+        rows = []
+        for rank in range(world_size):
+            loader = TokenLoader(prepared, "train", batch_size, 8, seed=0, rank=rank, world_size=world_size)
+            rows += [tuple(row.tolist()) for x, _ in loader.iter_eval(eval_batches * accum_steps) for row in x]
+        return sorted(rows)
+
+    one = evaluated(8, 1, 1)
+    assert len(one) == 24 and one == evaluated(4, 1, 2) == evaluated(2, 2, 2) == evaluated(1, 4, 2) == evaluated(4, 2, 1)
+
+
 def test_loader_refuses_incompatible_state_and_tiny_splits(prepared):
     loader = TokenLoader(prepared, "train", batch_size=2, seq_len=16, seed=0)
     with pytest.raises(DataError, match="batch_size: saved 2 vs now 4"):

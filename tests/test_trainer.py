@@ -310,6 +310,18 @@ def test_a_split_too_small_for_one_batch_stops_before_the_model_is_built(tiny, t
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_validation_runs_eval_batches_global_batches(tiny, tmp_path, monkeypatch):
+    """trainer.eval_batches counts global batches: with grad accumulation each rank evaluates that many micro-batches
+    per accumulated step, so the validation windows do not change with the layout of one global batch."""
+    from coda_train.trainer import loop
+    seen = []
+    real = loop.evaluate
+    monkeypatch.setattr(loop, "evaluate", lambda model, loader, n, *a: seen.append(n) or real(model, loader, n, *a))
+    train_in_process(tmp_path / "run", *tiny, "trainer.max_steps=2", "trainer.eval_every=2", "trainer.eval_batches=3",
+                     "trainer.grad_accum_steps=2", "trainer.ckpt_every=0")
+    assert seen == [6]
+
+
 def test_data_local_files_without_a_source_stops_at_start(tmp_path):
     """data=local_files names no corpus: the run stops naming data.source instead of training on the built-in one."""
     result = run_train("data=local_files", f"data.cache_dir={tmp_path / 'cache'}", f"trainer.run_dir={tmp_path / 'run'}")

@@ -213,7 +213,7 @@ def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, train_step: TrainS
                 utilization = mfu(tokens_per_s, flops_per_token, t.peak_flops, world.world_size) if device.type == "cuda" else None
                 last = metrics_line(result, state.tokens, tokens_per_s, state.elapsed_s(now), utilization)
                 if should_eval:
-                    last["val_loss"] = evaluate(state.model, val_loader, t.eval_batches, device, world)
+                    last["val_loss"] = evaluate(state.model, val_loader, t.eval_batches * t.grad_accum_steps, device, world)
                 if metrics_logger is not None:
                     with writing(f"the metrics of step {state.step}", Path(metrics_logger.file.name), checkpointer.root.parent):
                         metrics_logger.log(last)
