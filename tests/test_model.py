@@ -323,11 +323,46 @@ def test_dswiglu_and_norm_backward_match_autograd():
     assert rel(R.matmul_tn(g_out, a), ex[3]) < 1e-12
 
 
+def test_ffn_units_with_zero_gate_weights_train_as_in_eager_float64():
+    """A unit whose gate row is all zero (zero-initialised, or added to widen the FFN) has gate = 0 on every token:
+    F5 stores it as 2^-100 (reference.floor_gate) so a = silu(gate) * up keeps up, and B1's g_gate is
+    g_a * up / 2, as autograd's; it used to be 0, and such a unit never trained."""
+    cfg = preset("tiny", **SMALL, n_layers=1, n_kv_heads=2)
+    eager, coda = make_pair(cfg, torch.float64)
+    with torch.no_grad():
+        eager.layers[0].w_gate_up[:8] = 0.0  # the gate rows of units 0-7
+    coda.load_state_dict(eager.state_dict())
+    g = torch.Generator().manual_seed(2)
+    tokens, targets = (torch.randint(0, cfg.vocab_size, (2, 16), generator=g) for _ in range(2))
+    loss_c, grads_c = loss_and_grads(coda, tokens, targets)
+    loss_e, grads_e = loss_and_grads(eager, tokens, targets)
+    assert abs(loss_c - loss_e).item() / loss_e.item() < 1e-12
+    assert grads_e["layers.0.w_gate_up"][:8].norm() > 0
+    for n in grads_e:
+        assert rel(grads_c[n], grads_e[n]) < 1e-10, n
+
+
+def test_f5_stores_tiny_gates_so_b1_keeps_up_in_bf16():
+    """From F5's outputs, B1 matches dSwiGLU on (gate, up) in bf16 also where the gate is exactly 0."""
+    g = torch.Generator().manual_seed(8)
+    M, d, f = 32, 16, 24
+    h, w_gu = torch.randn(M, d, generator=g).bfloat16(), torch.randn(2 * f, d, generator=g).bfloat16()
+    w_gu[:4] = 0.0  # gate = 0 exactly for units 0-3
+    r = torch.rand(M, generator=g) + 0.5
+    gate, a = R.gemm_rowscale_swiglu(h, r, w_gu)
+    assert (gate[:, :4].float() == 2.0 ** -100).all() and (a[:, :4] != 0).any()
+    g_out, w_down = torch.randn(M, d, generator=g).bfloat16(), torch.randn(d, f, generator=g).bfloat16()
+    g_gu, _ = R.gemm_dswiglu_rowscale_stat(g_out, w_down, gate, a, r)
+    up = (h.float() @ w_gu.float().t() * r[:, None])[:, f:]
+    want_gate = (g_out @ w_down).float() * up * 0.5 * r[:, None]  # g_a * up * sigmoid(0) at gate = 0
+    assert rel(g_gu[:, :4].float(), want_gate[:, :4]) < 2e-2
+
+
 def test_dswiglu_from_gate_and_a_matches_dswiglu_from_gate_and_up():
     """B1 reads F5's gate and a, not up (docs/design.md, "SwiGLU: two stored tiles each way"): in bf16 its
-    g_gu and statistic match dSwiGLU on the stored gate and up to bf16 rounding; where |gate| < 2^-126 (0 or
-    subnormal: a is 0 or subnormal, up lost) g_gate is 0, where dSwiGLU on (gate, up) gives about g_a*up/2;
-    a zero row agrees exactly."""
+    g_gu and statistic match dSwiGLU on the stored gate and up to bf16 rounding; given a gate F5 never stores
+    (|gate| < 2^-126: 0 or subnormal, so a has lost up) g_gate is 0 and finite, where dSwiGLU on (gate, up)
+    gives about g_a*up/2; a zero row agrees exactly."""
     g = torch.Generator().manual_seed(7)
     M, d, f = 64, 32, 48
     gate, up = (torch.randn(M, f, generator=g).bfloat16() for _ in range(2))

@@ -128,8 +128,18 @@ def gemm_rowscale_swiglu(h: Tensor, r: Tensor, w_gate_up: Tensor) -> tuple[Tenso
     """(F5) [gate | up] = r * (h @ w_gate_up^T); returns the rounded gate and a = silu(gate) * up from the
     rounded gate and the unrounded up. up is not stored: B1 recovers up * sigmoid(gate) as a / gate."""
     g, u = (_f(h @ w_gate_up.t()) * r[:, None]).chunk(2, dim=-1)
-    gate = g.to(h.dtype).contiguous()  # a tensor of its own, not a view of the (M, 2F) product
+    gate = floor_gate(g.to(h.dtype))  # a tensor of its own, not a view of the (M, 2F) product
     return gate, (F.silu(_f(gate)) * u).to(h.dtype)
+
+
+GATE_FLOOR = 2.0 ** -100
+
+
+def floor_gate(gate: Tensor) -> Tensor:
+    """(F5) The gate as F5 stores it: where |gate| < 2^-100 (0, subnormal, or so small that a = silu(gate) * up
+    would lose up), +2^-100, so that a carries up and B1's q = a / gate is up * sigmoid(gate) to bf16 rounding
+    (docs/design.md, "SwiGLU: two stored tiles each way"); it moves a by at most 2^-101 |up|."""
+    return torch.where(gate.abs() < GATE_FLOOR, torch.full_like(gate, GATE_FLOOR), gate)
 
 
 def _lm_head_examples(x: Example) -> dict:
@@ -393,8 +403,8 @@ def _swiglu_pair(x: Example) -> dict:
 
 def up_times_sigmoid(gate: Tensor, a: Tensor) -> Tensor:
     """(B1) up * sigmoid(gate) = a / gate from F5's stored gate and a; 0 where |gate| < FLT_MIN (0 or
-    subnormal: there a is 0 or subnormal and up is lost, and the GPU's flush-to-zero reciprocal would
-    give inf; the one place B1 differs from dSwiGLU on (gate, up), docs/design.md)."""
+    subnormal, where the GPU's flush-to-zero reciprocal would give inf). F5 never stores such a gate
+    (floor_gate); a gate from elsewhere that small has lost up in a, and gets q = 0 (docs/design.md)."""
     lost = gate.abs() < FLT_MIN
     return torch.where(lost, torch.zeros_like(a), a / torch.where(lost, torch.ones_like(gate), gate))
 

@@ -106,10 +106,22 @@ def residual_rmsnorm_partial(acc, c, gamma):
 # accumulator pair; the rounded gate and a (from the rounded gate and the fp32 up: one rounding, so
 # a / gate in B1 is as accurate as a stored up) go to two half-width stores. up is not stored
 # (docs/design.md, "SwiGLU: two stored tiles each way").
+_GATE_FLOOR = 2.0 ** -100  # reference.GATE_FLOOR: a gate below it in magnitude is stored as +2^-100, so a keeps up
+
+
+@dsl_user_op
+@cute.jit
+def _floor_gate(gate: Float32, *, loc=None, ip=None):
+    return gate if Boolean(abs(gate) >= _GATE_FLOOR) else Float32(_GATE_FLOOR)
+
+
+floor_gate = _Library(_floor_gate)
+
+
 @gemm_epilogue(outputs=("gate", "a"), ops={"r": ColVecLoad("r")}, mode="acc_pair")
 def rowscale_swiglu(acc, r):
     g, u = unpack(acc * r)
-    g = as_stored(g)
+    g = floor_gate(as_stored(g))  # reference.floor_gate
     return {"gate": g, "a": swiglu(g, u)}
 
 
