@@ -23,7 +23,7 @@ from coda_train.model import LlamaConfig, build_model
 from coda_train.model.eager import EagerLlama
 from coda_train.model.hf import check_tokenizer_fits
 from coda_train.trainer.checkpoint import (CHECKPOINTS_DIR, META_FILE, Checkpoint, CheckpointError, list_checkpoints,
-                                           load_state, newest_good_checkpoint, verify_checkpoint)
+                                           load_model_state, newest_good_checkpoint, verify_checkpoint)
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def open_checkpoint(path: str | Path, tokenizer: Optional[str] = None) -> Traine
         run_config = meta["config"]
     except (KeyError, TypeError) as e:
         raise CheckpointError(f"checkpoint {ckpt}: {META_FILE} lacks a usable model or run config ({e!r})") from e
-    state = load_state(ckpt)
+    state = load_model_state(ckpt, meta)
     data = None
     if tokenizer is None:
         data = prepare(run_data_config(meta))

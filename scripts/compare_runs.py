@@ -135,9 +135,21 @@ def smooth(y: np.ndarray, window: int) -> np.ndarray:
     return (c[n] - c[lo]) / (n - lo)
 
 
+def final_loss(run: Run, span: float) -> float:
+    """Mean training loss over the run's logged steps in its last `span` steps: the same step range for runs
+    that log at different intervals (a window counted in logged points would not be)."""
+    return float(run.loss[run.steps > run.steps[-1] - span].mean())
+
+
+def window_span(runs: list[Run], window: int) -> float:
+    """The smoothing window in steps: `window` logged points of the run that logs least often."""
+    return window * max((float(np.median(np.diff(r.steps))) for r in runs if len(r.steps) > 1), default=1.0)
+
+
 def compare(runs: list[Run], window: int) -> list[dict]:
     """One table row per run; |Δ| columns are against runs[0] on the steps both logged."""
     ref = runs[0]
+    span = window_span(runs, window)
     table = []
     for run in runs:
         common, i_ref, i_run = np.intersect1d(ref.steps, run.steps, return_indices=True)
@@ -147,7 +159,7 @@ def compare(runs: list[Run], window: int) -> list[dict]:
         tail = common >= common[0] + 0.9 * (common[-1] - common[0]) if len(common) else common
         table.append({
             "run": run.name, "steps": int(run.steps[-1]),
-            "final_train_loss": float(smooth(run.loss, window)[-1]),
+            "final_train_loss": final_loss(run, span),
             "final_val_loss": float(run.val_loss[-1]) if len(run.val_loss) else None,
             "mean_abs_dloss": float(d_raw.mean()) if len(common) else None,
             "max_abs_dloss": float(d_raw.max()) if len(common) else None,
@@ -241,7 +253,8 @@ def plot(runs: list[Run], window: int, x_axis: str, out: Path) -> None:
         common, i_ref, i_run = np.intersect1d(ref.steps, run.steps, return_indices=True)
         x = xs(run)[i_run]
         bottom.plot(x, run.loss[i_run] - ref.loss[i_ref], color=f"C{i}", alpha=0.3, linewidth=0.7)
-        bottom.plot(x, smooth(run.loss, window)[i_run] - smooth(ref.loss, window)[i_ref], color=f"C{i}",
+        # smoothed over the common steps, as compare() does: runs logged at different intervals average the same points
+        bottom.plot(x, smooth(run.loss[i_run], window) - smooth(ref.loss[i_ref], window), color=f"C{i}",
                     linewidth=1.8, label=f"{run.name} − {ref.name}")
     bottom.axhline(0.0, color="black", linewidth=0.6)
     bottom.set_ylabel("Δ loss")
@@ -261,6 +274,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--smooth", type=int, default=0, help="moving-average window in logged steps (default: 2%% of the run, at least 1)")
     p.add_argument("--x", choices=["step", "tokens", "time"], default="step", help="x axis of the plot")
     args = p.parse_args(argv)
+    if args.smooth < 0:
+        p.error(f"--smooth {args.smooth}: the window is a number of logged steps, >= 1 (0: the default)")
     runs = [read_run(d) for d in args.runs]
     names = [r.name for r in runs]
     for run, run_dir in zip(runs, args.runs):  # two sweeps' job 0 are both "eager (0)": name their sweep too

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from coda_train.data import DataError, TokenLoader, prepare
+from coda_train.data.tokenizer import fingerprint
 from coda_train.errors import ConfigError
 from coda_train.inference import (checkpoint_parser, load_eager_model, log_progress_to_stderr, mean_loss, open_checkpoint,
                                   run_data_config, text_windows)
@@ -49,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
             batches, what = text_windows(ckpt, texts, seq_len, batch_size), f"{len(texts)} text file(s)"
         else:
             data = ckpt.data or prepare(run_data_config(ckpt.meta))
+            if data.manifest["tokenizer"]["fingerprint"] != fingerprint(ckpt.tokenizer):  # its corpus changed since the run
+                raise DataError(f"the run's data, prepared again at {data.path}, is tokenized with another tokenizer than "
+                                f"{ckpt.tokenizer_file} (its source files changed since the run prepared them, and a new "
+                                "BPE was trained); restore the run's corpus, or evaluate files with --text")
             batches = TokenLoader(data, args.split, batch_size, seq_len, seed=0).iter_eval(args.max_batches)
             what = f"the {args.split} split of {data.path}"
         if args.text and args.max_batches is not None:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -115,6 +116,10 @@ def test_runs_logged_at_other_intervals_and_runs_of_other_settings_are_told_apar
     result = json.loads(out.with_suffix(".json").read_text())
     assert [r["run"] for r in result["runs"]] == ["eager (a/0)", "eager (b/0)", "eager (c/0)"]
     assert result["runs"][1]["mean_abs_dloss_smoothed_last10pct"] == 0.0
+    a, b = (r["final_train_loss"] for r in result["runs"][:2])  # both the mean over the last 25 steps
+    assert a == pytest.approx(np.mean([loss[s] for s in range(176, 201)])) and b == pytest.approx(np.mean([loss[s] for s in range(180, 201, 5)]))
+    with pytest.raises(SystemExit):
+        compare_runs.main([*dirs, "--out", str(out), "--smooth", "-3"])
     by_pair = {(p["a"], p["b"]): p for p in result["pairs"]}
     assert by_pair[("eager (a/0)", "eager (b/0)")]["same_model"]  # another seed: the same setting
     lr_pair = by_pair[("eager (a/0)", "eager (c/0)")]

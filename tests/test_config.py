@@ -110,7 +110,8 @@ def test_keys_appended_with_plus_are_not_silently_dropped():
     ("optim.betas=[0.9]", "must be two numbers in"),
     ("trainer.seed=-1", "numpy's seed range"),
     ("trainer.peak_flops=0", "must be > 0"),
-    ("optim.eps=-1e-8", "optim.eps must be >= 0"),
+    ("optim.eps=-1e-8", r"optim.eps=-1e-08 must be > 0"),
+    ("optim.eps=0", r"optim.eps=0.0 must be > 0, e.g. optim.eps=1e-8"),
     ("trainer.eval_batches=0", "or trainer.eval_every=0"),
 ])
 def test_out_of_range_values_fail_the_cross_field_check(override, message):

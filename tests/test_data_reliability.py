@@ -1,7 +1,10 @@
 """Data pipeline under faults: damaged shards, hostile text, bad rows, signals, concurrent runs, mistyped paths."""
 
+import bz2
+import gzip
 import json
 import logging
+import lzma
 import os
 import random
 import shutil
@@ -207,6 +210,50 @@ def test_invalid_utf8_per_decode_errors(tmp_path, mode):
         assert counts["skipped"] == 1 and counts["documents"] == 5
         assert documents_in(data, "train") == [d for i, d in enumerate(docs) if i != 3]
     assert counts["first"] == {"replaced" if mode == "replace" else "skipped": f"{source}:4"}
+
+
+@pytest.mark.parametrize("mode", ["replace", "skip_document", "strict"])
+def test_a_lone_surrogate_escape_in_json_per_decode_errors(tmp_path, mode):
+    """JSON's "\\ud83d" without its pair (half an emoji, cut by a scraper) decodes to a code point UTF-8 cannot
+    encode: handled as invalid UTF-8 is, not a crash in the tokenizer."""
+    docs = make_docs(6)
+    lines = [json.dumps({"text": d}) for d in docs]
+    lines[2] = '{"text": "half an emoji \\ud83d here"}'
+    source = tmp_path / "corpus.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    cfg = config(source, tmp_path / "cache", val_fraction=0.0, decode_errors=mode)
+    if mode == "strict":
+        with pytest.raises(DataError, match=rf"{source}:3: the text holds a lone UTF-16 surrogate"):
+            prepare(cfg)
+        return
+    data = prepare(cfg)
+    counts = data.manifest["document_counts"]
+    if mode == "replace":
+        assert counts["replaced"] == 1 and documents_in(data, "train")[2] == "half an emoji \ufffd here"
+    else:
+        assert counts["skipped"] == 1 and documents_in(data, "train") == [d for i, d in enumerate(docs) if i != 2]
+
+
+@pytest.mark.parametrize("suffix, opener", [(".gz", gzip.open), (".bz2", bz2.open), (".xz", lzma.open)])
+def test_compressed_json_and_text_are_read_decompressed(tmp_path, suffix, opener):
+    docs = make_docs(6)
+    with opener(tmp_path / f"corpus.jsonl{suffix}", "wt") as f:
+        f.write("\n".join(json.dumps({"text": d}) for d in docs) + "\n")
+    data = prepare(config(tmp_path / f"corpus.jsonl{suffix}", tmp_path / "cache", val_fraction=0.0))
+    assert documents_in(data, "train") == docs
+    with opener(tmp_path / f"doc.txt{suffix}", "wt") as f:
+        f.write(docs[0])
+    assert documents_in(prepare(config(tmp_path / f"doc.txt{suffix}", tmp_path / "cache", val_fraction=0.0)), "train") == [docs[0]]
+
+
+def test_a_damaged_or_unsupported_archive_is_a_data_error_naming_it(tmp_path):
+    (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a document"}\n' * 50)[:-20])
+    with pytest.raises(DataError, match=rf"could not read documents from {tmp_path / 'cut.jsonl.gz'}"):
+        prepare(config(tmp_path / "cut.jsonl.gz", tmp_path / "cache", val_fraction=0.0))
+    (tmp_path / "corpus.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd")
+    with pytest.raises(DataError, match=r"corpus.jsonl.zst is compressed in a format .* decompress it first \(zstd -d\)"):
+        prepare(config(tmp_path / "corpus.jsonl.zst", tmp_path / "cache", val_fraction=0.0))
+    assert not (tmp_path / "cache").exists() or os.listdir(tmp_path / "cache") == []
 
 
 def test_each_decode_errors_mode_prepares_its_own_folder(tmp_path):

@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -308,6 +309,24 @@ def test_eval_script_reports_loss_and_perplexity_of_the_val_split_and_of_text_fi
     loss = float(re.search(r"loss ([\d.]+)", result.stdout).group(1))
     expected, count = mean_loss(model, text_windows(ckpt, [TEXT * 12], 16, 4), torch.device("cpu"))
     assert f"{count:,} tokens in windows of 16" in result.stdout and loss == pytest.approx(expected, abs=1e-4)
+
+
+def test_eval_refuses_the_runs_data_prepared_again_with_another_bpe(tiny, tmp_path):
+    """The run's corpus changed after the run: its data is prepared again with a new BPE, and evaluating it with
+    the run's own tokenizer (--tokenizer) is refused instead of reporting a loss on mis-tokenized data."""
+    source = Path(next(o for o in tiny if o.startswith("data.source=")).split("=", 1)[1])
+    corpus = tmp_path / "corpus.jsonl"
+    shutil.copy(source, corpus)
+    data = [o for o in tiny if not o.startswith(("data.source=", "data.cache_dir="))]
+    data += [f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}"]
+    result = subprocess.run([sys.executable, "train.py", *data, f"trainer.run_dir={tmp_path / 'run'}", "trainer.max_steps=2",
+                             "model.impl=eager"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (own,) = (tmp_path / "cache").glob("*/tokenizer.json")
+    with open(corpus, "a") as f:
+        f.write(json.dumps({"text": "a new document " * 50}) + "\n")
+    result = run_script("eval.py", str(tmp_path / "run"), "--tokenizer", str(own), "--max-batches", "1")
+    assert result.returncode == 1 and "is tokenized with another tokenizer than" in result.stderr, result.stderr[-2000:]
 
 
 # ---- sampling ---------------------------------------------------------------------------

@@ -94,6 +94,25 @@ def test_fsdp_resharding_after_forward_matches_one_process(tiny, one_process, tm
     assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000006"]
 
 
+def test_eval_sample_and_export_read_an_fsdp_checkpoint(fsdp_straight, tmp_path):
+    """The tools open a run's newest checkpoint in one process, without a process group: an FSDP2 run's shards are
+    read into whole tensors, equal to torch's own conversion of the same shards (dcp_to_torch_save)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from coda_train.inference import open_checkpoint
+
+    ckpt = open_checkpoint(fsdp_straight)
+    assert ckpt.path.name == "step_00000012" and "files" in ckpt.meta
+    dcp_to_torch_save(ckpt.path / "shards", tmp_path / "whole.pt")
+    whole = torch.load(tmp_path / "whole.pt", weights_only=True)["model"]
+    assert ckpt.weights.keys() == whole.keys() and all(torch.equal(ckpt.weights[k], whole[k]) for k in whole)
+    for script, *args in (("eval.py", "--max-batches", "1"), ("sample.py", "--max-new-tokens", "4"),
+                          ("export_hf.py", "--out", str(tmp_path / "hf"))):
+        result = subprocess.run([sys.executable, f"scripts/{script}", str(fsdp_straight), *args], cwd=REPO,
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, (script, result.stderr[-2000:])
+
+
 def test_fsdp_run_killed_resumes_on_two_and_on_one_process(tiny, fsdp_straight, tmp_path):
     """A 2-process FSDP2 run SIGKILLed after step 6 (checkpoint at 4, sharded) continues from step 4 on
     2 processes (batch 2 each) and on 1 (batch 4, the shards read into whole tensors): the same global

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import bz2
 import glob
+import gzip
 import json
 import logging
+import lzma
 import os
 import re
 import sysconfig
@@ -24,8 +27,22 @@ log = logging.getLogger(__name__)
 BUILTIN_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "encodings"}
 BUILTIN_SUFFIXES = {".py", ".txt", ".rst"}
 FORMAT_BY_SUFFIX = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+# compressed text and JSON files are read through the stdlib's decompressors; the format is the suffix before it
+DECOMPRESSORS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+UNSUPPORTED_COMPRESSION = {".zst": "zstd -d", ".zstd": "zstd -d", ".lz4": "lz4 -d", ".zip": "unzip", ".7z": "7z x"}
 # a source with one of these endings is a local path even when nothing matches it (so the error says "missing file")
-LOCAL_SUFFIXES = {".txt", ".text", ".md", ".rst", ".py", ".json", ".jsonl", ".parquet"}
+LOCAL_SUFFIXES = {".txt", ".text", ".md", ".rst", ".py", ".json", ".jsonl", ".parquet", *DECOMPRESSORS, *UNSUPPORTED_COMPRESSION}
+
+
+def _format_suffix(file: str) -> str:
+    """The suffix that names a file's format: "corpus.jsonl.gz" -> ".jsonl"."""
+    path = Path(file)
+    return Path(path.stem).suffix if path.suffix in DECOMPRESSORS else path.suffix
+
+
+def _open_binary(file: str):
+    """The file's bytes, decompressed when its name ends in .gz, .bz2 or .xz."""
+    return DECOMPRESSORS.get(Path(file).suffix, open)(file, "rb")
 
 
 @dataclass(frozen=True)
@@ -93,7 +110,11 @@ def resolve_source(cfg: DataConfig) -> Source:
         )
     fmt = cfg.format
     if fmt == "auto":
-        formats = {FORMAT_BY_SUFFIX.get(Path(f).suffix, "text") for f in files}
+        if packed := sorted({f for f in files if Path(f).suffix in UNSUPPORTED_COMPRESSION}):
+            tool = UNSUPPORTED_COMPRESSION[Path(packed[0]).suffix]
+            raise DataError(f"{packed[0]} is compressed in a format this reader does not open ({len(packed)} such files); "
+                            f"decompress it first ({tool}), or recompress as .gz, .bz2 or .xz, which are read as they are")
+        formats = {FORMAT_BY_SUFFIX.get(_format_suffix(f), "text") for f in files}
         if len(formats) > 1:
             raise DataError(f"data.source={cfg.source!r} mixes formats {sorted(formats)}; narrow the glob or set data.format")
         fmt = formats.pop()
@@ -153,9 +174,24 @@ def _decode(data: bytes, file: str, line: int, cfg: DataConfig, counts: Document
         return None if cfg.decode_errors == "skip_document" else data.decode("utf-8", errors="replace")
 
 
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _surrogates(text: str, where: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -> Optional[str]:
+    """A document holding lone UTF-16 surrogates (e.g. half of an emoji's escape pair, cut by a scraper), per
+    data.decode_errors as invalid UTF-8 is: replaced by U+FFFD, skipped (None), or an error naming where."""
+    if cfg.decode_errors == "strict":
+        raise DataError(f"{where}: the text holds a lone UTF-16 surrogate (an escape like \\ud83d without its pair), "
+                        "which is not valid Unicode; fix the file, or set data.decode_errors=replace (it becomes U+FFFD) "
+                        "or skip_document (drop such documents)")
+    counts.note("skipped" if cfg.decode_errors == "skip_document" else "replaced", where, warn)
+    return None if cfg.decode_errors == "skip_document" else LONE_SURROGATE.sub("\ufffd", text)
+
+
 def _text_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -> Iterator[tuple[str, dict]]:
     """One document per file, newlines universal ("\r\n" and "\r" become "\n") as when a file is opened as text."""
-    data = Path(file).read_bytes()
+    with _open_binary(file) as f:
+        data = f.read()
     counts.bytes_read += len(data)
     text = _decode(data, file, 1, cfg, counts, warn)
     if text is not None:
@@ -164,7 +200,7 @@ def _text_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -
 
 def _json_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -> Iterator[tuple[str, dict]]:
     """JSON Lines (one object per line), or a file holding one JSON array of objects."""
-    with open(file, "rb") as f:
+    with _open_binary(file) as f:
         is_array = f.read(4096).lstrip()[:1] == b"["
         f.seek(0)
         if is_array:
@@ -257,7 +293,7 @@ def _rows(source: Source, cfg: DataConfig, counts: DocumentCounts, warn: bool) -
     for file in source.files:
         try:
             yield from READERS[source.format](file, cfg, counts, warn)
-        except OSError as e:  # removed or unreadable after listing
+        except (OSError, EOFError, lzma.LZMAError) as e:  # removed or unreadable after listing, or a damaged archive
             raise DataError(f"could not read documents from {file}: {e}") from e
 
 
@@ -289,6 +325,10 @@ def iter_documents(
         if not isinstance(text, str):
             kind = type(text).__name__
             raise DataError(f"field {field_name!r} at {where} holds {kind}, not text; set data.text_field to a text column")
+        if not text.isascii() and LONE_SURROGATE.search(text):  # JSON's "\ud83d" escapes decode to code points UTF-8 cannot encode
+            text = _surrogates(text, where, cfg, counts, warn)
+            if text is None:
+                continue
         yield text
         counts.documents += 1
         chars += len(text)

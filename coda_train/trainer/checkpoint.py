@@ -374,11 +374,33 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
 
 
 def load_state(path: Path) -> dict[str, Any]:
-    """The state of a verified checkpoint, on CPU."""
+    """The state of a verified whole-tensor checkpoint (state.pt), on CPU."""
     try:
         return torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a damaged zip/pickle
         raise CheckpointError(f"checkpoint {path}: {STATE_FILE} cannot be read ({e})") from e
+
+
+def load_model_state(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """{"model": whole tensors, "train_loader": its state} of a verified checkpoint of either layout, on CPU, in
+    one process without a process group: the tools that evaluate, sample or export a run (an FSDP2 run's
+    shards are read into whole tensors, its optimizer state left on disk)."""
+    if "files" not in meta:
+        state = load_state(path)
+        return {"model": state["model"], "train_loader": state.get("train_loader", {})}
+    try:
+        reader = FileSystemReader(path / SHARDS_DIR)
+        saved = reader.read_metadata().state_dict_metadata
+        # dcp flattens {"model": {name: t}} to "model.<name>"; an empty tensor of each saved size is the template
+        model = {key.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
+                 for key, m in saved.items() if key.startswith("model.") and hasattr(m, "size")}
+        template = {"model": model}
+        dcp.load(template, storage_reader=reader, no_dist=True)
+        run_state = torch.load(path / RUN_STATE_FILE, map_location="cpu", weights_only=True)
+    except Exception as e:  # dcp and torch.load raise many types for damaged files
+        raise CheckpointError(f"checkpoint {path}: its shards cannot be read into whole tensors ({type(e).__name__}: "
+                              f"{e}); choose another checkpoint") from e
+    return {"model": template["model"], "train_loader": run_state.get("train_loader", {})}
 
 
 def newest_good_checkpoint(root: Path) -> Optional[Checkpoint]:
