@@ -205,7 +205,7 @@ def test_resume_with_the_batch_made_up_by_accumulation_reads_the_same_windows_pe
     one = TokenLoader(prepared, "train", 2, 16, seed=5, accum_steps=2)
     one.load_state_dict(json.loads(json.dumps(before[0].state_dict())))
     assert optimizer_steps([one], len(straight) - split) == straight[split:]
-    with pytest.raises(DataError, match=r"batch_size x world_size: saved 4 vs now 2, accum_steps: saved 1 vs now 1"):
+    with pytest.raises(DataError, match=r"global batch .*: saved 2 x 2 x 1 = 4 vs now 2 x 1 x 1 = 2\); resume with a global batch of 4 windows"):
         TokenLoader(prepared, "train", 2, 16, seed=5).load_state_dict(before[0].state_dict())  # half the step
 
 
@@ -246,9 +246,10 @@ def test_eval_iterator_is_fixed_and_leaves_training_position(prepared):
     assert sum(seen.values()) == ranks[0].num_windows - ranks[0].num_windows % 2
 
 
-def test_loader_resumes_a_checkpoint_saved_before_epochs_were_whole_optimizer_steps(prepared, caplog):
-    """Before 2026-12-05 an epoch ran to the last whole micro-batch and states had no accum_steps: a position past
-    today's end of the epoch (the last whole optimizer step) continues at the next epoch's start, with a warning."""
+def test_a_position_past_this_layouts_end_of_the_epoch_continues_at_the_next_epoch(prepared, caplog):
+    """An epoch ends at its last whole optimizer step, so a position saved with fewer micro-steps per optimizer step
+    (or before 2026-12-05, when an epoch ran to its last whole micro-batch and states had no accum_steps) may lie
+    past this layout's end of the epoch: it continues at the next epoch's start, with a warning."""
     loader = TokenLoader(prepared, "train", 2, 16, seed=5, accum_steps=3)
     old_end = loader.windows_per_rank // 2
     assert old_end > loader.steps_per_epoch  # this corpus leaves a partial optimizer step at the epoch's end
@@ -260,8 +261,14 @@ def test_loader_resumes_a_checkpoint_saved_before_epochs_were_whole_optimizer_st
     within = TokenLoader(prepared, "train", 2, 16, seed=5, accum_steps=3)
     within.load_state_dict({**saved, "epoch": 4, "step": 3})
     assert (within.epoch, within.step) == (4, 3)
-    with pytest.raises(DataError, match="out of range"):  # a state of today's format is never moved
-        within.load_state_dict({**loader.state_dict(), "step": old_end})
+    # today's states too: a run saved at its epoch's end with accum 1 and resumed with accum 3 (the same micro-batch)
+    at_end = TokenLoader(prepared, "train", 2, 16, seed=5, accum_steps=1)
+    at_end.step = at_end.steps_per_epoch
+    assert at_end.steps_per_epoch == old_end > within.steps_per_epoch
+    within.load_state_dict(at_end.state_dict())
+    assert (within.epoch, within.step) == (1, 0)
+    with pytest.raises(DataError, match="out of range"):  # more windows than the split holds: a damaged state
+        within.load_state_dict({**loader.state_dict(), "step": old_end + 1})
 
 
 def test_validation_windows_are_the_same_for_every_layout_of_one_global_batch(prepared):
@@ -280,7 +287,7 @@ def test_validation_windows_are_the_same_for_every_layout_of_one_global_batch(pr
 
 def test_loader_refuses_incompatible_state_and_tiny_splits(prepared):
     loader = TokenLoader(prepared, "train", batch_size=2, seq_len=16, seed=0)
-    with pytest.raises(DataError, match="batch_size: saved 2 vs now 4"):
+    with pytest.raises(DataError, match=r"saved 2 x 1 x 1 = 2 vs now 4 x 1 x 1 = 4"):
         TokenLoader(prepared, "train", batch_size=4, seq_len=16, seed=0).load_state_dict(loader.state_dict())
     with pytest.raises(DataError, match="fewer than one batch"):
         TokenLoader(prepared, "val", batch_size=64, seq_len=64, seed=0)

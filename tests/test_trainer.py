@@ -233,8 +233,11 @@ def test_resuming_with_another_global_batch_names_the_saved_one(tiny, tmp_path):
     """A loader that cannot continue the checkpoint's data order is a config change, not a bad file:
     the error names the saved value and does not send the user to another checkpoint."""
     train_in_process(tmp_path, *tiny, "trainer.max_steps=4", "trainer.ckpt_every=2")
-    with pytest.raises(CheckpointError, match=r"batch_size: saved 4 vs now 8") as error:
+    with pytest.raises(CheckpointError, match=r"saved 4 x 1 x 1 = 4 vs now 8 x 1 x 1 = 8\); resume with a global batch of 4") as error:
         train_in_process(tmp_path, *tiny, "trainer.max_steps=6", "trainer.batch_size=8")
+    with pytest.raises(CheckpointError, match=r"trainer.seed: saved 1337 vs now 7, trainer.seq_len: saved 32 vs now 16.*"
+                                              r"resume with trainer.seed=1337, trainer.seq_len=32"):
+        train_in_process(tmp_path, *tiny, "trainer.max_steps=6", "trainer.seed=7", "trainer.seq_len=16")
     assert "another trainer.run_dir" in str(error.value) and "choose another checkpoint" not in str(error.value)
     assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000004", "step_00000002"]
 
@@ -275,12 +278,30 @@ def test_nan_loss_stops_without_checkpointing_it(tiny, tmp_path):
     assert metrics(tmp_path)[-1]["step"] == 7
 
 
+def test_a_run_started_from_another_runs_checkpoint_is_told_to_start_from_it_again(tiny, straight_run, tmp_path):
+    """It stops on a NaN before saving a checkpoint of its own: trainer.resume=auto would start from random weights,
+    so the message names the checkpoint it started from; following it continues from there."""
+    start = straight_run / "checkpoints" / f"step_{N:08d}"
+    result = run_train(*tiny, f"trainer.run_dir={tmp_path}", f"trainer.resume={start}", f"trainer.max_steps={N + 10}",
+                       "trainer.ckpt_every=0", f"debug.nan_loss_at_step={N + 3}")
+    out = result.stderr + result.stdout
+    assert result.returncode == 3 and "newest checkpoint: none" in out
+    assert f"trainer.resume={start} (this run saved no checkpoint of its own yet)" in out and "resume=auto" not in out
+    again = run_train(*tiny, f"trainer.run_dir={tmp_path}", f"trainer.resume={start}", f"trainer.max_steps={N + 2}")
+    assert again.returncode == 0, again.stderr
+    assert [m["step"] for m in metrics(tmp_path)] == [N + 1, N + 2]
+
+
 def test_cli_rejects_unknown_and_ill_typed_keys_before_training(tmp_path):
     typo = run_train("trainer.max_stepz=3", f"trainer.run_dir={tmp_path}")
     assert typo.returncode != 0 and "max_stepz" in typo.stderr
     wrong_type = run_train("trainer.max_steps=three", f"trainer.run_dir={tmp_path}")
     assert wrong_type.returncode != 0 and "could not be converted to Integer" in wrong_type.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
+    (tmp_path / "a_file").write_text("kept")
+    a_file = run_train("trainer.max_steps=3", f"trainer.run_dir={tmp_path / 'a_file'}")
+    assert a_file.returncode == 1 and "is a file, not a directory" in a_file.stderr and "Traceback" not in a_file.stderr
+    assert (tmp_path / "a_file").read_text() == "kept"
 
 
 def test_data_settings_that_cannot_work_stop_before_anything_is_prepared(tiny, tmp_path):
@@ -395,6 +416,12 @@ def test_wandb_logger_runs_offline_without_network_or_key(tiny, tmp_path):
     assert result.returncode == 0, result.stderr
     assert list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(metrics(tmp_path)) == 3
+    # logger.mode=online without a key: refused at start, naming the fix, before the run dir is written
+    online = subprocess.run([sys.executable, "train.py", *tiny, "logger=wandb", "logger.mode=online",
+                             f"trainer.run_dir={tmp_path / 'online'}", "trainer.max_steps=3"], cwd=REPO, capture_output=True,
+                            text=True, timeout=120, env={**env_without_key, "HOME": str(tmp_path)})
+    assert online.returncode != 0 and "logger.mode=online needs a wandb API key" in online.stderr + online.stdout
+    assert "Traceback" not in online.stderr and not (tmp_path / "online" / "metrics.jsonl").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the message is for a machine without a GPU")

@@ -96,28 +96,32 @@ class TokenLoader:
         micro = self.batch_size * self.world_size
         saved_accum = state.get("accum_steps", self.accum_steps)  # not saved before 2026-12-05: take it as unchanged
         step = state.get("step", 0)
+        fixes = [f"trainer.{k}={differing[k][0]}" for k in ("seed", "seq_len") if k in differing]
+        if {"num_windows", "tokenizer", "split"} & differing.keys():
+            fixes.append("the run's data settings")
         if saved_micro != micro:  # (the same G with another A: the same micro-steps, as a batch-size schedule makes)
             if saved_micro * saved_accum == micro * self.accum_steps and (step * saved_micro) % micro == 0:
                 step = step * saved_micro // micro  # the same windows consumed, counted in this layout's micro-steps
             else:
-                if state.get("world_size") == self.world_size:
-                    differing["batch_size"] = (state.get("batch_size"), self.batch_size)
-                else:
-                    differing["batch_size x world_size"] = (saved_micro, micro)
-                differing["accum_steps"] = (saved_accum, self.accum_steps)
+                def batch(b, w, a):
+                    return f"{b} x {w} x {a} = {b * w * a}"
+                differing["global batch (trainer.batch_size x processes x trainer.grad_accum_steps)"] = (
+                    batch(state.get("batch_size", 0), state.get("world_size", 0), saved_accum),
+                    batch(self.batch_size, self.world_size, self.accum_steps))
+                fixes.append(f"a global batch of {saved_micro * saved_accum} windows")
         if differing:
-            detail = ", ".join(f"{k}: saved {saved!r} vs now {now!r}" for k, (saved, now) in differing.items())
-            raise DataError(
-                f"cannot resume the data position, the loader differs from the checkpoint ({detail}); resume with the "
-                f"same data and global batch (trainer.batch_size x processes x trainer.grad_accum_steps)"
-            )
+            names = {"seed": "trainer.seed", "seq_len": "trainer.seq_len", "num_windows": "windows in the split (the data)",
+                     "tokenizer": "the data's tokenizer", "split": "split"}
+            detail = ", ".join(f"{names.get(k, k)}: saved {saved} vs now {now}" for k, (saved, now) in differing.items())
+            raise DataError(f"cannot resume the data position, the loader differs from the checkpoint ({detail}); resume "
+                            f"with {', '.join(fixes)}")
         epoch = state.get("epoch", 0)
-        old_epoch_end = self.windows_per_rank // self.batch_size  # an epoch's micro-steps before they were whole optimizer steps
-        if "accum_steps" not in state and self.steps_per_epoch < step <= old_epoch_end:
-            # saved before 2026-12-05, near an epoch's end that this version cuts at the last whole optimizer step
-            log.warning("the checkpoint's data position (epoch %d, micro-step %d) is past this version's end of the epoch "
-                        "(%d micro-steps: whole optimizer steps only); continuing at the start of epoch %d", epoch, step,
-                        self.steps_per_epoch, epoch + 1)
+        if self.steps_per_epoch < step and step * micro <= self.num_windows:
+            # a position this layout's epoch never reaches (it ends at its last whole optimizer step): a larger
+            # grad_accum_steps than the run saved with, or a state saved before epochs were whole optimizer steps
+            log.warning("the checkpoint's data position (epoch %d, micro-step %d) is past this layout's end of the epoch "
+                        "(%d micro-steps of %d windows: whole optimizer steps only); continuing at the start of epoch %d",
+                        epoch, step, self.steps_per_epoch, micro, epoch + 1)
             epoch, step = epoch + 1, 0
         if not (0 <= step <= self.steps_per_epoch and epoch >= 0):
             position = f"epoch={epoch} step={step}"

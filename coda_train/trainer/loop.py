@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import signal
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from omegaconf import OmegaConf
@@ -31,7 +32,7 @@ from .device import pick_compute_dtype, pick_device
 from .distributed import (World, any_rank, barrier, check_fsdp_options, close_world, data_parallel, from_main, init_world,
                           process_device, resolve_parallel)
 from .graphs import use_cuda_graphs
-from .metrics import METRICS_FILE, MetricsLogger, Throughput, metrics_line, mfu, rewind_metrics
+from .metrics import METRICS_FILE, MetricsLogger, Throughput, check_logger, metrics_line, mfu, rewind_metrics
 from .optim import apply_config_after_resume
 from .rundir import RunDirError, continue_hint, hold_run_dir, log_in_run_dir, writing
 from .state import TrainState
@@ -91,6 +92,7 @@ def train(cfg: Config, run_dir: Path, sweep_dir: Optional[Path] = None) -> RunEn
     with contextlib.ExitStack() as held:  # process group and run dir, released after the stop reason is logged
         try:
             check_config(cfg)
+            check_logger(cfg.logger)
             backend = resolve_backend(cfg.kernels.backend)  # BackendError (e.g. cute without Hopper) before anything else
             device = pick_device(cfg.trainer.device)
             if cfg.model.impl == "liger":
@@ -178,15 +180,15 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
                  parallel, " cuda-graphs" if cuda_graphs else "", tokens_per_step, run_dir)
     train_step = TrainStep(state, data_parallel(state.model, parallel, device), world, device, t.grad_accum_steps,
                            cfg.optim.grad_clip, cuda_graphs)
-    hint = continue_hint(run_dir, t.resume, sweep_dir)
+    hint = functools.partial(continue_hint, run_dir, t.resume, sweep_dir)
     return _loop(cfg, llama, state, train_step, val_loader, checkpointer, metrics_logger, world, device, hint)
 
 
 def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, train_step: TrainStep, val_loader: Optional[TokenLoader],
           checkpointer: Checkpointer, metrics_logger: Optional[MetricsLogger], world: World,
-          device: torch.device, hint: str) -> RunEnd:
+          device: torch.device, hint: Callable[..., str]) -> RunEnd:
     """Steps until trainer.max_steps or a stop signal; logs, evaluates and checkpoints on schedule; hint: how to
-    continue the run (rundir.continue_hint), for the stop messages.
+    continue the run (rundir.continue_hint; saved=False when this run has no checkpoint of its own), for the stop messages.
     Only those steps read the device (TrainStep.read/check), so the host runs ahead of the GPU between them."""
     t, debug = cfg.trainer, cfg.debug
     flops_per_token = llama.flops_per_token(t.seq_len)
@@ -234,7 +236,7 @@ def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, train_step: TrainS
             _finish(checkpointer, world)  # published before the message says so
             stopped_by = signal.Signals(stop.received).name if stop.received else "a stop signal"  # another rank's
             if world.is_main:
-                log.info("received %s: saved %s and stopped; %s", stopped_by, path, hint)
+                log.info("received %s: saved %s and stopped; %s", stopped_by, path, hint())
         _finish(checkpointer, world)  # the last step's checkpoint, written in the background
     except NonFiniteError as e:
         exit_code = EXIT_NON_FINITE
@@ -247,14 +249,14 @@ def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, train_step: TrainS
     return RunEnd(last, stopped_by)
 
 
-def _non_finite_stop(error: NonFiniteError, step: int, checkpointer: Checkpointer, hint: str) -> NonFiniteError:
+def _non_finite_stop(error: NonFiniteError, step: int, checkpointer: Checkpointer, hint: Callable[..., str]) -> NonFiniteError:
     """The error a run stops with: which steps were not applied (a fused step runs ahead of the check
     until the next step that reads the device), the newest checkpoint, and the fix."""
-    newest = next(iter(list_checkpoints(checkpointer.root)), "none")
+    newest = next(iter(list_checkpoints(checkpointer.root)), None)
     skipped = "this step" if error.step >= step else f"steps {error.step}..{step}"
-    return NonFiniteError(f"{error}; stopped without applying or saving {skipped} (newest checkpoint: {newest}). "
+    return NonFiniteError(f"{error}; stopped without applying or saving {skipped} (newest checkpoint: {newest or 'none'}). "
                           f"Resume from it with a lower optim.lr, longer optim.warmup_steps or a tighter "
-                          f"optim.grad_clip ({hint})", error.step)
+                          f"optim.grad_clip ({hint(saved=newest is not None)})", error.step)
 
 
 def _save(checkpointer: Checkpointer, state: TrainState, world: World) -> Optional[Path]:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from coda_train.errors import ConfigError
+
 from .step import StepResult
 
 log = logging.getLogger(__name__)
@@ -111,6 +113,14 @@ def _wandb_has_key() -> bool:
     return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
 
 
+def check_logger(cfg: LoggerConfig) -> None:
+    """logger=wandb with logger.mode=online needs an API key: refused at start, not after data and model."""
+    if cfg.name == "wandb" and cfg.mode == "online" and os.environ.get("WANDB_MODE") != "offline" and not _wandb_has_key():
+        raise ConfigError("logger.mode=online needs a wandb API key and found none (WANDB_API_KEY, or ~/.netrc from "
+                          "`wandb login`); log in, or use logger.mode=auto (online when a key and the server are there, "
+                          "else offline) or logger.mode=offline (`wandb sync` later)")
+
+
 class MetricsLogger:
     """Where each metrics line goes (rank 0 only): metrics.jsonl, one JSON object per line flushed at
     once (a killed run keeps every line it logged); wandb; the progress bar (shown only when stderr is
@@ -140,9 +150,14 @@ class MetricsLogger:
         id_file = run_dir / "wandb_id.txt"
         run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
         id_file.write_text(run_id)
-        return wandb.init(project=cfg.project, entity=cfg.entity, name=cfg.run_name, id=run_id, resume="allow",
-                          dir=str(run_dir), config=config, mode=mode,
-                          settings=wandb.Settings(init_timeout=60, silent=True))
+        try:
+            return wandb.init(project=cfg.project, entity=cfg.entity, name=cfg.run_name, id=run_id, resume="allow",
+                              dir=str(run_dir), config=config, mode=mode,
+                              settings=wandb.Settings(init_timeout=60, silent=True))
+        except (wandb.errors.Error, OSError) as e:  # a rejected key, an unreachable server, a bad entity or project
+            raise ConfigError(f"wandb could not start its run in mode {mode} ({type(e).__name__}: {e}); check the key, "
+                              "the network and logger.entity / logger.project, or use logger.mode=offline "
+                              "(`wandb sync` later) or logger=jsonl") from e
 
     def log(self, metrics: dict[str, Any]) -> None:
         self.file.write(json.dumps(metrics) + "\n")

@@ -45,18 +45,24 @@ def _fix(e: OSError, run_dir: Path) -> str:
     return f"Check that filesystem ({errno.errorcode.get(e.errno, 'unknown error')}), or choose another trainer.run_dir"
 
 
-def continue_hint(run_dir: Path, resume: str = "auto", sweep_dir: Optional[Path] = None) -> str:
+def continue_hint(run_dir: Path, resume: str = "auto", sweep_dir: Optional[Path] = None, saved: bool = True) -> str:
     """How to continue the run in run_dir. Named in full: without trainer.run_dir every run (and
     every multirun job) gets a fresh timestamped dir, so the bare command would start over; a run
     started with trainer.resume=never or a path continues with auto (never refuses a run dir in use,
-    a path would start from it again); a multirun job continues with its whole sweep (the same -m
-    command with its job's run dir would nest a new sweep inside it)."""
+    a path would start from it again), except a run started from a path that saved no checkpoint of its
+    own (saved=False), which starts from that path again (auto would start from random weights); a
+    multirun job continues with its whole sweep (the same -m command with its job's run dir would nest
+    a new sweep inside it)."""
+    if not saved and resume not in ("auto", "never"):
+        resume_hint = f"trainer.resume={Path(resume).expanduser().absolute()} (this run saved no checkpoint of its own yet)"
+    else:
+        resume_hint = "" if resume == "auto" else "trainer.resume=auto"
     if sweep_dir is not None:
         hint = (f"to continue, run the same multirun command with trainer.run_dir={sweep_dir.resolve()} (each job "
                 f"continues its own dir, {run_dir.resolve()} among them; finished jobs have nothing left to do)")
     else:
         hint = f"to continue, run the same command with trainer.run_dir={run_dir.resolve()}"
-    return hint if resume == "auto" else f"{hint} and trainer.resume=auto"
+    return f"{hint} and {resume_hint}" if resume_hint else hint
 
 
 def write_error(e: OSError, what: str, path: Path, run_dir: Path) -> RunDirError:
