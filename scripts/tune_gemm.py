@@ -50,8 +50,8 @@ from bench import SHAPES, GpuClocks  # noqa: E402  (the benchmark's shapes: the 
 
 from coda_train.kernels import Dims, Example  # noqa: E402
 from coda_train.kernels.tile_configs import (  # noqa: E402
-    CUBLAS, PLAIN_GEMMS, SHIPPED_TABLE, Cfg, config_errors, default_cfg, gpu_key, merge_entries, shape_class)
-from coda_train.model.coda import logits_chunk_rows, step_gemm_shapes  # noqa: E402
+    CUBLAS, PLAIN_GEMMS, SHIPPED_TABLE, TOKENS_IN_K, Cfg, config_errors, default_cfg, gpu_key, merge_entries, shape_class)
+from coda_train.model.coda import step_gemm_shapes  # noqa: E402
 from coda_train.model.config import PRESETS  # noqa: E402
 
 TUNED_SHAPES = ("125m", "1b-4x4096", "1b-2x8192", "8b-slice")
@@ -73,43 +73,41 @@ def candidates(op: str) -> list[Optional[Cfg]]:
     return [c for c in dict.fromkeys(cands) if not config_errors(op, c)]
 
 
+def gemm_inputs(d: Dims, op: str, m: int, n: int, k: int) -> Callable[[Example], dict]:
+    """A builder of `op`'s kwargs for its GEMM (m, n, k) at sizes d, from an Example of the same dims: the block's
+    ops take their token rows from d, the LM head's from the launch (its chunk: m, or k in the weight gradient)."""
+    M, D, F, V, qkv = d.rows, d.dim, d.ffn_dim, d.vocab_size, d.qkv_dim
+    rope = d.n_rope_cols
+    if op == "gemm_rowscale_rope":
+        return lambda x: dict(h=x.act(M, D), r=x.rowscale(), w=x.weight(qkv, D), rope=x.rope(), n_rope_cols=rope)
+    if op == "gemm_residual_rmsnorm_partial":
+        return lambda x: dict(a=x.act(M, k), w=x.weight(D, k), residual=x.act(M, D), gamma=x.gamma(D))
+    if op == "gemm_rowscale_swiglu":
+        return lambda x: dict(h=x.act(M, D), r=x.rowscale(), w_gate_up=x.weight(2 * F, D))
+    if op == "gemm_rowscale_exp_cross_entropy":
+        return lambda x: dict(h=x.act(m, D), r=x.rowscale()[:m], w_lm=x.weight(V, D, scale=4.0), targets=x.tokens()[:m])
+    if op == "gemm_rmsnorm_backward":
+        return lambda x: dict(g_y_scaled=x.act(M, k), w=x.weight(k, D), residual_grad=x.act(M, D), x=x.act(M, D),
+                              gamma=x.gamma(D), c=x.stat(M, scale=0.01))
+    if op == "gemm_exp_rmsnorm_backward":  # random e and strip: timing and config agreement only
+        return lambda x: dict(e=x.act(m, V), strip=x.act(V // 64, m), v=x.rowscale()[:m], w=x.weight(V, D),
+                              x=x.act(m, D), gamma=x.gamma(D), c=x.stat(m, scale=0.01))
+    if op in ("matmul_tn_exp", "matmul_tn_exp_add"):
+        acc = (lambda x: dict(acc=x.stat(V, D))) if op == "matmul_tn_exp_add" else (lambda x: {})
+        return lambda x: dict(acc(x), e=x.act(k, V), strip=x.act(V // 64, k), hs=x.act(k, D))
+    if op == "gemm_dswiglu_rowscale_stat":
+        return lambda x: dict(g_out=x.act(M, D), w_down=x.weight(D, F), gate=x.act(M, F), a=x.act(M, F), r=x.rowscale())
+    if op == "matmul":
+        return lambda x: dict(a=x.act(M, D), b=x.weight(D, n))
+    if op == "matmul_tn":
+        return lambda x: dict(a=x.act(k, m), b=x.act(k, n))
+    raise ValueError(f"no tuning inputs for {op}")
+
+
 def model_gemms(d: Dims) -> list[tuple[str, tuple[int, int, int], Callable[[Example], dict]]]:
     """(op, (m, n, k), inputs) of every GEMM launch of one CODA training step at sizes d, in model
     order (model/coda.py step_gemm_shapes); inputs(x) builds the op's kwargs from an Example of the same dims."""
-    M, D, F, V, qkv = d.rows, d.dim, d.ffn_dim, d.vocab_size, d.qkv_dim
-    C = min(M, logits_chunk_rows(V, 2))
-    rope = d.n_rope_cols
-
-    def rms_bwd(n_in: int, rows: int, residual: bool):
-        return lambda x: dict(g_y_scaled=x.act(rows, n_in), w=x.weight(n_in, D), residual_grad=x.act(M, D) if residual else None,
-                              x=x.act(rows, D), gamma=x.gamma(D), c=x.stat(rows, scale=0.01))
-
-    def inputs(op: str, m: int, n: int, k: int) -> Callable[[Example], dict]:
-        if op == "gemm_rowscale_rope":
-            return lambda x: dict(h=x.act(M, D), r=x.rowscale(), w=x.weight(qkv, D), rope=x.rope(), n_rope_cols=rope)
-        if op == "gemm_residual_rmsnorm_partial":
-            return lambda x: dict(a=x.act(M, k), w=x.weight(D, k), residual=x.act(M, D), gamma=x.gamma(D))
-        if op == "gemm_rowscale_swiglu":
-            return lambda x: dict(h=x.act(M, D), r=x.rowscale(), w_gate_up=x.weight(2 * F, D))
-        if op == "gemm_rowscale_exp_cross_entropy":
-            return lambda x: dict(h=x.act(C, D), r=x.rowscale()[:C], w_lm=x.weight(V, D, scale=4.0), targets=x.tokens()[:C])
-        if op == "gemm_rmsnorm_backward":
-            return rms_bwd(k, M, residual=True)
-        if op == "gemm_exp_rmsnorm_backward":  # random e and strip: timing and config agreement only
-            return lambda x: dict(e=x.act(C, V), strip=x.act(V // 64, C), v=x.rowscale()[:C], w=x.weight(V, D),
-                                  x=x.act(C, D), gamma=x.gamma(D), c=x.stat(C, scale=0.01))
-        if op in ("matmul_tn_exp", "matmul_tn_exp_add"):
-            acc = (lambda x: dict(acc=x.stat(V, D))) if op == "matmul_tn_exp_add" else (lambda x: {})
-            return lambda x: dict(acc(x), e=x.act(C, V), strip=x.act(V // 64, C), hs=x.act(C, D))
-        if op == "gemm_dswiglu_rowscale_stat":
-            return lambda x: dict(g_out=x.act(M, D), w_down=x.weight(D, F), gate=x.act(M, F), a=x.act(M, F), r=x.rowscale())
-        if op == "matmul":
-            return lambda x: dict(a=x.act(M, D), b=x.weight(D, n))
-        if op == "matmul_tn":
-            return lambda x: dict(a=x.act(k, m), b=x.act(k, n))
-        raise ValueError(f"no tuning inputs for {op}")
-
-    return [(op, (m, n, k), inputs(op, m, n, k)) for op, (m, n, k) in step_gemm_shapes(d)]
+    return [(op, (m, n, k), gemm_inputs(d, op, m, n, k)) for op, (m, n, k) in step_gemm_shapes(d)]
 
 
 def shape_dims(name: str) -> Dims:
@@ -121,12 +119,13 @@ def shape_dims(name: str) -> Dims:
 def launch_inputs(launch: dict) -> dict:
     """`launch`'s op kwargs on random CUDA inputs (seed 0), as the tuner times it."""
     dims = Dims(**launch["dims"])
-    return model_gemms(dims)[launch["index"]][2](Example(dims, torch.bfloat16, "cuda", torch.Generator("cuda").manual_seed(0)))
+    inputs = gemm_inputs(dims, launch["op"], launch["m"], launch["n"], launch["k"])
+    return inputs(Example(dims, torch.bfloat16, "cuda", torch.Generator("cuda").manual_seed(0)))
 
 
 def launches(shapes: list[str], ops: Optional[list[str]], launches_file: Optional[str] = None) -> list[dict]:
-    """The distinct launches to tune: {op, m, n, k, shapes, index, dims}; index is the position in
-    model_gemms (the same at every row count). With launches_file (a run's untuned_gemms.json, written
+    """The distinct launches to tune: {op, m, n, k, shapes, dims} (dims: the sizes of the first shape that
+    launches it). With launches_file (a run's untuned_gemms.json, written
     by train.py), the launches it lists at that run's sizes instead of the bench shapes'."""
     wanted = None
     if launches_file:
@@ -137,14 +136,14 @@ def launches(shapes: list[str], ops: Optional[list[str]], launches_file: Optiona
         sizes = [(name, shape_dims(name)) for name in shapes]
     found = {}
     for name, dims in sizes:
-        for i, (op, (m, n, k), _) in enumerate(model_gemms(dims)):
+        for op, (m, n, k) in step_gemm_shapes(dims):
             key = shape_class(op, m, n, k)
             if (ops and op not in ops) or (wanted is not None and key not in wanted):
                 continue
             if key in found:
                 found[key]["shapes"].append(name)
             else:
-                found[key] = dict(op=op, m=m, n=n, k=k, shapes=[name], index=i, dims=dataclasses.asdict(dims))
+                found[key] = dict(op=op, m=m, n=n, k=k, shapes=[name], dims=dataclasses.asdict(dims))
     return list(found.values())
 
 
@@ -162,7 +161,9 @@ def compile_launch(launch: dict, cfg: Cfg) -> None:
     from coda_train.kernels.tile_configs import forced
 
     dims = dataclasses.replace(Dims(**launch["dims"]), rows=COMPILE_ROWS, seq_len=COMPILE_ROWS)
-    op, _, inputs = model_gemms(dims)[launch["index"]]
+    op, m, n, k = launch["op"], launch["m"], launch["n"], launch["k"]
+    m, k = (m, COMPILE_ROWS) if op in TOKENS_IN_K else (COMPILE_ROWS, k)  # the token dim: one program at any count
+    inputs = gemm_inputs(dims, op, m, n, k)
     with forced({op: cfg}):
         CUTE_IMPLS[op].kernel(**inputs(Example(dims, torch.bfloat16, "cpu", None)))
 
@@ -334,7 +335,7 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown shapes {unknown}; choose from {sorted(SHAPES)}")
     ops = [o for o in args.ops.split(",") if o]
-    known = {op for op, _, _ in model_gemms(PRESETS["tiny"].kernel_dims(8, 8))}
+    known = {op for name in TUNED_SHAPES for op, _ in step_gemm_shapes(shape_dims(name))}
     if set(ops) - known:
         ap.error(f"unknown ops {sorted(set(ops) - known)}; the model's GEMM ops are {sorted(known)}")
     if args.launches and not Path(args.launches).is_file():

@@ -16,7 +16,8 @@ import torch
 
 from coda_train.data import DataConfig, DataError, PreparedData, TokenLoader, prepare
 from coda_train.data.sources import builtin_files
-from coda_train.data.tokenizer import EOS_TOKEN, train_bpe
+from coda_train.data import tokenizer as tokenizer_module
+from coda_train.data.tokenizer import EOS_TOKEN, cuts_at_newlines, encode_documents, train_bpe
 
 WORDS = "the model reads a token stream while loss falls seed rank epoch shard naïve 日本語 🙂 def return\n (x)".split(" ")
 
@@ -61,6 +62,35 @@ def prepared(tmp_path_factory, docs) -> PreparedData:
 
 
 # --- tokenizer ---------------------------------------------------------------------------------------------------
+
+
+def test_a_long_document_is_encoded_in_pieces_into_the_ids_of_the_whole(docs, monkeypatch):
+    """A document longer than PIECE_CHARS (a big text file is one document) is encoded piece by piece, cut after a
+    newline before text, so memory stays bounded: the same ids as encoding it whole, for our BPE and GPT-2-style
+    and Llama-3-style pre-tokenizers; tokenizers whose pieces could change (a SentencePiece-style prefix) stay whole."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    text = "\n\n".join(docs) + "\n\n  indented\n\tx = 1  \n.\n;\n\n\nend" * 20 + "a.\nb\n\nc d\n e\n's\n1\n2" * 20 + "x = 1  # paragraph\n\ny" * 20
+    ours = train_bpe([*docs, text], vocab_size=400)  # with merges across whitespace runs ("\n\n" one token)
+    assert ours.encode("\n\n").ids != ours.encode("\n").ids * 2
+    llama3 = Tokenizer.from_str(ours.to_str())
+    llama3.pre_tokenizer = pre_tokenizers.Sequence([  # Llama 3's split pattern, then bytes without a regex
+        pre_tokenizers.Split(Regex(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                                   r"|\s*[\r\n]+|\s+(?!\S)|\s+"), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    gpt2 = Tokenizer.from_str(ours.to_str())
+    gpt2.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    spm = Tokenizer(models.BPE())
+    spm.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    spm.decoder = decoders.Metaspace()
+    assert [cuts_at_newlines(t) for t in (ours, llama3, gpt2, spm)] == [True, True, True, False]
+    whole = {name: encode_documents(t, [text, "short"], 0, np.dtype(np.uint32)) for name, t in
+             (("ours", ours), ("llama3", llama3), ("gpt2", gpt2))}
+    monkeypatch.setattr(tokenizer_module, "PIECE_CHARS", 20)
+    assert len(tokenizer_module._pieces(text)) > 30 and "".join(tokenizer_module._pieces(text)) == text
+    for name, t in (("ours", ours), ("llama3", llama3), ("gpt2", gpt2)):
+        pieces = encode_documents(t, [text, "short"], 0, np.dtype(np.uint32))
+        assert all(np.array_equal(a, b) for a, b in zip(pieces, whole[name])), name
 
 
 def test_tokenizer_round_trip(docs):

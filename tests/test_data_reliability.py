@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -446,3 +447,22 @@ def test_long_preparations_log_progress_off_a_terminal(tmp_path, corpus, caplog,
 def test_unknown_modes_are_refused(tmp_path, key):
     with pytest.raises(DataError, match=rf"data.{key}='sometimes' is not one of"):
         prepare(config(tmp_path / "corpus.jsonl", tmp_path / "cache", **{key: "sometimes"}))
+
+
+def test_a_stop_during_bpe_training_is_acted_on_at_once(monkeypatch):
+    """The tokenizers library trains in native threads and Python runs signal handlers on the main thread only: the
+    main thread waits for the training in short slices, so a stop recorded meanwhile ends preparation at once instead
+    of after the merges (minutes on a large corpus)."""
+    from coda_train.data.shards import PreparationInterrupted, _StopSignals, _train_bpe_stoppable
+
+    monkeypatch.setattr(shards_module, "train_bpe", lambda docs, vocab_size, show_progress: time.sleep(30))
+    stop = _StopSignals()
+    with stop.deferred():
+        threading.Timer(0.2, lambda: setattr(stop, "signum", signal.SIGTERM)).start()  # as the deferred handler records it
+        start = time.monotonic()
+        with pytest.raises(PreparationInterrupted, match="SIGTERM"):
+            _train_bpe_stoppable(iter(["a document"]), 300, stop)
+    assert time.monotonic() - start < 2.0
+    monkeypatch.setattr(shards_module, "train_bpe", lambda docs, vocab_size, show_progress: 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # the training thread's errors are raised on the caller's thread
+        _train_bpe_stoppable(iter(["a document"]), 300, _StopSignals())

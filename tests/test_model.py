@@ -358,6 +358,34 @@ def test_f5_stores_tiny_gates_so_b1_keeps_up_in_bf16():
     assert rel(g_gu[:, :4].float(), want_gate[:, :4]) < 2e-2
 
 
+@pytest.mark.parametrize("batch, chunk_rows", [(3, 128), (2, 128), (1, 128), (2, 256)])  # ragged, even, one chunk, M = C
+def test_step_gemm_shapes_are_the_gemms_a_step_launches(batch, chunk_rows, monkeypatch):
+    """step_gemm_shapes (what the tile table is keyed by and scripts/tune_gemm.py tunes) lists the shape class of
+    every GEMM one bf16 training step launches, and no other: the LM head's last, ragged chunk included."""
+    import inspect
+
+    from coda_train.kernels import OpSet
+    from coda_train.kernels.tile_configs import shape_class
+
+    monkeypatch.setattr(coda_module, "LOGITS_CHUNK_BYTES", chunk_rows * 256 * 2)  # V = 256, bf16 logits
+    cfg = preset("tiny", dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=256, max_seq_len=64, n_layers=1)
+    model = build_model(cfg, "coda", backend="reference", compute_dtype=torch.bfloat16)
+    launched = set()
+
+    def recording(name, fn):
+        def op(*args, **kwargs):
+            if K.OPS[name].gemm is not None:
+                launched.add(shape_class(name, *K.OPS[name].gemm(**inspect.signature(fn).bind(*args, **kwargs).arguments)))
+            return fn(*args, **kwargs)
+        return op
+
+    model.ops = OpSet("reference", {n: recording(n, getattr(model.ops, n)) for n in K.OPS})
+    tokens = torch.randint(0, 256, (batch, 64))
+    model(tokens, tokens).backward()
+    listed = {shape_class(op, *mnk) for op, mnk in coda_module.step_gemm_shapes(cfg.kernel_dims(batch * 64, 64))}
+    assert launched == listed
+
+
 def test_dswiglu_from_gate_and_a_matches_dswiglu_from_gate_and_up():
     """B1 reads F5's gate and a, not up (docs/design.md, "SwiGLU: two stored tiles each way"): in bf16 its
     g_gu and statistic match dSwiGLU on the stored gate and up to bf16 rounding; given a gate F5 never stores

@@ -187,11 +187,13 @@ def test_tuner_candidates_are_pruned_to_what_each_op_runs():
 def test_tuner_lists_the_model_gemms_with_inputs_of_their_shape():
     """model_gemms: 11 GEMMs per block + LM head and 5 weight gradients; each input builder makes
     kwargs the reference op runs on with the GEMM shape (m, n, k) listed."""
-    dims = PRESETS["tiny"].kernel_dims(24, 8)
-    gemms = tune.model_gemms(dims)
     training_ops = {n for n, o in OPS.items() if o.gemm} - {"gemm_rowscale_cross_entropy", "gemm_rowscale"}  # evaluation only
-    assert len(gemms) == 16 and {op for op, _, _ in gemms} == training_ops
-    for op, (m, n, k), inputs in gemms:
+    dims = PRESETS["tiny"].kernel_dims(24, 8)
+    one_chunk = tune.model_gemms(dims)  # the LM head in one chunk: no matmul_tn_exp_add
+    assert len(one_chunk) == 15 and {op for op, _, _ in one_chunk} == training_ops - {"matmul_tn_exp_add"}
+    chunked = tune.model_gemms(tune.shape_dims("1b-4x4096"))  # four chunks of 4096 rows
+    assert len(chunked) == 16 and {op for op, _, _ in chunked} == training_ops
+    for op, (m, n, k), inputs in one_chunk:
         kw = inputs(Example(dims, torch.float32, "cpu", torch.Generator().manual_seed(0)))
         OPS[op].reference(**kw)
         assert OPS[op].gemm(**kw) == (m, n, k), op
@@ -349,7 +351,9 @@ def test_a_run_reports_the_gemm_shapes_the_table_lacks_and_the_tuner_tunes_exact
     assert sorted(T.shape_class(l["op"], l["m"], l["n"], l["k"]) for l in todo) == sorted(missing)
     dims = tune.Dims(**todo[0]["dims"])
     assert (dims.rows, dims.seq_len) == (128, 64)  # the run's batch x seq
-    assert all(tune.model_gemms(dims)[l["index"]][1] == (l["m"], l["n"], l["k"]) for l in todo)
+    example = Example(dims, torch.float32, "cpu", torch.Generator().manual_seed(0))
+    assert all(OPS[l["op"]].gemm(**tune.gemm_inputs(dims, l["op"], l["m"], l["n"], l["k"])(example)) == (l["m"], l["n"], l["k"])
+               for l in todo)
     # once they are tuned ($CODA_TILE_CONFIGS names the tuner's table), the run reports nothing and the file goes
     user_table([dict(op=op, m=m, n=n, k=k, config="cublas" if op in T.PLAIN_GEMMS else str(T.default_cfg(op)))
                 for op, m, n, k in missing])

@@ -300,6 +300,28 @@ class _StopSignals:
             yield text
 
 
+def _train_bpe_stoppable(docs: Iterator[str], vocab_size: int, stop: _StopSignals) -> Tokenizer:
+    """train_bpe in a thread while this (main) thread waits in short slices: the tokenizers library reads and merges
+    in native threads, and Python runs a signal handler only on the main thread, so a stop waiting for the merges
+    to end could take minutes. On a stop the training thread is left to end with the process."""
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            result["tokenizer"] = train_bpe(docs, vocab_size, show_progress=sys.stderr.isatty())
+        except BaseException as e:  # raised again on the main thread
+            result["error"] = e
+
+    worker = threading.Thread(target=run, name="train_bpe", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.1)
+        stop.check()
+    if "error" in result:
+        raise result["error"]
+    return result["tokenizer"]
+
+
 def _inputs(cfg: DataConfig, source: Source) -> dict:
     """Everything that decides the prepared bytes; its hash names the folder. num_proc, streaming and cache_dir do not."""
     return {
@@ -332,9 +354,8 @@ def _build(
         log.info("training a byte-level BPE (vocab %d) on %s", cfg.vocab_size, source.name)
         counts, progress = DocumentCounts(), Progress("reading for BPE", min(total_bytes or 0, TOKENIZER_TRAIN_CHARS) or None)
         docs = _reporting(iter_documents(source, cfg, max_chars=TOKENIZER_TRAIN_CHARS, counts=counts), counts, progress)
-        tokenizer = train_bpe(stop.checked(docs), cfg.vocab_size, show_progress=sys.stderr.isatty())
+        tokenizer = _train_bpe_stoppable(stop.checked(docs), cfg.vocab_size, stop)
         progress.close()
-        stop.check()  # a signal during the merges (native code) is seen here
     eos_token, eos_id = find_eos(tokenizer, cfg.eos_token, config_eos)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     dtype = token_dtype(vocab_size)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -81,14 +82,64 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
-def encode_documents(tokenizer: Tokenizer, texts: list[str], eos_id: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids of the documents, each followed by EOS, concatenated; and each document's length including its EOS."""
+# a document longer than this is encoded piece by piece (where the tokenizer allows, cuts_at_newlines): an Encoding
+# holds ~150 bytes a token, so one 1 GB text file encoded whole would need ~160 GB
+PIECE_CHARS = 1 << 18
+# a newline between two visible ASCII characters: every GPT-2-style split ends a piece there, also at a text's end
+NEWLINE_BETWEEN_TEXT = re.compile(r"(?<=[!-~])\n(?=[!-~])")
+
+
+def cuts_at_newlines(tokenizer: Tokenizer) -> bool:
+    """Whether a text cut just after a newline between two visible characters encodes, piece by piece, into the ids of
+    the whole: true where the first pre-tokenizer is a GPT-2-style regex split (ByteLevel with its regex, as ours
+    and GPT-2's, or a Split holding \\s+(?!\\S), as Llama 3's and Qwen's), which always ends a piece at such a newline,
+    and no normalizer or prefix space can add text at a piece's start (SentencePiece-style tokenizers can)."""
+    spec = json.loads(tokenizer.to_str())
+    normalizer = spec.get("normalizer") or {"type": "NFC"}
+    if normalizer.get("type") not in ("NFC", "NFKC", "NFD", "NFKD"):
+        return False
+    pre = spec.get("pre_tokenizer") or {}
+    first = (pre.get("pretokenizers") or [{}])[0] if pre.get("type") == "Sequence" else pre
+    if first.get("type") == "ByteLevel":
+        return first.get("use_regex", True) and not first.get("add_prefix_space", False)
+    return first.get("type") == "Split" and "\\s+(?!\\S)" in str((first.get("pattern") or {}).get("Regex", ""))
+
+
+def _pieces(text: str) -> list[str]:
+    """text cut just after a newline between two visible ASCII characters, about every PIECE_CHARS characters
+    (a newline before more whitespace would end its piece differently at the piece's end: "\\n\\n" is one piece there)."""
+    pieces, start = [], 0
+    while len(text) - start > PIECE_CHARS:
+        cut = NEWLINE_BETWEEN_TEXT.search(text, start + PIECE_CHARS)
+        if cut is None:
+            break
+        pieces.append(text[start:cut.end()])
+        start = cut.end()
+    return pieces + [text[start:]]
+
+
+def _ids(tokenizer: Tokenizer, texts: list[str], dtype: np.dtype) -> list[np.ndarray]:
     # no special tokens: a loaded tokenizer's post-processor may add BOS; documents are separated by EOS only
-    encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
-    lengths = np.array([len(e.ids) + 1 for e in encodings], dtype=np.int64)
+    return [np.asarray(e.ids, dtype=dtype) for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+
+def encode_documents(tokenizer: Tokenizer, texts: list[str], eos_id: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids of the documents, each followed by EOS, concatenated; and each document's length including its EOS.
+    A document longer than PIECE_CHARS is encoded piece by piece where that gives the same ids (cuts_at_newlines)."""
+    long = [i for i, text in enumerate(texts) if len(text) > PIECE_CHARS]
+    if long and not cuts_at_newlines(tokenizer):
+        long = []
+    short = sorted(set(range(len(texts))) - set(long))
+    ids: list = [None] * len(texts)
+    for i, doc_ids in zip(short, _ids(tokenizer, [texts[i] for i in short], dtype)):
+        ids[i] = doc_ids
+    for i in long:
+        pieces = _pieces(texts[i])
+        ids[i] = np.concatenate([a for group in range(0, len(pieces), 8) for a in _ids(tokenizer, pieces[group:group + 8], dtype)])
+    lengths = np.array([len(a) + 1 for a in ids], dtype=np.int64)
     tokens = np.empty(int(lengths.sum()), dtype=dtype)
     ends = np.cumsum(lengths)
-    for encoding, end, length in zip(encodings, ends, lengths):
-        tokens[end - length : end - 1] = encoding.ids
+    for doc_ids, end, length in zip(ids, ends, lengths):
+        tokens[end - length : end - 1] = doc_ids
     tokens[ends - 1] = eos_id
     return tokens, lengths

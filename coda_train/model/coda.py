@@ -159,17 +159,21 @@ def logits_chunk_rows(vocab_size: int, itemsize: int) -> int:
 def step_gemm_shapes(d: Dims) -> list[tuple[str, tuple[int, int, int]]]:
     """(op, (m, n, k)) of every GEMM launch of one training step at kernel sizes d, in model order:
     the shapes the tile config table is keyed by (kernels/tile_configs.py; scripts/tune_gemm.py tunes
-    them). The LM head runs chunk by chunk of C rows, all three of its GEMMs in the forward."""
+    them). The LM head runs chunk by chunk of C rows (the last one ragged when C does not divide M), all
+    three of its GEMMs in the forward; the first chunk's weight gradient is matmul_tn_exp, the others add."""
     M, D, F, V = d.rows, d.dim, d.ffn_dim, d.vocab_size
     C = min(M, logits_chunk_rows(V, 2))  # bf16 logits
     attn, qkv = d.n_heads * d.head_dim, d.qkv_dim
+    later_chunks = [C] * (M // C > 1) + [M % C] * (M % C > 0)  # row counts of the chunks after the first
+    lm_head = [shape for rows in dict.fromkeys([C] + later_chunks)
+               for shape in (("gemm_rowscale_exp_cross_entropy", (rows, V, D)), ("gemm_exp_rmsnorm_backward", (rows, D, V)))]
+    lm_head += [("matmul_tn_exp_add", (V, D, rows)) for rows in dict.fromkeys(later_chunks)]
     return [
         ("gemm_rowscale_rope", (M, qkv, D)),                                                        # F1
         ("gemm_residual_rmsnorm_partial", (M, D, attn)),                                            # F3
         ("gemm_rowscale_swiglu", (M, 2 * F, D)),                                                    # F5
         ("gemm_residual_rmsnorm_partial", (M, D, F)),                                               # F6
-        ("gemm_rowscale_exp_cross_entropy", (C, V, D)), ("gemm_exp_rmsnorm_backward", (C, D, V)),   # H, H''
-        ("matmul_tn_exp_add", (V, D, C)),
+        *lm_head,                                                                                   # H, H'', chunk by chunk
         ("gemm_dswiglu_rowscale_stat", (M, F, D)),                                                  # B1
         ("gemm_rmsnorm_backward", (M, D, 2 * F)),                                                   # B3
         ("matmul", (M, attn, D)),                                                                   # B4
