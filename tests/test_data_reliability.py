@@ -257,6 +257,15 @@ def test_a_damaged_or_unsupported_archive_is_a_data_error_naming_it(tmp_path):
     assert not (tmp_path / "cache").exists() or os.listdir(tmp_path / "cache") == []
 
 
+@pytest.mark.parametrize("array", [False, True])
+def test_json_with_a_byte_order_mark_is_read(tmp_path, array):
+    docs = make_docs(4)
+    body = json.dumps([{"text": d} for d in docs]) if array else "\n".join(json.dumps({"text": d}) for d in docs)
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + body.encode())
+    data = prepare(config(tmp_path / "bom.jsonl", tmp_path / "cache", val_fraction=0.0, decode_errors="strict"))
+    assert documents_in(data, "train") == docs
+
+
 def test_each_decode_errors_mode_prepares_its_own_folder(tmp_path):
     """data.decode_errors decides which documents (and so which BPE and shards) a folder holds: data
     prepared under `replace` is not reused by a `strict` or `skip_document` run."""

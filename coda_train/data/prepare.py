@@ -55,7 +55,8 @@ def summary(data: PreparedData) -> str:
     counts = m.get("document_counts", {})  # absent in folders prepared before it was recorded
     if any(counts.get(k) for k in ("missing_field", "skipped", "replaced")):
         lines.append(f"reading   {counts['missing_field']:,} rows without the text field and {counts['skipped']:,} "
-                     f"undecodable ones skipped, {counts['replaced']:,} with invalid UTF-8 repaired; first at {counts['first']}")
+                     f"undecodable ones skipped, {counts['replaced']:,} with invalid text repaired; first: "
+                     + ", ".join(f"{kind.replace('_', ' ')} at {where}" for kind, where in counts["first"].items()))
     return "\n".join(lines)
 
 

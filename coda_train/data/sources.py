@@ -198,11 +198,16 @@ def _text_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -
         yield f"{file}:1", {"text": text.replace("\r\n", "\n").replace("\r", "\n")}
 
 
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
 def _json_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -> Iterator[tuple[str, dict]]:
     """JSON Lines (one object per line), or a file holding one JSON array of objects."""
     with _open_binary(file) as f:
+        bom = f.read(3) == UTF8_BOM  # a byte-order mark (Windows editors and PowerShell write one) is not JSON
+        f.seek(len(UTF8_BOM) if bom else 0)
         is_array = f.read(4096).lstrip()[:1] == b"["
-        f.seek(0)
+        f.seek(len(UTF8_BOM) if bom else 0)
         if is_array:
             data = f.read()
             counts.bytes_read += len(data)
