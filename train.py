@@ -49,10 +49,11 @@ def refuse_a_file_as_run_dir(argv: list[str]) -> None:
     """Hydra makes trainer.run_dir before main() runs, and a path that is a file stops it with a traceback."""
     for arg in argv:
         if arg.startswith(("trainer.run_dir=", "+trainer.run_dir=", "++trainer.run_dir=")):
-            path = Path(arg.split("=", 1)[1]).expanduser()
-            if path.exists() and not path.is_dir():
-                print(f"trainer.run_dir={path} is a file, not a directory; name a new or existing directory (a run's "
-                      "files go there)", file=sys.stderr)
+            path = Path(arg.split("=", 1)[1]).expanduser().absolute()
+            existing = next(p for p in (path, *path.parents) if p.exists())  # the run dir, or where it would be made
+            if not existing.is_dir():
+                print(f"trainer.run_dir={path}: {existing} is a file, not a directory; name a new or existing directory "
+                      "(a run's files go there)", file=sys.stderr)
                 sys.exit(EXIT_BAD_INPUT)
 
 

@@ -93,6 +93,25 @@ def test_a_long_document_is_encoded_in_pieces_into_the_ids_of_the_whole(docs, mo
         assert all(np.array_equal(a, b) for a, b in zip(pieces, whole[name])), name
 
 
+def test_a_loaded_tokenizers_truncation_and_padding_do_not_cut_documents(docs):
+    """A tokenizer.json may carry truncation or padding (HF files often do): documents are still encoded whole and
+    unpadded, and the tokenizer itself (its fingerprint) is left as it was; an added token holding a newline keeps a
+    long document from being encoded in pieces (a cut could fall inside it)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    ours = train_bpe(docs, vocab_size=300)
+    text = " ".join(docs)
+    full, _ = encode_documents(ours, [text], 0, np.dtype(np.uint32))
+    loaded = Tokenizer.from_str(ours.to_str())
+    loaded.enable_truncation(64)
+    loaded.enable_padding(length=4096)
+    before = loaded.to_str()
+    tokens, lengths = encode_documents(loaded, [text], 0, np.dtype(np.uint32))
+    assert len(full) > 65 and np.array_equal(tokens, full) and loaded.to_str() == before
+    loaded.add_tokens([AddedToken("\n<|turn|>\n", special=True)])
+    assert cuts_at_newlines(ours) and not cuts_at_newlines(loaded)
+
+
 def test_tokenizer_round_trip(docs):
     tokenizer = train_bpe(docs, vocab_size=300)
     assert tokenizer.token_to_id(EOS_TOKEN) == 0
@@ -299,6 +318,10 @@ def test_a_position_past_this_layouts_end_of_the_epoch_continues_at_the_next_epo
     assert (within.epoch, within.step) == (1, 0)
     with pytest.raises(DataError, match="out of range"):  # more windows than the split holds: a damaged state
         within.load_state_dict({**loader.state_dict(), "step": old_end + 1})
+    # an old state with another micro-batch: its accumulation is unknown, so the fix names the micro-batch
+    with pytest.raises(DataError, match=r"trainer.batch_size x processes: saved 2 vs now 4\); resume with trainer.batch_size "
+                                        r"x processes = 2 and the run's own trainer.grad_accum_steps"):
+        TokenLoader(prepared, "train", 4, 16, seed=5, accum_steps=1).load_state_dict(saved)
 
 
 def test_validation_windows_are_the_same_for_every_layout_of_one_global_batch(prepared):
@@ -306,13 +329,16 @@ def test_validation_windows_are_the_same_for_every_layout_of_one_global_batch(pr
     layout of one global batch (batch_size x processes x grad_accum_steps) reads the same windows."""
     def evaluated(batch_size, world_size, accum_steps, eval_batches=3):
         rows = []
-        for rank in range(world_size):
-            loader = TokenLoader(prepared, "train", batch_size, 8, seed=0, rank=rank, world_size=world_size)
+        for rank in range(world_size):  # as trainer/build.py builds the val loader: whole global batches
+            loader = TokenLoader(prepared, "val", batch_size, 8, seed=0, rank=rank, world_size=world_size,
+                                 accum_steps=accum_steps)
             rows += [tuple(row.tolist()) for x, _ in loader.iter_eval(eval_batches * accum_steps) for row in x]
         return sorted(rows)
 
     one = evaluated(8, 1, 1)
     assert len(one) == 24 and one == evaluated(4, 1, 2) == evaluated(2, 2, 2) == evaluated(1, 4, 2) == evaluated(4, 2, 1)
+    everything = evaluated(8, 1, 1, eval_batches=10_000)  # more than the split holds: its whole global batches
+    assert len(everything) % 8 == 0 and everything == evaluated(1, 1, 8, 10_000) == evaluated(2, 2, 2, 10_000)
 
 
 def test_loader_refuses_incompatible_state_and_tiny_splits(prepared):

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 from pathlib import Path
@@ -252,8 +253,13 @@ def test_a_damaged_or_unsupported_archive_is_a_data_error_naming_it(tmp_path):
     with pytest.raises(DataError, match=rf"could not read documents from {tmp_path / 'cut.jsonl.gz'}"):
         prepare(config(tmp_path / "cut.jsonl.gz", tmp_path / "cache", val_fraction=0.0))
     (tmp_path / "corpus.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd")
-    with pytest.raises(DataError, match=r"corpus.jsonl.zst is compressed in a format .* decompress it first \(zstd -d\)"):
+    with pytest.raises(DataError, match=r"corpus.jsonl.zst is an archive or compressed in a format .* unpack it first \(zstd -d\)"):
         prepare(config(tmp_path / "corpus.jsonl.zst", tmp_path / "cache", val_fraction=0.0))
+    with tarfile.open(tmp_path / "corpus.tar.gz", "w:gz") as tar:
+        tar.add(tmp_path / "cut.jsonl.gz", arcname="cut.jsonl.gz")
+    for fmt in ("auto", "text"):  # a tar inside gzip is an archive, whatever data.format says
+        with pytest.raises(DataError, match=r"corpus.tar.gz is an archive .* \(tar xf\)"):
+            prepare(config(tmp_path / "corpus.tar.gz", tmp_path / "cache", val_fraction=0.0, format=fmt))
     assert not (tmp_path / "cache").exists() or os.listdir(tmp_path / "cache") == []
 
 

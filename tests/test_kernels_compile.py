@@ -363,3 +363,37 @@ def test_rope_pass_plan_reads_fa4_accumulators_or_rewrites_its_bf16(stack):
     run = subprocess.run([sys.executable, "-c", ROPE_PASS_PLAN], env=ENV, cwd=ROOT, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+SWIGLU_SELECTS_PTX = r'''
+import glob, os, re, tempfile
+dump = tempfile.mkdtemp()
+os.environ.update(CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=dump)
+import torch
+from coda_train.kernels import Example
+from coda_train.kernels.cute._launch import compile_only
+from coda_train.kernels.library import CUTE_IMPLS
+import coda_train.kernels.cute  # noqa: F401  (fills CUTE_IMPLS)
+from coda_train.model import PRESETS
+d = PRESETS["tiny"].kernel_dims(256, 256)
+M, D, F = d.rows, d.dim, d.ffn_dim
+x = Example(d, torch.bfloat16, "cpu", None)
+with compile_only():
+    CUTE_IMPLS["gemm_rowscale_swiglu"].kernel(h=x.act(M, D), r=x.rowscale(), w_gate_up=x.weight(2 * F, D))
+    CUTE_IMPLS["gemm_dswiglu_rowscale_stat"].kernel(g_out=x.act(M, D), w_down=x.weight(D, F), gate=x.act(M, F),
+                                                   a=x.act(M, F), r=x.rowscale())
+ptx = {os.path.basename(f): open(f).read() for f in glob.glob(os.path.join(dump, "**", "*.ptx"), recursive=True)}
+for name, floor in (("rowscale_swiglu", "0f0D800000"), ("dswiglu_rowscale_stat", "0f00800000")):
+    text = next(t for n, t in ptx.items() if name in n)
+    compares = re.findall(r"setp\.(\w+)\.f32\s+[^;]*, " + floor + ";", text)
+    print(name, sorted(set(compares)))
+'''
+
+
+def test_swiglu_gate_compares_keep_a_nan_gate_nan_gpu_blind(stack):
+    """F5's gate floor and B1's zero-q guard compare |gate| < floor (false for NaN, which then flows on as in the
+    reference), not |gate| >= floor (false for NaN too, which would replace a NaN gate with a finite value)."""
+    run = subprocess.run([sys.executable, "-c", SWIGLU_SELECTS_PTX], env=ENV, cwd=ROOT, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "rowscale_swiglu ['lt']" in run.stdout and "dswiglu_rowscale_stat ['lt']" in run.stdout, run.stdout

@@ -299,8 +299,9 @@ def test_cli_rejects_unknown_and_ill_typed_keys_before_training(tmp_path):
     assert wrong_type.returncode != 0 and "could not be converted to Integer" in wrong_type.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
     (tmp_path / "a_file").write_text("kept")
-    a_file = run_train("trainer.max_steps=3", f"trainer.run_dir={tmp_path / 'a_file'}")
-    assert a_file.returncode == 1 and "is a file, not a directory" in a_file.stderr and "Traceback" not in a_file.stderr
+    for run_dir in (tmp_path / "a_file", tmp_path / "a_file" / "run"):  # the dir itself, or one above it
+        a_file = run_train("trainer.max_steps=3", f"trainer.run_dir={run_dir}")
+        assert a_file.returncode == 1 and "is a file, not a directory" in a_file.stderr and "Traceback" not in a_file.stderr
     assert (tmp_path / "a_file").read_text() == "kept"
 
 

@@ -102,6 +102,10 @@ class TokenLoader:
         if saved_micro != micro:  # (the same G with another A: the same micro-steps, as a batch-size schedule makes)
             if saved_micro * saved_accum == micro * self.accum_steps and (step * saved_micro) % micro == 0:
                 step = step * saved_micro // micro  # the same windows consumed, counted in this layout's micro-steps
+            elif "accum_steps" not in state:  # saved before 2026-12-05: its accumulation is unknown
+                differing["trainer.batch_size x processes"] = (saved_micro, micro)
+                fixes.append(f"trainer.batch_size x processes = {saved_micro} and the run's own trainer.grad_accum_steps "
+                             "(this checkpoint does not record it)")
             else:
                 def batch(b, w, a):
                     return f"{b} x {w} x {a} = {b * w * a}"

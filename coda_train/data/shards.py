@@ -28,8 +28,8 @@ from tokenizers import Tokenizer
 from ..durable import exclusive_lock, fsync_dir, sha256_file, write_synced
 from .config import DataConfig, DataError
 from .progress import Progress
-from .sources import DocumentCounts, Source, iter_documents, resolve_source
-from .tokenizer import encode_documents, find_eos, fingerprint, load_tokenizer, token_dtype, train_bpe
+from .sources import DECOMPRESSORS, DocumentCounts, Source, iter_documents, resolve_source
+from .tokenizer import encode_documents, find_eos, fingerprint, for_documents, load_tokenizer, token_dtype, train_bpe
 
 log = logging.getLogger(__name__)
 
@@ -349,7 +349,9 @@ def _build(
     stop: _StopSignals,
 ) -> None:
     start = time.perf_counter()
-    total_bytes = sum(os.path.getsize(f) for f in source.files) if source.files else None
+    # progress counts the bytes read, decompressed: a total is known only when no file is compressed
+    plain = source.files and not any(Path(f).suffix in DECOMPRESSORS for f in source.files)
+    total_bytes = sum(os.path.getsize(f) for f in source.files) if plain else None
     if tokenizer is None:
         log.info("training a byte-level BPE (vocab %d) on %s", cfg.vocab_size, source.name)
         counts, progress = DocumentCounts(), Progress("reading for BPE", min(total_bytes or 0, TOKENIZER_TRAIN_CHARS) or None)
@@ -438,6 +440,7 @@ def _tokenize(
 ) -> Iterator[tuple[list[str], np.ndarray, np.ndarray]]:
     """(texts, tokens, lengths) per chunk of documents, in document order, encoded by num_proc processes."""
     chunks = _chunks(docs)
+    tokenizer = for_documents(tokenizer)
     if num_proc == 1:
         for texts in chunks:
             yield texts, *encode_documents(tokenizer, texts, eos_id, dtype)
@@ -494,7 +497,7 @@ def _init_worker(tokenizer_json: str, eos_id: int, dtype: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism; also silences the after-fork warning
-    _worker = (Tokenizer.from_str(tokenizer_json), eos_id, np.dtype(dtype))
+    _worker = (for_documents(Tokenizer.from_str(tokenizer_json)), eos_id, np.dtype(dtype))
 
 
 def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:

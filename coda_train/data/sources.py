@@ -29,7 +29,8 @@ BUILTIN_SUFFIXES = {".py", ".txt", ".rst"}
 FORMAT_BY_SUFFIX = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 # compressed text and JSON files are read through the stdlib's decompressors; the format is the suffix before it
 DECOMPRESSORS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
-UNSUPPORTED_COMPRESSION = {".zst": "zstd -d", ".zstd": "zstd -d", ".lz4": "lz4 -d", ".zip": "unzip", ".7z": "7z x"}
+UNSUPPORTED_COMPRESSION = {".zst": "zstd -d", ".zstd": "zstd -d", ".lz4": "lz4 -d", ".zip": "unzip", ".7z": "7z x",
+                           ".tar": "tar xf", ".tgz": "tar xzf", ".tbz2": "tar xjf", ".txz": "tar xJf"}
 # a source with one of these endings is a local path even when nothing matches it (so the error says "missing file")
 LOCAL_SUFFIXES = {".txt", ".text", ".md", ".rst", ".py", ".json", ".jsonl", ".parquet", *DECOMPRESSORS, *UNSUPPORTED_COMPRESSION}
 
@@ -108,12 +109,14 @@ def resolve_source(cfg: DataConfig) -> Source:
             f"no files match data.source={cfg.source!r} (cwd {os.getcwd()}); check the path or glob, "
             f"or pass data.format=hub if it is a hub dataset name"
         )
+    # archives and other compressions, also inside .gz/.bz2/.xz (corpus.tar.gz): their bytes are not documents
+    if packed := sorted({f for f in files if _format_suffix(f) in UNSUPPORTED_COMPRESSION}):
+        tool = UNSUPPORTED_COMPRESSION[_format_suffix(packed[0])]
+        raise DataError(f"{packed[0]} is an archive or compressed in a format this reader does not open ({len(packed)} "
+                        f"such files); unpack it first ({tool}), or compress files one by one as .gz, .bz2 or .xz, which "
+                        "are read as they are")
     fmt = cfg.format
     if fmt == "auto":
-        if packed := sorted({f for f in files if Path(f).suffix in UNSUPPORTED_COMPRESSION}):
-            tool = UNSUPPORTED_COMPRESSION[Path(packed[0]).suffix]
-            raise DataError(f"{packed[0]} is compressed in a format this reader does not open ({len(packed)} such files); "
-                            f"decompress it first ({tool}), or recompress as .gz, .bz2 or .xz, which are read as they are")
         formats = {FORMAT_BY_SUFFIX.get(_format_suffix(f), "text") for f in files}
         if len(formats) > 1:
             raise DataError(f"data.source={cfg.source!r} mixes formats {sorted(formats)}; narrow the glob or set data.format")
@@ -152,8 +155,8 @@ class DocumentCounts:
 
 PROBLEMS = {
     "missing_field": "no text field (or null), skipped; set data.text_field if the text is in another column",
-    "replaced": "invalid UTF-8, bad bytes replaced by U+FFFD (data.decode_errors=replace)",
-    "skipped": "invalid UTF-8 or malformed JSON, skipped (data.decode_errors=skip_document)",
+    "replaced": "invalid UTF-8 or lone UTF-16 surrogates, replaced by U+FFFD (data.decode_errors=replace)",
+    "skipped": "invalid UTF-8, lone UTF-16 surrogates or malformed JSON, skipped (data.decode_errors=skip_document)",
 }
 NEWLINE = b"\n"
 MISSING_FIELD_LIMIT = 1000  # this many rows without the field before any document: data.text_field is wrong

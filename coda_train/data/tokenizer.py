@@ -95,6 +95,8 @@ def cuts_at_newlines(tokenizer: Tokenizer) -> bool:
     and GPT-2's, or a Split holding \\s+(?!\\S), as Llama 3's and Qwen's), which always ends a piece at such a newline,
     and no normalizer or prefix space can add text at a piece's start (SentencePiece-style tokenizers can)."""
     spec = json.loads(tokenizer.to_str())
+    if any("\n" in token.get("content", "") for token in spec.get("added_tokens") or []):
+        return False  # added tokens are matched before the pre-split: a cut could fall inside one
     normalizer = spec.get("normalizer") or {"type": "NFC"}
     if normalizer.get("type") not in ("NFC", "NFKC", "NFD", "NFKD"):
         return False
@@ -123,9 +125,23 @@ def _ids(tokenizer: Tokenizer, texts: list[str], dtype: np.dtype) -> list[np.nda
     return [np.asarray(e.ids, dtype=dtype) for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
 
 
+def for_documents(tokenizer: Tokenizer) -> Tokenizer:
+    """The tokenizer, or a copy without the truncation or padding a loaded tokenizer.json may carry (HF files often
+    do): a document is encoded whole, never cut to max_length or padded. The tokenizer itself (its fingerprint) is
+    left as it is."""
+    if tokenizer.truncation is None and tokenizer.padding is None:
+        return tokenizer
+    copy = Tokenizer.from_str(tokenizer.to_str())
+    copy.no_truncation()
+    copy.no_padding()
+    return copy
+
+
 def encode_documents(tokenizer: Tokenizer, texts: list[str], eos_id: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     """Token ids of the documents, each followed by EOS, concatenated; and each document's length including its EOS.
-    A document longer than PIECE_CHARS is encoded piece by piece where that gives the same ids (cuts_at_newlines)."""
+    A document longer than PIECE_CHARS is encoded piece by piece where that gives the same ids (cuts_at_newlines);
+    callers encoding many chunks pass for_documents(tokenizer) once (a copy per call otherwise)."""
+    tokenizer = for_documents(tokenizer)
     long = [i for i, text in enumerate(texts) if len(text) > PIECE_CHARS]
     if long and not cuts_at_newlines(tokenizer):
         long = []

@@ -72,8 +72,8 @@ def resolve_model(cfg: Config, tokenizer_vocab_size: int, backend: str) -> Llama
 
 
 def build_loader(data: PreparedData, split: str, t: TrainerConfig, world: World) -> TokenLoader:
-    accum = t.grad_accum_steps if split == "train" else 1  # evaluation batches are not optimizer steps
-    return TokenLoader(data, split, t.batch_size, t.seq_len, t.seed, world.rank, world.world_size, accum)
+    # whole global batches in both splits: validation reads eval_batches of them, the same windows for every layout
+    return TokenLoader(data, split, t.batch_size, t.seq_len, t.seed, world.rank, world.world_size, t.grad_accum_steps)
 
 
 def build_train_state(cfg: Config, llama: LlamaConfig, train_loader: TokenLoader, backend: str, device: torch.device,

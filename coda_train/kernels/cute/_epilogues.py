@@ -112,7 +112,7 @@ _GATE_FLOOR = 2.0 ** -100  # reference.GATE_FLOOR: a gate below it in magnitude 
 @dsl_user_op
 @cute.jit
 def _floor_gate(gate: Float32, *, loc=None, ip=None):
-    return gate if Boolean(abs(gate) >= _GATE_FLOOR) else Float32(_GATE_FLOOR)
+    return Float32(_GATE_FLOOR) if Boolean(abs(gate) < _GATE_FLOOR) else gate  # as the reference: a NaN gate stays NaN
 
 
 floor_gate = _Library(_floor_gate)
@@ -190,7 +190,7 @@ _FLT_MIN = 1.1754943508222875e-38  # below it (0 or subnormal) the ftz rcp would
 def _dswiglu_from_a(gate: Float32, a: Float32, dout: Float32, *, loc=None, ip=None):
     sig = _sigmoid(gate)
     rcp_gate = mlir_math.rcp(gate, approx=True, ftz=True, loc=loc, ip=ip)
-    q = a * rcp_gate if Boolean(abs(gate) >= _FLT_MIN) else Float32(0.0)
+    q = Float32(0.0) if Boolean(abs(gate) < _FLT_MIN) else a * rcp_gate  # as the reference: a NaN gate gives NaN
     dup = (gate * sig) * dout
     dgate = q * (1.0 + gate - gate * sig) * dout
     return dgate, dup
