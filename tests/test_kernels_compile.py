@@ -390,10 +390,11 @@ for name, floor in (("rowscale_swiglu", "0f0D800000"), ("dswiglu_rowscale_stat",
 '''
 
 
-def test_swiglu_gate_compares_keep_a_nan_gate_nan_gpu_blind(stack):
+def test_swiglu_gate_compares_keep_a_nan_gate_nan_gpu_blind(stack, tmp_path):
     """F5's gate floor and B1's zero-q guard compare |gate| < floor (false for NaN, which then flows on as in the
     reference), not |gate| >= floor (false for NaN too, which would replace a NaN gate with a finite value)."""
-    run = subprocess.run([sys.executable, "-c", SWIGLU_SELECTS_PTX], env=ENV, cwd=ROOT, capture_output=True, text=True,
+    env = dict(ENV, QUACK_CACHE_DIR=str(tmp_path))  # a fresh kernel cache: a cached kernel is loaded, its PTX not written
+    run = subprocess.run([sys.executable, "-c", SWIGLU_SELECTS_PTX], env=env, cwd=ROOT, capture_output=True, text=True,
                          timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "rowscale_swiglu ['lt']" in run.stdout and "dswiglu_rowscale_stat ['lt']" in run.stdout, run.stdout
