@@ -45,6 +45,14 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+def jsonl_with_line(path: Path, docs: list[str], index: int, line: bytes) -> Path:
+    """docs as JSON Lines at path, line `index` (from 0) replaced by the raw bytes `line` (bad UTF-8, JSON or text)."""
+    lines = [json.dumps({"text": d}).encode() for d in docs]
+    lines[index] = line
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
 def folder_bytes(path: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
 
@@ -193,10 +201,7 @@ def test_rows_without_the_text_field_are_counted_and_warned(tmp_path, caplog):
 @pytest.mark.parametrize("mode", ["replace", "skip_document", "strict"])
 def test_invalid_utf8_per_decode_errors(tmp_path, mode):
     docs = make_docs(6)
-    lines = [json.dumps({"text": d}).encode() for d in docs]
-    lines[3] = b'{"text": "caf\xe9 latin-1 bytes"}'  # invalid UTF-8 on line 4
-    source = tmp_path / "corpus.jsonl"
-    source.write_bytes(b"\n".join(lines) + b"\n")
+    source = jsonl_with_line(tmp_path / "corpus.jsonl", docs, 3, b'{"text": "caf\xe9 latin-1 bytes"}')  # bad UTF-8 on line 4
     cfg = config(source, tmp_path / "cache", val_fraction=0.0, decode_errors=mode)
     if mode == "strict":
         with pytest.raises(DataError, match=rf"{source}:4: invalid UTF-8 .*data.decode_errors=replace"):
@@ -219,10 +224,7 @@ def test_a_lone_surrogate_escape_in_json_per_decode_errors(tmp_path, mode):
     """JSON's "\\ud83d" without its pair (half an emoji, cut by a scraper) decodes to a code point UTF-8 cannot
     encode: handled as invalid UTF-8 is, not a crash in the tokenizer."""
     docs = make_docs(6)
-    lines = [json.dumps({"text": d}) for d in docs]
-    lines[2] = '{"text": "half an emoji \\ud83d here"}'
-    source = tmp_path / "corpus.jsonl"
-    source.write_text("\n".join(lines) + "\n")
+    source = jsonl_with_line(tmp_path / "corpus.jsonl", docs, 2, b'{"text": "half an emoji \\ud83d here"}')
     cfg = config(source, tmp_path / "cache", val_fraction=0.0, decode_errors=mode)
     if mode == "strict":
         with pytest.raises(DataError, match=rf"{source}:3: the text holds a lone UTF-16 surrogate"):
@@ -275,10 +277,7 @@ def test_json_with_a_byte_order_mark_is_read(tmp_path, array):
 def test_each_decode_errors_mode_prepares_its_own_folder(tmp_path):
     """data.decode_errors decides which documents (and so which BPE and shards) a folder holds: data
     prepared under `replace` is not reused by a `strict` or `skip_document` run."""
-    lines = [json.dumps({"text": d}).encode() for d in make_docs(6)]
-    lines[3] = b'{"text": "caf\xe9 latin-1 bytes"}'
-    source = tmp_path / "corpus.jsonl"
-    source.write_bytes(b"\n".join(lines) + b"\n")
+    source = jsonl_with_line(tmp_path / "corpus.jsonl", make_docs(6), 3, b'{"text": "caf\xe9 latin-1 bytes"}')
     replaced = prepare(config(source, tmp_path / "cache", val_fraction=0.0, decode_errors="replace"))
     with pytest.raises(DataError, match=rf"{source}:4: invalid UTF-8"):
         prepare(config(source, tmp_path / "cache", val_fraction=0.0, decode_errors="strict"))
@@ -307,10 +306,7 @@ def test_invalid_utf8_in_a_text_file_names_the_line(tmp_path):
 @pytest.mark.parametrize("mode", ["replace", "strict", "skip_document"])
 def test_bad_json_line_names_file_and_line(tmp_path, mode):
     docs = make_docs(8)
-    lines = [json.dumps({"text": d}) for d in docs]
-    lines[5] = '{"text": "cut off mid-wri'
-    source = tmp_path / "corpus.jsonl"
-    source.write_text("\n".join(lines) + "\n")
+    source = jsonl_with_line(tmp_path / "corpus.jsonl", docs, 5, b'{"text": "cut off mid-wri')
     cfg = config(source, tmp_path / "cache", val_fraction=0.0, decode_errors=mode)
     if mode != "skip_document":
         with pytest.raises(DataError, match=rf"could not read documents from {source}:6: not valid JSON"):

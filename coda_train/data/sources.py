@@ -13,7 +13,7 @@ import re
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import datasets
 import pyarrow as pa
@@ -162,33 +162,27 @@ NEWLINE = b"\n"
 MISSING_FIELD_LIMIT = 1000  # this many rows without the field before any document: data.text_field is wrong
 
 
+def _per_decode_errors(where: str, problem: str, repaired: Callable[[], str], cfg: DataConfig, counts: DocumentCounts,
+                       warn: bool) -> Optional[str]:
+    """A document holding text that is not valid Unicode (`problem`, naming its place), per data.decode_errors: the
+    repaired text (U+FFFD in place of the bad part), None to skip it, or a DataError naming the fix."""
+    if cfg.decode_errors == "strict":
+        raise DataError(f"{problem}; fix the file, or set data.decode_errors=replace (the bad part becomes U+FFFD) or "
+                        "skip_document (drop such documents)")
+    counts.note("skipped" if cfg.decode_errors == "skip_document" else "replaced", where, warn)
+    return None if cfg.decode_errors == "skip_document" else repaired()
+
+
 def _decode(data: bytes, file: str, line: int, cfg: DataConfig, counts: DocumentCounts, warn: bool) -> Optional[str]:
     """UTF-8 text of a document starting at file:line, per data.decode_errors; None means skip this document."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        if cfg.decode_errors == "strict":
-            where = f"{file}:{line + data.count(NEWLINE, 0, e.start)}"
-            raise DataError(
-                f"{where}: invalid UTF-8 ({e.reason} at byte {e.start} of the document); fix the file, or set "
-                f"data.decode_errors=replace (bad bytes become U+FFFD) or skip_document (drop such documents)"
-            ) from e
-        counts.note("skipped" if cfg.decode_errors == "skip_document" else "replaced", f"{file}:{line}", warn)
-        return None if cfg.decode_errors == "skip_document" else data.decode("utf-8", errors="replace")
+        problem = f"{file}:{line + data.count(NEWLINE, 0, e.start)}: invalid UTF-8 ({e.reason} at byte {e.start} of the document)"
+        return _per_decode_errors(f"{file}:{line}", problem, lambda: data.decode("utf-8", errors="replace"), cfg, counts, warn)
 
 
-LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _surrogates(text: str, where: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -> Optional[str]:
-    """A document holding lone UTF-16 surrogates (e.g. half of an emoji's escape pair, cut by a scraper), per
-    data.decode_errors as invalid UTF-8 is: replaced by U+FFFD, skipped (None), or an error naming where."""
-    if cfg.decode_errors == "strict":
-        raise DataError(f"{where}: the text holds a lone UTF-16 surrogate (an escape like \\ud83d without its pair), "
-                        "which is not valid Unicode; fix the file, or set data.decode_errors=replace (it becomes U+FFFD) "
-                        "or skip_document (drop such documents)")
-    counts.note("skipped" if cfg.decode_errors == "skip_document" else "replaced", where, warn)
-    return None if cfg.decode_errors == "skip_document" else LONE_SURROGATE.sub("\ufffd", text)
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # JSON's "\ud83d" escapes decode to code points UTF-8 cannot encode
 
 
 def _text_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -> Iterator[tuple[str, dict]]:
@@ -333,8 +327,9 @@ def iter_documents(
         if not isinstance(text, str):
             kind = type(text).__name__
             raise DataError(f"field {field_name!r} at {where} holds {kind}, not text; set data.text_field to a text column")
-        if not text.isascii() and LONE_SURROGATE.search(text):  # JSON's "\ud83d" escapes decode to code points UTF-8 cannot encode
-            text = _surrogates(text, where, cfg, counts, warn)
+        if not text.isascii() and LONE_SURROGATE.search(text):  # e.g. half of an emoji's escape pair, cut by a scraper
+            problem = f"{where}: the text holds a lone UTF-16 surrogate (an escape like \\ud83d without its pair)"
+            text = _per_decode_errors(where, problem, lambda: LONE_SURROGATE.sub("\ufffd", text), cfg, counts, warn)
             if text is None:
                 continue
         yield text
