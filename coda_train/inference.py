@@ -16,7 +16,7 @@ import torch
 from tokenizers import Tokenizer
 
 from coda_train.data import DataConfig, DataError, PreparedData, prepare
-from coda_train.data.shards import TOKENIZER_FILE
+from coda_train.data.shards import MANIFEST, TOKENIZER_FILE
 from coda_train.data.tokenizer import encode_documents, find_eos, fingerprint, load_tokenizer, token_dtype
 from coda_train.errors import ConfigError
 from coda_train.model import LlamaConfig, build_model
@@ -82,7 +82,7 @@ def find_checkpoint(path: str | Path) -> Checkpoint:
 
 def open_checkpoint(path: str | Path, tokenizer: Optional[str] = None) -> TrainedCheckpoint:
     """The checkpoint at `path` (see find_checkpoint) with its tokenizer: the run's prepared data's
-    (prepared again if its cache is gone), or `tokenizer` (a tokenizer.json or HF directory). The
+    (see run_prepared_data), or `tokenizer` (a tokenizer.json or HF directory). The
     tokenizer must be the one the model was trained with (same fingerprint, ids within the vocab)."""
     ckpt, meta = find_checkpoint(path)
     try:
@@ -93,7 +93,7 @@ def open_checkpoint(path: str | Path, tokenizer: Optional[str] = None) -> Traine
     state = load_model_state(ckpt, meta)
     data = None
     if tokenizer is None:
-        data = prepare(run_data_config(meta))
+        data = run_prepared_data(meta)
         tok, tokenizer_file = data.tokenizer, data.path / TOKENIZER_FILE
         eos_token, eos_id = data.manifest["tokenizer"]["eos_token"], data.eos_id
     else:
@@ -106,6 +106,22 @@ def open_checkpoint(path: str | Path, tokenizer: Optional[str] = None) -> Traine
                           f"{ckpt} was trained with ({trained_with[:12]}); pass the run's own tokenizer.json")
     check_tokenizer_fits(tok, model_config, str(tokenizer_file))
     return TrainedCheckpoint(ckpt, meta, model_config, state["model"], tok, tokenizer_file, eos_token, eos_id, data)
+
+
+def run_prepared_data(meta: dict[str, Any]) -> PreparedData:
+    """The prepared folder the run trained on, as its meta.json recorded it, which needs neither the corpus
+    nor the folder's old name; where that folder is gone (or the checkpoint predates the record), the run's
+    data prepared again from its data.source (reused from data.cache_dir when the inputs are unchanged)."""
+    cfg = run_data_config(meta)
+    folder = meta.get("prepared_data")
+    if folder is not None and (Path(folder) / MANIFEST).is_file():
+        return PreparedData.open(folder, verify=cfg.verify_shards)
+    try:
+        return prepare(cfg)
+    except DataError as e:
+        if folder is None:
+            raise
+        raise DataError(f"the run's prepared data {folder} is gone, and preparing it again failed: {e}") from e
 
 
 def run_data_config(meta: dict[str, Any]) -> DataConfig:

@@ -16,11 +16,11 @@ import math
 import sys
 from pathlib import Path
 
-from coda_train.data import DataError, TokenLoader, prepare
+from coda_train.data import DataError, TokenLoader
 from coda_train.data.tokenizer import fingerprint
 from coda_train.errors import ConfigError
 from coda_train.inference import (checkpoint_parser, load_eager_model, log_progress_to_stderr, mean_loss, open_checkpoint,
-                                  run_data_config, text_windows)
+                                  run_prepared_data, text_windows)
 from coda_train.trainer.checkpoint import CheckpointError
 from coda_train.trainer.device import pick_compute_dtype, pick_device
 
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             texts = [Path(f).read_text(encoding="utf-8", errors="replace") for f in args.text]
             batches, what = text_windows(ckpt, texts, seq_len, batch_size), f"{len(texts)} text file(s)"
         else:
-            data = ckpt.data or prepare(run_data_config(ckpt.meta))
+            data = ckpt.data or run_prepared_data(ckpt.meta)
             if data.manifest["tokenizer"]["fingerprint"] != fingerprint(ckpt.tokenizer):  # its corpus changed since the run
                 raise DataError(f"the run's data, prepared again at {data.path}, is tokenized with another tokenizer than "
                                 f"{ckpt.tokenizer_file} (its source files changed since the run prepared them, and a new "

@@ -311,9 +311,10 @@ def test_eval_script_reports_loss_and_perplexity_of_the_val_split_and_of_text_fi
     assert f"{count:,} tokens in windows of 16" in result.stdout and loss == pytest.approx(expected, abs=1e-4)
 
 
-def test_eval_refuses_the_runs_data_prepared_again_with_another_bpe(tiny, tmp_path):
-    """The run's corpus changed after the run: its data is prepared again with a new BPE, and evaluating it with
-    the run's own tokenizer (--tokenizer) is refused instead of reporting a loss on mis-tokenized data."""
+def test_eval_reads_the_runs_own_folder_after_its_corpus_changed_or_moved(tiny, tmp_path):
+    """The run's prepared folder, recorded in its checkpoint, serves eval after the corpus changed and even after
+    it moved away; with the folder gone too, the data prepared again with a new BPE is refused (--tokenizer) instead
+    of reporting a loss on mis-tokenized data."""
     source = Path(next(o for o in tiny if o.startswith("data.source=")).split("=", 1)[1])
     corpus = tmp_path / "corpus.jsonl"
     shutil.copy(source, corpus)
@@ -323,10 +324,26 @@ def test_eval_refuses_the_runs_data_prepared_again_with_another_bpe(tiny, tmp_pa
                              "model.impl=eager"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     (own,) = (tmp_path / "cache").glob("*/tokenizer.json")
+    first = run_script("eval.py", str(tmp_path / "run"), "--max-batches", "1")
+    assert first.returncode == 0 and f"split of {own.parent}" in first.stdout, first.stderr[-2000:]
+
     with open(corpus, "a") as f:
         f.write(json.dumps({"text": "a new document " * 50}) + "\n")
-    result = run_script("eval.py", str(tmp_path / "run"), "--tokenizer", str(own), "--max-batches", "1")
+    assert run_script("eval.py", str(tmp_path / "run"), "--max-batches", "1").stdout == first.stdout
+    corpus.rename(tmp_path / "moved.jsonl")
+    assert run_script("eval.py", str(tmp_path / "run"), "--max-batches", "1").stdout == first.stdout
+    assert list((tmp_path / "cache").glob("*/tokenizer.json")) == [own]  # nothing prepared again
+
+    corpus.write_text((tmp_path / "moved.jsonl").read_text())
+    kept = own.parent.rename(tmp_path / "kept")
+    shutil.copy(kept / "tokenizer.json", own.parent.with_name("own-tokenizer.json"))
+    result = run_script("eval.py", str(tmp_path / "run"), "--tokenizer", str(own.parent.with_name("own-tokenizer.json")),
+                        "--max-batches", "1")
     assert result.returncode == 1 and "is tokenized with another tokenizer than" in result.stderr, result.stderr[-2000:]
+    corpus.unlink()
+    result = run_script("eval.py", str(tmp_path / "run"), "--max-batches", "1")
+    assert result.returncode == 1 and f"the run's prepared data {own.parent} is gone" in result.stderr, result.stderr[-2000:]
+    assert "no files match data.source" in result.stderr
 
 
 # ---- sampling ---------------------------------------------------------------------------

@@ -158,7 +158,9 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
     config["data"] = dataclasses.asdict(cfg.data.with_absolute_paths())
     if cfg.model.init_from is not None:
         config["model"]["init_from"] = str(Path(cfg.model.init_from).expanduser().absolute())
-    meta = {"model": dataclasses.asdict(llama), "impl": cfg.model.impl, "config": config}
+    # the folder itself too: the tools reopen it also after the corpus has moved or changed
+    meta = {"model": dataclasses.asdict(llama), "impl": cfg.model.impl, "config": config,
+            "prepared_data": str(data.path.absolute())}
     checkpointer = Checkpointer(run_dir / CHECKPOINTS_DIR, t.keep_last, meta, resume_from,
                                 cfg.debug.sigkill_in_checkpoint_at_step, cfg.debug.disk_full_in_checkpoint_at_step,
                                 t.ckpt_async)
