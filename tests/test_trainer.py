@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from coda_train.config import register_configs, to_dataclass
 from coda_train.data import DataError, prepare
@@ -175,7 +176,10 @@ def test_resume_from_an_older_checkpoint_with_a_new_lr(tiny, straight_run, tmp_p
     lines, reference = metrics(run_dir), metrics(straight_run)
     assert lines[:3 * N // 4] == reference[:3 * N // 4]
     assert all(new["lr"] == pytest.approx(old["lr"] / 3) for new, old in zip(lines[3 * N // 4:], reference[3 * N // 4:]))
+    assert f"settings changed since the checkpoint apply from step {3 * N // 4 + 1} on: optim.lr 0.003 -> 0.001" in result.stdout
     assert len(list((run_dir / "checkpoints").glob(f".replaced-step_{N:08d}-*"))) == 1
+    (abandoned,) = run_dir.glob(f"metrics.replaced-step_{3 * N // 4:08d}-*.jsonl")  # the other trajectory's metrics kept
+    assert [json.loads(line) for line in abandoned.read_text().splitlines()] == reference[3 * N // 4:]
     final = load_state(run_dir / "checkpoints" / f"step_{N:08d}")
     assert not torch.equal(final["model"]["norm"], load_state(straight_run / "checkpoints" / f"step_{N:08d}")["model"]["norm"])
 
@@ -393,9 +397,49 @@ def test_corrupt_checkpoint_is_skipped_by_auto_and_rejected_by_path(tiny, straig
     last = train_in_process(run_dir, *tiny, f"trainer.max_steps={N}").metrics  # auto: step 24 is corrupt, so from 18
     assert "skipping damaged checkpoint" in caplog.text
     assert last["step"] == N
-    verify_checkpoint(newest)  # rewritten; the damaged one is set aside, not deleted
-    assert len(list((run_dir / "checkpoints").glob(f".replaced-step_{N:08d}-*"))) == 1
+    verify_checkpoint(newest)  # rewritten; the damaged one is set aside, never pruned (it may be repairable)
+    (aside,) = (run_dir / "checkpoints").glob(f".damaged-step_{N:08d}-*")
+    assert (aside / "state.pt").read_bytes() == bytes(state)
     assert without_timing(metrics(run_dir)) == without_timing(metrics(straight_run))
+    train_in_process(run_dir, *tiny, f"trainer.max_steps={N + 4}", "trainer.ckpt_every=1", "trainer.keep_last=1")
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [aside.name, f"step_{N + 4:08d}"]
+
+
+def test_changes_on_resume_are_announced_with_what_they_do(tiny, tmp_path):
+    """A longer max_steps stretches the cosine schedule (the lr jumps back up) and a larger grad_accum_steps makes a
+    larger global batch: both are allowed, and the log says so before the first step, with the value that keeps the
+    saved run's course."""
+    from coda_train.trainer.loop import changes_since_checkpoint
+    from coda_train.trainer.optim import lr_multiplier
+
+    saved = compose_config(tmp_path, *tiny, "trainer.max_steps=12")
+    now = compose_config(tmp_path, *tiny, "trainer.max_steps=24", "trainer.grad_accum_steps=2", "trainer.resume=auto",
+                         "trainer.progress_bar=false")
+    saved_config = OmegaConf.to_container(OmegaConf.structured(saved))
+    assert changes_since_checkpoint(saved_config, saved, 12, 1) == []
+    lines = changes_since_checkpoint(saved_config, now, 12, 2)
+    assert lines[0] == "settings changed since the checkpoint apply from step 13 on: trainer.max_steps 12 -> 24, " \
+                       "trainer.grad_accum_steps 1 -> 2"
+    lr = [now.optim.lr * lr_multiplier(12, now.optim, m) for m in (12, 24)]
+    assert lines[1] == (f"the cosine schedule now spans 24 steps, not 12: the learning rate at step 13 is {lr[1]:.3g} "
+                        f"where the saved run's would be {lr[0]:.3g}; keep trainer.max_steps=12 to continue its schedule")
+    windows = now.trainer.batch_size * 2
+    assert lines[2].startswith(f"trainer.grad_accum_steps 1 -> 2: each optimizer step now reads {windows * 2} windows "
+                               f"(was {windows})")
+
+
+def test_a_checkpoint_whose_meta_step_was_edited_is_damaged(tiny, straight_run, tmp_path, caplog):
+    """meta.json's step must name its directory's step: an edited one would set aside the checkpoint being resumed
+    (step moved down) or skip saving the steps up to it (moved up)."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight_run, run_dir)
+    newest = run_dir / "checkpoints" / f"step_{N:08d}"
+    meta = json.loads((newest / "meta.json").read_text())
+    (newest / "meta.json").write_text(json.dumps({**meta, "step": N // 4}))
+    with pytest.raises(CheckpointError, match=f"says step {N // 4}, its directory name step {N} .*restore it"):
+        verify_checkpoint(newest)
+    with pytest.raises(CheckpointError, match="restore it, or choose another checkpoint"):
+        train_in_process(run_dir, *tiny, f"trainer.resume={newest}", f"trainer.max_steps={N}")
 
 
 def test_auto_resume_refuses_to_restart_when_every_checkpoint_is_damaged(tiny, straight_run, tmp_path):

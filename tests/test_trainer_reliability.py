@@ -319,7 +319,7 @@ def test_set_aside_names_stay_unique_when_a_pid_repeats(tmp_path, monkeypatch):
     save_checkpoint(tmp_path, 1, {"w": torch.zeros(2)}, {"model": {}}, keep_last=5)
     for _ in range(2):  # step 2 written, then set aside by a resume from step 1: twice, by the same PID
         save_checkpoint(tmp_path, 2, {"w": torch.zeros(2)}, {"model": {}}, keep_last=5)
-        set_aside_newer(tmp_path, 1)
+        set_aside_newer(tmp_path, 1, damaged=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".replaced-step_00000002-7", ".replaced-step_00000002-8",
                                                           "step_00000001"]
 
@@ -342,7 +342,7 @@ def test_set_aside_checkpoints_count_against_keep_last(tmp_path):
 
     for step in (1, 2, 3):
         save(step)
-    set_aside_newer(tmp_path, 1)  # resuming from step 1
+    set_aside_newer(tmp_path, 1, damaged=False)  # resuming from step 1
     assert names() == [".replaced-step_00000002", ".replaced-step_00000003", "step_00000001"]
     save(2)  # 4 checkpoint-sized dirs: the lowest set-aside one goes
     assert names() == [".replaced-step_00000003", "step_00000001", "step_00000002"]

@@ -19,12 +19,14 @@ directory and raises the OSError, leaving every earlier checkpoint as it was. Te
 (.tmp-*) found when a run starts are a dead writer's (the run dir's lock allows one writer) and are
 removed then (remove_partial_writes).
 
-Set-aside checkpoints: resuming from checkpoint N moves this run dir's checkpoints newer than N (another
-trajectory, or damaged ones auto-resume skipped) to .replaced-step_*-<pid> before the first step, so
-a later auto-resume never continues the abandoned trajectory. They are not deleted then, but they count
-against trainer.keep_last: after each save the checkpoints dir holds at most keep_last checkpoint-sized
+Set-aside checkpoints: resuming from an older checkpoint N (trainer.resume=<path>) moves this run dir's
+checkpoints newer than N (another trajectory) to .replaced-step_*-<pid> before the first step, so a later
+auto-resume never continues the abandoned trajectory. They are not deleted then, but they count against
+trainer.keep_last: after each save the checkpoints dir holds at most keep_last checkpoint-sized
 directories, set-aside ones pruned first (lowest step first), then the oldest step_*. So disk use stays
 bounded, and an abandoned trajectory survives until the new one's checkpoints displace it.
+Damaged checkpoints that auto-resume skipped go to .damaged-step_*-<pid> instead, which are never pruned:
+one whose meta.json was edited may be repairable, so only the user deletes them.
 """
 
 from __future__ import annotations
@@ -132,17 +134,23 @@ def remove_partial_writes(root: Path) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
-def set_aside_newer(root: Path, step: int) -> None:
-    """Move the checkpoints of root newer than `step` (the resume point) to .replaced-step_*-<pid, or the
-    first free number after it>."""
+def set_aside_newer(root: Path, step: int, damaged: bool) -> None:
+    """Move the checkpoints of root newer than `step` (the resume point) to .replaced-step_*-<pid>, or, where
+    they are `damaged` ones auto-resume skipped, to .damaged-step_*-<pid> (never pruned); a PID already used
+    there (containers repeat them) takes the next free number."""
+    kind = "damaged" if damaged else "replaced"
     for path in list_checkpoints(root):
         if int(STEP_DIR.match(path.name).group(1)) > step:
             n = os.getpid()
-            while (root / f".replaced-{path.name}-{n}").exists():  # a PID repeats (containers): the next free name
+            while (root / f".{kind}-{path.name}-{n}").exists():
                 n += 1
-            aside = root / f".replaced-{path.name}-{n}"
-            log.warning("this run continues from step %d, so %s (a later step of another trajectory, or damaged) "
-                        "is moved to %s; it counts against trainer.keep_last and is pruned first", step, path, aside)
+            aside = root / f".{kind}-{path.name}-{n}"
+            if damaged:
+                log.warning("this run continues from step %d, so the damaged checkpoint %s is moved to %s and kept "
+                            "(never pruned): repair it and rename it back to resume from it, or delete it", step, path, aside)
+            else:
+                log.warning("this run continues from step %d, so %s (a later step of another trajectory) is moved to %s; "
+                            "it counts against trainer.keep_last and is pruned first", step, path, aside)
             os.rename(path, aside)
 
 
@@ -187,7 +195,7 @@ def save_checkpoint(root: Path, step: int, state: dict[str, Any], meta: dict[str
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
     if final.exists():  # set_aside_newer ran at resume; this keeps the rename below safe whatever the caller did
-        set_aside_newer(root, step - 1)
+        set_aside_newer(root, step - 1, damaged=False)
     _check_free_space(root, int(tensor_bytes(state) * 1.01) + 2**18)  # + torch.save's per-tensor records, meta.json
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     tmp.mkdir()
@@ -287,7 +295,7 @@ def _sharded_tmp(root: Path, step: int, state: TrainState, sharded: dict[str, An
         try:
             root.mkdir(parents=True, exist_ok=True)
             if final.exists():  # as in save_checkpoint
-                set_aside_newer(root, step - 1)
+                set_aside_newer(root, step - 1, damaged=False)
             _check_free_space(root, int(tensor_bytes(sharded) * world.world_size * 1.01) + 2**20)
             tmp = root / f".tmp-{final.name}-{os.getpid()}"
             tmp.mkdir()
@@ -363,6 +371,11 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
     if missing := [k for k in (SHARDED_META_KEYS if "files" in meta else META_KEYS) if k not in meta]:
         raise CheckpointError(f"checkpoint {path}: {path / META_FILE} lacks the key {missing[0]!r} (edited by hand or "
                               "by another tool); restore it, or choose another checkpoint")
+    named = STEP_DIR.match(path.name)  # the writer names the directory after meta's step
+    if not isinstance(meta["step"], int) or (named is not None and int(named.group(1)) != meta["step"]):
+        raise CheckpointError(f"checkpoint {path}: {path / META_FILE} says step {meta['step']!r}, its directory name "
+                              f"step {int(named.group(1)) if named else '?'} (edited by hand or by another tool); restore "
+                              "it, or choose another checkpoint")
     files = meta["files"] if "files" in meta else {STATE_FILE: {"sha256": meta["sha256"], "bytes": meta["bytes"]}}
     for name, recorded in files.items():
         file = path / name

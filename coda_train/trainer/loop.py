@@ -33,7 +33,7 @@ from .distributed import (World, any_rank, barrier, check_fsdp_options, close_wo
                           process_device, resolve_parallel)
 from .graphs import use_cuda_graphs
 from .metrics import METRICS_FILE, MetricsLogger, Throughput, check_logger, metrics_line, mfu, rewind_metrics
-from .optim import apply_config_after_resume
+from .optim import apply_config_after_resume, lr_multiplier
 from .rundir import RunDirError, continue_hint, hold_run_dir, log_in_run_dir, writing
 from .state import TrainState
 from .step import NonFiniteError, TrainStep, evaluate
@@ -55,6 +55,37 @@ def exit_code(error: Exception) -> int:
     if isinstance(error, NonFiniteError):
         return EXIT_NON_FINITE
     return EXIT_RUN_DIR if isinstance(error, RunDirError) else EXIT_BAD_INPUT
+
+
+# settings free to differ between a checkpoint and the run that resumes it without affecting the trajectory
+_RESUME_IGNORED = {"trainer.run_dir", "trainer.resume", "trainer.progress_bar", "trainer.device"}
+
+
+def changes_since_checkpoint(saved: dict[str, Any], cfg: Config, step: int, world_size: int) -> list[str]:
+    """What the resumed run does differently from the run that saved the checkpoint at `step`, as log lines:
+    the optim.* and trainer.* values that changed, and what a changed max_steps or grad_accum_steps does."""
+    now = OmegaConf.to_container(OmegaConf.structured(cfg))
+    changed = {f"{group}.{k}": (saved[group][k], v) for group in ("optim", "trainer") if isinstance(saved.get(group), dict)
+               for k, v in now[group].items() if k in saved[group] and saved[group][k] != v}
+    changed = {k: v for k, v in changed.items() if k not in _RESUME_IGNORED}
+    if not changed:
+        return []
+    settings = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items())
+    lines = [f"settings changed since the checkpoint apply from step {step + 1} on: {settings}"]
+    if "trainer.max_steps" in changed and cfg.optim.schedule != "constant":
+        old_max, new_max = changed["trainer.max_steps"]
+        before, after = (cfg.optim.lr * lr_multiplier(step, cfg.optim, m) for m in (old_max, new_max))
+        if before != after:  # the schedule is laid out over max_steps (DESIGN: cosine / WSD)
+            lines.append(f"the {cfg.optim.schedule} schedule now spans {new_max} steps, not {old_max}: the learning rate at "
+                         f"step {step + 1} is {after:.3g} where the saved run's would be {before:.3g}; keep "
+                         f"trainer.max_steps={old_max} to continue its schedule")
+    if "trainer.grad_accum_steps" in changed:
+        old_a, new_a = changed["trainer.grad_accum_steps"]
+        micro = cfg.trainer.batch_size * world_size
+        lines.append(f"trainer.grad_accum_steps {old_a} -> {new_a}: each optimizer step now reads {micro * new_a} windows "
+                     f"(was {micro * old_a}), and validation reads eval_batches global batches of the new size, so "
+                     f"val_loss from step {step + 1} on is over other windows than before")
+    return lines
 
 
 class StopSignal:
@@ -152,6 +183,8 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
         apply_config_after_resume(state.optimizer, state.scheduler, cfg.optim)
         if world.is_main:  # once, not once per rank
             log.info("resumed from %s (step %d)", resume_from.path, state.step)
+            for line in changes_since_checkpoint(resume_from.meta.get("config", {}), cfg, state.step, world.world_size):
+                log.warning("%s", line)
     config = OmegaConf.to_container(OmegaConf.structured(cfg))
     config["trainer"]["run_dir"] = str(run_dir)  # this job's dir (a multirun gives each job its own)
     # local paths absolute, so the tools that reopen the run's data find it from any directory
@@ -168,8 +201,10 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
     if world.is_main:  # the first writes, after every check
         with writing("the run's config.yaml and metrics.jsonl", run_dir, run_dir):
             if resume_from is not None:
-                set_aside_newer(checkpointer.root, resume_from.step)
-            rewind_metrics(run_dir / METRICS_FILE, state.step)
+                # auto-resume continues the newest good checkpoint: any newer one is damaged, not another trajectory
+                set_aside_newer(checkpointer.root, resume_from.step, damaged=t.resume == "auto")
+            # an explicit older checkpoint starts another trajectory: the abandoned one's metrics are kept aside
+            rewind_metrics(run_dir / METRICS_FILE, state.step, keep_dropped=resume_from is not None and t.resume != "auto")
             (run_dir / "config.yaml").write_text(OmegaConf.to_yaml({**config, "resolved_model": meta["model"]}))
             if cfg.model.impl == "coda" and backend == "cute":  # the cute backend means a Hopper GPU here
                 report_untuned_gemms(llama, t, gpu_key(torch.cuda.get_device_name(device)), run_dir)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from coda_train.durable import write_synced
 from coda_train.errors import ConfigError
 
 from .step import StepResult
@@ -68,21 +69,25 @@ def metrics_line(result: StepResult, tokens: int, tokens_per_s: float, elapsed_s
     return line
 
 
-def rewind_metrics(path: Path, step: int) -> None:
+def rewind_metrics(path: Path, step: int, keep_dropped: bool = False) -> None:
     """Drop lines logged after `step` (by the interrupted run whose last steps the resumed run redoes),
-    so metrics.jsonl reads as one uninterrupted run. Rewritten atomically."""
+    so metrics.jsonl reads as one uninterrupted run. Rewritten atomically. keep_dropped (a run resumed from an
+    older checkpoint, abandoning a trajectory): the dropped lines go to metrics.replaced-step_<step>-<pid>.jsonl."""
     if not path.exists():
         return
     lines = path.read_text().splitlines(keepends=True)
-    kept = []
+    kept, dropped = [], []
     for line in lines:
         try:
-            if json.loads(line)["step"] <= step:
-                kept.append(line)
+            (kept if json.loads(line)["step"] <= step else dropped).append(line)
         except (ValueError, KeyError):  # a line cut short by a kill: part of the redone tail
             pass
     if len(kept) == len(lines):
         return
+    if keep_dropped and dropped:
+        aside = path.with_name(f"{path.stem}.replaced-step_{step:08d}-{os.getpid()}{path.suffix}")
+        write_synced(aside, "".join(dropped).encode())
+        log.warning("the metrics of steps after %d (another trajectory) are moved to %s", step, aside)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(kept))
     os.replace(tmp, path)
