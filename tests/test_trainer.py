@@ -412,14 +412,14 @@ def test_changes_on_resume_are_announced_with_what_they_do(tiny, tmp_path):
     from coda_train.trainer.loop import changes_since_checkpoint
     from coda_train.trainer.optim import lr_multiplier
 
-    saved = compose_config(tmp_path, *tiny, "trainer.max_steps=12")
+    saved = compose_config(tmp_path, *tiny, "trainer.max_steps=12", "model.impl=eager")
     now = compose_config(tmp_path, *tiny, "trainer.max_steps=24", "trainer.grad_accum_steps=2", "trainer.resume=auto",
-                         "trainer.progress_bar=false")
+                         "trainer.progress_bar=false", "model.impl=coda")
     saved_config = OmegaConf.to_container(OmegaConf.structured(saved))
     assert changes_since_checkpoint(saved_config, saved, 12, 1) == []
     lines = changes_since_checkpoint(saved_config, now, 12, 2)
     assert lines[0] == "settings changed since the checkpoint apply from step 13 on: trainer.max_steps 12 -> 24, " \
-                       "trainer.grad_accum_steps 1 -> 2"
+                       "trainer.grad_accum_steps 1 -> 2, model.impl eager -> coda"
     lr = [now.optim.lr * lr_multiplier(12, now.optim, m) for m in (12, 24)]
     assert lines[1] == (f"the cosine schedule now spans 24 steps, not 12: the learning rate at step 13 is {lr[1]:.3g} "
                         f"where the saved run's would be {lr[0]:.3g}; keep trainer.max_steps=12 to continue its schedule")

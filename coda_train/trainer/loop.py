@@ -57,27 +57,37 @@ def exit_code(error: Exception) -> int:
     return EXIT_RUN_DIR if isinstance(error, RunDirError) else EXIT_BAD_INPUT
 
 
-# settings free to differ between a checkpoint and the run that resumes it without affecting the trajectory
-_RESUME_IGNORED = {"trainer.run_dir", "trainer.resume", "trainer.progress_bar", "trainer.device"}
+# what a resumed run may change and is told about: the model's shape is checked against the checkpoint instead
+_RESUME_ANNOUNCED = ("optim", "trainer", "kernels", "model.impl")
+# settings that differ between a checkpoint and the run that resumes it without affecting the trajectory
+_RESUME_IGNORED = {"trainer.run_dir", "trainer.resume", "trainer.progress_bar"}
+
+
+def _announced_settings(config: dict[str, Any]) -> dict[str, Any]:
+    flat = {}
+    for name in _RESUME_ANNOUNCED:
+        group, _, key = name.partition(".")
+        values = config.get(group) if isinstance(config.get(group), dict) else {}
+        flat.update({f"{group}.{k}": v for k, v in values.items() if (not key or k == key)})
+    return flat
 
 
 def changes_since_checkpoint(saved: dict[str, Any], cfg: Config, step: int, world_size: int) -> list[str]:
     """What the resumed run does differently from the run that saved the checkpoint at `step`, as log lines:
-    the optim.* and trainer.* values that changed, and what a changed max_steps or grad_accum_steps does."""
-    now = OmegaConf.to_container(OmegaConf.structured(cfg))
-    changed = {f"{group}.{k}": (saved[group][k], v) for group in ("optim", "trainer") if isinstance(saved.get(group), dict)
-               for k, v in now[group].items() if k in saved[group] and saved[group][k] != v}
-    changed = {k: v for k, v in changed.items() if k not in _RESUME_IGNORED}
+    the optim.*, trainer.*, kernels.* and model.impl values that changed, and what a changed max_steps or
+    grad_accum_steps does."""
+    before, now = _announced_settings(saved), _announced_settings(OmegaConf.to_container(OmegaConf.structured(cfg)))
+    changed = {k: (before[k], v) for k, v in now.items() if k in before and before[k] != v and k not in _RESUME_IGNORED}
     if not changed:
         return []
     settings = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items())
     lines = [f"settings changed since the checkpoint apply from step {step + 1} on: {settings}"]
     if "trainer.max_steps" in changed and cfg.optim.schedule != "constant":
         old_max, new_max = changed["trainer.max_steps"]
-        before, after = (cfg.optim.lr * lr_multiplier(step, cfg.optim, m) for m in (old_max, new_max))
-        if before != after:  # the schedule is laid out over max_steps (DESIGN: cosine / WSD)
+        old_lr, new_lr = (cfg.optim.lr * lr_multiplier(step, cfg.optim, m) for m in (old_max, new_max))
+        if old_lr != new_lr:  # the schedule is laid out over max_steps (DESIGN: cosine / WSD)
             lines.append(f"the {cfg.optim.schedule} schedule now spans {new_max} steps, not {old_max}: the learning rate at "
-                         f"step {step + 1} is {after:.3g} where the saved run's would be {before:.3g}; keep "
+                         f"step {step + 1} is {new_lr:.3g} where the saved run's would be {old_lr:.3g}; keep "
                          f"trainer.max_steps={old_max} to continue its schedule")
     if "trainer.grad_accum_steps" in changed:
         old_a, new_a = changed["trainer.grad_accum_steps"]
