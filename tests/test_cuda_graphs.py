@@ -93,7 +93,7 @@ def test_fused_steps_run_ahead_and_a_non_finite_one_is_never_applied(tiny, tmp_p
 
 def test_a_deferred_non_finite_step_stops_the_loop_at_the_next_read_and_saves_nothing(tiny, tmp_path, fused_adamw):
     with pytest.raises(NonFiniteError, match=r"step 8: loss=nan .* not finite; stopped without applying or saving "
-                                             r"steps 8\.\.10 \(newest checkpoint: .*step_00000005\)"):
+                                             r"steps 8\.\.10\. Resume from the newest checkpoint, .*step_00000005, "):
         train_in_process(tmp_path, *tiny, "trainer.max_steps=20", "trainer.ckpt_every=5", "trainer.log_every=5",
                          "trainer.eval_every=0", "debug.nan_loss_at_step=8")
     assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000005"]

@@ -289,7 +289,7 @@ def test_a_run_started_from_another_runs_checkpoint_is_told_to_start_from_it_aga
     result = run_train(*tiny, f"trainer.run_dir={tmp_path}", f"trainer.resume={start}", f"trainer.max_steps={N + 10}",
                        "trainer.ckpt_every=0", f"debug.nan_loss_at_step={N + 3}")
     out = result.stderr + result.stdout
-    assert result.returncode == 3 and "newest checkpoint: none" in out
+    assert result.returncode == 3 and "No checkpoint of this run exists yet: start it again with a lower optim.lr" in out
     assert f"trainer.resume={start} (this run saved no checkpoint of its own yet)" in out and "resume=auto" not in out
     again = run_train(*tiny, f"trainer.run_dir={tmp_path}", f"trainer.resume={start}", f"trainer.max_steps={N + 2}")
     assert again.returncode == 0, again.stderr

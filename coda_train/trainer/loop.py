@@ -301,9 +301,12 @@ def _non_finite_stop(error: NonFiniteError, step: int, checkpointer: Checkpointe
     until the next step that reads the device), the newest checkpoint, and the fix."""
     newest = next(iter(list_checkpoints(checkpointer.root)), None)
     skipped = "this step" if error.step >= step else f"steps {error.step}..{step}"
-    return NonFiniteError(f"{error}; stopped without applying or saving {skipped} (newest checkpoint: {newest or 'none'}). "
-                          f"Resume from it with a lower optim.lr, longer optim.warmup_steps or a tighter "
-                          f"optim.grad_clip ({hint(saved=newest is not None)})", error.step)
+    change = "a lower optim.lr, longer optim.warmup_steps or a tighter optim.grad_clip"
+    if newest is None:
+        fix = f"No checkpoint of this run exists yet: start it again with {change} ({hint(saved=False)})"
+    else:
+        fix = f"Resume from the newest checkpoint, {newest}, with {change} ({hint(saved=True)})"
+    return NonFiniteError(f"{error}; stopped without applying or saving {skipped}. {fix}", error.step)
 
 
 def _save(checkpointer: Checkpointer, state: TrainState, world: World) -> Optional[Path]:
