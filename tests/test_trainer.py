@@ -309,6 +309,38 @@ def test_cli_rejects_unknown_and_ill_typed_keys_before_training(tmp_path):
     assert (tmp_path / "a_file").read_text() == "kept"
 
 
+def test_an_empty_run_dir_is_refused_before_the_current_directory_is_touched(tiny, tmp_path):
+    """hydra would take trainer.run_dir='' for the current directory: its config.yaml and metrics.jsonl stay as they were."""
+    (tmp_path / "config.yaml").write_text("mine: 1\n")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 5}\n{"step": 10}\n')
+    before = snapshot(tmp_path)
+    for empty in ("trainer.run_dir=", "trainer.run_dir=''"):
+        result = subprocess.run([sys.executable, str(REPO / "train.py"), *tiny, "trainer.max_steps=2", empty], cwd=tmp_path,
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 1 and "trainer.run_dir='' is empty" in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
+    assert snapshot(tmp_path) == before
+    with pytest.raises(ConfigError, match="trainer.run_dir='' is empty"):  # set in a config file, past the command-line check
+        train(compose_config(tmp_path, *tiny, "trainer.max_steps=2", "trainer.run_dir=''"), tmp_path)
+    assert snapshot(tmp_path) == before
+
+
+def test_a_run_dir_that_cannot_be_made_exits_4_before_hydra_tries(tmp_path):
+    result = run_train("trainer.max_steps=2", "trainer.run_dir=/proc/nope/run")  # /proc takes no new directories, root's either
+    assert result.returncode == 4 and "Traceback" not in result.stderr, result.stderr
+    assert "trainer.run_dir=/proc/nope/run cannot be used: this user cannot create files in /proc" in result.stderr
+    assert "choose another trainer.run_dir" in result.stderr
+
+
+def test_every_run_dir_of_a_multirun_sweep_is_checked_before_the_first_job(tmp_path):
+    (tmp_path / "a_file").write_text("kept")
+    result = run_train("-m", "trainer.max_steps=2", f"trainer.run_dir={tmp_path / 'x1'},{tmp_path / 'a_file'}")
+    assert result.returncode == 1 and "a_file is a file, not a directory" in result.stderr, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # the first job's dir was not made either
+    result = run_train("-m", "trainer.max_steps=2", f"trainer.run_dir=choice({tmp_path / 'x1'},'')")
+    assert result.returncode == 1 and "is empty" in result.stderr, result.stderr
+
+
 def test_data_settings_that_cannot_work_stop_before_anything_is_prepared(tiny, tmp_path):
     """Each names its fix at start, before data preparation (which can take long) writes anything."""
     fresh = [o for o in tiny if not o.startswith("data.cache_dir=")] + [f"data.cache_dir={tmp_path / 'cache'}"]
