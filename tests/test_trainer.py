@@ -341,6 +341,22 @@ def test_every_run_dir_of_a_multirun_sweep_is_checked_before_the_first_job(tmp_p
     assert result.returncode == 1 and "is empty" in result.stderr, result.stderr
 
 
+def test_a_leading_tilde_is_the_home_directory_in_every_path_setting(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = compose_config("'~/run'", "trainer.resume='~/runA'", "model.init_from='~/hf'", "data.source='~/c.jsonl'",
+                         "data.tokenizer='~/tok'", "data.cache_dir='~/cache'")
+    assert [cfg.trainer.run_dir, cfg.trainer.resume, cfg.model.init_from, cfg.data.source, cfg.data.tokenizer,
+            cfg.data.cache_dir] == [str(tmp_path / name) for name in ("run", "runA", "hf", "c.jsonl", "tok", "cache")]
+    assert compose_config(tmp_path).trainer.resume == "auto"
+    # hydra makes the run dir itself, from the command line: there too ~ is the home directory, not ./~
+    (tmp_path / "cwd").mkdir()
+    result = subprocess.run([sys.executable, str(REPO / "train.py"), *tiny, "trainer.max_steps=1",
+                             "trainer.run_dir='~/runs/x'"], cwd=tmp_path / "cwd", capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "HOME": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert [m["step"] for m in metrics(tmp_path / "runs" / "x")] == [1] and not any((tmp_path / "cwd").iterdir())
+
+
 def test_data_settings_that_cannot_work_stop_before_anything_is_prepared(tiny, tmp_path):
     """Each names its fix at start, before data preparation (which can take long) writes anything."""
     fresh = [o for o in tiny if not o.startswith("data.cache_dir=")] + [f"data.cache_dir={tmp_path / 'cache'}"]
