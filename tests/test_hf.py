@@ -220,6 +220,22 @@ def test_not_a_llama_directory_is_a_clear_error(tmp_path):
         llama_config_from_hf(tmp_path)
 
 
+@pytest.mark.parametrize("content, named", [
+    ("{not json", "is not valid JSON"),
+    ("[1, 2]", "holds a list, not an object of settings"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}}, "low_freq_factor"),
+    ({"hidden_size": None}, "hidden_size"),
+])
+def test_a_damaged_or_invalid_config_json_is_a_config_error_naming_the_file(tmp_path, content, named):
+    path, _ = hf_llama(tmp_path, tie=True)
+    if isinstance(content, dict):
+        content = json.dumps({**json.loads((path / "config.json").read_text()), **content})
+    (path / "config.json").write_text(content)
+    with pytest.raises(ConfigError, match=re.escape(named)) as e:
+        llama_config_from_hf(path)
+    assert f"{path}/config.json" in str(e.value) and "export the model again" in str(e.value)
+
+
 def test_exported_then_imported_model_continues_with_the_same_loss(trained_run, exported):
     """Continued pretraining starts where the exported model stood: same weights, same loss on the
     run's own batch, for the eager and the coda model."""

@@ -126,10 +126,20 @@ def llama_config_from_hf(hf_dir: str | Path) -> LlamaConfig:
     if not (path / "config.json").is_file():
         raise ConfigError(f"{path} has no config.json: point at a local Hugging Face model directory "
                           "(one written by save_pretrained or scripts/export_hf.py)")
-    raw = json.loads((path / "config.json").read_text())
+    fix = "repair it, or export the model again (scripts/export_hf.py, or save_pretrained)"
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except ValueError as e:  # not JSON, or not text
+        raise ConfigError(f"{path}/config.json is not valid JSON ({e}): {fix}") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}/config.json holds a {type(raw).__name__}, not an object of settings: {fix}")
     if raw.get("model_type") != "llama":
         raise ConfigError(f"{path}/config.json is model_type={raw.get('model_type')!r}; only 'llama' models can be loaded")
-    hf = transformers.LlamaConfig.from_pretrained(path)
+    try:
+        hf = transformers.LlamaConfig.from_pretrained(path)
+    except Exception as e:  # transformers' checks raise KeyError, ValueError, TypeError or huggingface_hub's own errors
+        raise ConfigError(f"{path}/config.json is not a valid Llama config, transformers refuses it "
+                          f"({type(e).__name__}: {e}): {fix}") from e
     rope = dict(hf.rope_parameters or {})
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     unsupported = {
