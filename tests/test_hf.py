@@ -28,8 +28,8 @@ from coda_train.inference import (find_checkpoint, load_eager_model, mean_loss, 
 from coda_train.model import LlamaConfig, build_model  # noqa: E402
 from coda_train.model.eager import KVCache  # noqa: E402
 from coda_train.model.generate import generate, next_token_distribution  # noqa: E402
-from coda_train.model.hf import (export_hf, from_hf_state_dict, llama_config_from_hf, load_hf_weights,  # noqa: E402
-                                 to_hf_state_dict)
+from coda_train.model.hf import (export_hf, from_hf_state_dict, hf_weight_files, llama_config_from_hf,  # noqa: E402
+                                 load_hf_weights, to_hf_state_dict)
 from coda_train.trainer.checkpoint import CheckpointError  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -289,6 +289,25 @@ def test_init_from_refuses_shape_overrides_before_data_preparation(exported, tin
     out = result.stdout + result.stderr
     assert result.returncode == 1 and named in out and "remove those overrides" in out
     assert not cache.exists()  # refused before any data work
+
+
+def test_init_from_without_weights_is_refused_before_data_preparation(exported, tiny, tmp_path):
+    no_weights = tmp_path / "no-weights"
+    shutil.copytree(exported, no_weights)
+    (no_weights / "model.safetensors").unlink()
+    cache = tmp_path / "cache"
+    result = _train_cli(*tiny, f"trainer.run_dir={tmp_path / 'run'}", f"model.init_from={no_weights}",
+                        f"data.cache_dir={cache}")
+    out = result.stdout + result.stderr
+    assert result.returncode == 1 and f"{no_weights} has no model.safetensors" in out and "Traceback" not in out
+    assert not cache.exists()  # refused before any data work
+    # a sharded checkpoint missing one of the shards its index lists
+    (no_weights / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors"}}))
+    with pytest.raises(ConfigError, match="lacks model-00001-of-00002.safetensors of the shards"):
+        hf_weight_files(no_weights)
+    (no_weights / "model.safetensors.index.json").write_text("{")
+    with pytest.raises(ConfigError, match="model.safetensors.index.json is damaged"):
+        hf_weight_files(no_weights)
 
 
 def test_init_from_a_model_with_fewer_tokens_than_the_tokenizer_is_refused(exported):
