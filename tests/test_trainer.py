@@ -3,6 +3,7 @@ exit codes, multirun), in-process train() for the bad-input errors. One tiny cor
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -22,8 +23,10 @@ from coda_train.config import register_configs, to_dataclass
 from coda_train.data import DataError, prepare
 from coda_train.errors import ConfigError
 from coda_train.kernels import BackendError
+from coda_train.model import LlamaConfig
 from coda_train.trainer.build import build_loader, build_train_state, resolve_model
-from coda_train.trainer.checkpoint import CheckpointError, list_checkpoints, load_state, verify_checkpoint
+from coda_train.trainer.checkpoint import (CheckpointError, check_same_model, find_resume_checkpoint, list_checkpoints,
+                                           load_state, verify_checkpoint)
 from coda_train.trainer.distributed import World
 from coda_train.trainer.loop import train
 from coda_train.trainer.metrics import metrics_line, mfu
@@ -424,6 +427,19 @@ def test_resume_with_another_model_shape_is_rejected_and_deletes_nothing(tiny, s
     with pytest.raises(CheckpointError, match=r"different model shape \(dim: checkpoint 64 vs this run 32"):
         train_in_process(straight_run, *tiny, "model.dim=32", f"trainer.max_steps={N + 2}")
     assert snapshot(straight_run) == before
+
+
+def test_resume_with_another_vocabulary_names_the_tokenizer_not_the_model_settings(straight_run):
+    """data.vocab_size changes the model's vocab_size though no model.* setting changed: the message says so."""
+    checkpoint = find_resume_checkpoint("auto", straight_run)
+    llama = LlamaConfig(**checkpoint.meta["model"])
+    with pytest.raises(CheckpointError) as raised:
+        check_same_model(checkpoint, dataclasses.replace(llama, vocab_size=512))
+    message = str(raised.value)
+    assert "vocab_size: checkpoint 384 vs this run 512" in message and "model settings" not in message
+    assert "Run with its tokenizer (data.vocab_size=300): vocab_size follows the tokenizer's vocabulary" in message
+    with pytest.raises(CheckpointError, match="Run with the checkpoint's model settings and its tokenizer"):
+        check_same_model(checkpoint, dataclasses.replace(llama, vocab_size=512, dim=32))
 
 
 def test_resume_never_refuses_a_dir_holding_a_run(tiny, straight_run):
