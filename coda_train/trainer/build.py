@@ -57,15 +57,15 @@ def check_model_before_data(cfg: Config, backend: str) -> None:
     resolve_model repeats the shape checks."""
     vocab = 1 if cfg.model.vocab_size is None else cfg.model.vocab_size  # any vocabulary passes; 0 or less is refused
     llama = resolve_model_config(cfg.model, vocab, cfg.trainer.seq_len)
-    if cfg.model.init_from is not None:
-        from coda_train.model.hf import hf_weight_files
-
-        hf_weight_files(cfg.model.init_from)  # read after data preparation: a missing file would be found that late
     errors = _shape_errors(cfg, llama, backend)
     if cfg.model.vocab_size is None and cfg.model.init_from is None:  # the vocabulary follows the tokenizer (not yet read)
         errors = [e for e in errors if not e.startswith("model.vocab_size=")]
     if errors:
         raise ConfigError(f"kernels.backend={backend} cannot run this model: " + "; ".join(errors))
+    if cfg.model.init_from is not None:
+        from coda_train.model.hf import hf_weight_files
+
+        hf_weight_files(cfg.model.init_from)  # read after data preparation: a missing file would be found that late
 
 
 def resolve_model(cfg: Config, tokenizer_vocab_size: int, backend: str) -> LlamaConfig:
