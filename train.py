@@ -7,8 +7,8 @@
 Exit codes: 0 finished, or stopped by SIGTERM/SIGINT after saving a checkpoint, or during data preparation
 (a multirun stops too; run again with the trainer.run_dir the message names to continue); 1 bad input (config, data, backend, checkpoint, or the run dir in
 use by another run; nothing trained); 3 the loss or gradient norm became non-finite (that state is not
-saved); 4 a file of the run dir could not be written (disk full, read-only, permissions; the newest
-checkpoint is intact: fix the cause and run again to continue).
+saved); 4 a file of the run dir could not be written, or the run dir cannot be made (disk full, read-only,
+permissions; the newest checkpoint is intact: fix the cause and run again to continue).
 """
 
 import logging
@@ -17,12 +17,16 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import QuotedString
+from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from coda_train.config import register_configs, to_dataclass
 from coda_train.errors import ConfigError
 from coda_train.trainer.loop import EXIT_BAD_INPUT, STOP_ERRORS, exit_code, train
+from coda_train.trainer.rundir import check_run_dir_path
 
 log = logging.getLogger("train")
 register_configs()
@@ -45,18 +49,33 @@ def main(cfg: DictConfig) -> None:
         sys.exit(0)
 
 
-def refuse_a_file_as_run_dir(argv: list[str]) -> None:
-    """Hydra makes trainer.run_dir before main() runs, and a path that is a file stops it with a traceback."""
+def run_dir_values(argv: list[str]) -> list[str]:
+    """The trainer.run_dir values of the command line, each of a multirun sweep's (a,b or choice(a,b)) too;
+    null (a fresh timestamped dir) and what hydra cannot parse (it reports that itself) are left out."""
+    values = []
     for arg in argv:
-        if arg.startswith(("trainer.run_dir=", "+trainer.run_dir=", "++trainer.run_dir=")):
-            path = Path(arg.split("=", 1)[1]).expanduser().absolute()
-            existing = next(p for p in (path, *path.parents) if p.exists())  # the run dir, or where it would be made
-            if not existing.is_dir():
-                print(f"trainer.run_dir={path}: {existing} is a file, not a directory; name a new or existing directory "
-                      "(a run's files go there)", file=sys.stderr)
-                sys.exit(EXIT_BAD_INPUT)
+        if not arg.lstrip("+").startswith("trainer.run_dir="):
+            continue
+        try:
+            override = OverridesParser.create().parse_overrides([arg])[0]
+            found = list(override.sweep_iterator()) if override.is_sweep_override() else [override.value()]
+        except HydraException:  # a syntax error, or an interval sweep: hydra's own message follows
+            continue
+        values += [v.text if isinstance(v, QuotedString) else str(v) for v in found if v is not None]
+    return values
+
+
+def check_run_dirs(argv: list[str]) -> None:
+    """Hydra makes trainer.run_dir before main() runs, and one it cannot make (a file, an empty path that would be
+    the current directory, a read-only place) stops it with a traceback or worse: each value is checked first."""
+    for value in run_dir_values(argv):
+        try:
+            check_run_dir_path(value)
+        except STOP_ERRORS as e:
+            print(e, file=sys.stderr)
+            sys.exit(exit_code(e))
 
 
 if __name__ == "__main__":
-    refuse_a_file_as_run_dir(sys.argv[1:])
+    check_run_dirs(sys.argv[1:])
     main()

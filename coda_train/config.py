@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -116,10 +117,26 @@ def _first_non_null(value: Any, default: Any) -> Any:
 
 
 def register_configs() -> None:
-    """Make the schema known to hydra (as `base_config`) and the resolver the run dir uses."""
+    """Make the schema known to hydra (as `base_config`) and the resolvers the run dir uses."""
     ConfigStore.instance().store(name="base_config", node=Config)
     if not OmegaConf.has_resolver("first_non_null"):
         OmegaConf.register_new_resolver("first_non_null", _first_non_null)
+    if not OmegaConf.has_resolver("expanduser"):  # hydra makes trainer.run_dir itself, before expand_home runs
+        OmegaConf.register_new_resolver("expanduser", os.path.expanduser)
+
+
+# the settings that name a local path; each may start with ~ (the user's home), as in a shell
+PATH_SETTINGS = ("trainer.run_dir", "trainer.resume", "model.init_from", "data.source", "data.tokenizer", "data.cache_dir")
+
+
+def expand_home(cfg: Config) -> Config:
+    """cfg with a leading ~ of every PATH_SETTINGS value expanded, in place: the one place they are expanded."""
+    for key in PATH_SETTINGS:
+        group, name = key.split(".")
+        node = getattr(cfg, group)
+        if isinstance(getattr(node, name), str):
+            setattr(node, name, os.path.expanduser(getattr(node, name)))
+    return cfg
 
 
 def _choose(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -142,6 +159,10 @@ def _non_finite_floats(node: Any, prefix: str = "") -> list[tuple[str, Any, Any]
 def check_config(cfg: Config) -> None:
     """Cross-field checks hydra's types cannot express; raises ConfigError (DataError for data.*) naming the fix."""
     t, o = cfg.trainer, cfg.optim
+    if t.run_dir is not None and not t.run_dir.strip():  # hydra would take it for the current directory
+        raise ConfigError(f"trainer.run_dir={t.run_dir!r} is empty, which would make the current directory the run dir "
+                          "and overwrite its files: name a directory (e.g. trainer.run_dir=runs/x), or leave it unset "
+                          "for a fresh timestamped one")
     for key, value, default in _non_finite_floats(cfg):  # NaN passes every comparison below
         works = "null (the preset's value)" if default is None else repr(default)
         raise ConfigError(f"{key}={value} is not a finite number; every float setting must be finite "
@@ -262,4 +283,4 @@ def to_dataclass(cfg: Any) -> Config:
     if unknown:
         raise ConfigError(f"unknown config keys {unknown}: not fields of coda_train/config.py Config; "
                           "remove them (see `python train.py --cfg job` for every key)")
-    return OmegaConf.to_object(cfg)
+    return expand_home(OmegaConf.to_object(cfg))

@@ -28,8 +28,8 @@ from coda_train.inference import (find_checkpoint, load_eager_model, mean_loss, 
 from coda_train.model import LlamaConfig, build_model  # noqa: E402
 from coda_train.model.eager import KVCache  # noqa: E402
 from coda_train.model.generate import generate, next_token_distribution  # noqa: E402
-from coda_train.model.hf import (export_hf, from_hf_state_dict, llama_config_from_hf, load_hf_weights,  # noqa: E402
-                                 to_hf_state_dict)
+from coda_train.model.hf import (export_hf, from_hf_state_dict, hf_weight_files, llama_config_from_hf,  # noqa: E402
+                                 load_hf_weights, to_hf_state_dict)
 from coda_train.trainer.checkpoint import CheckpointError  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -220,6 +220,22 @@ def test_not_a_llama_directory_is_a_clear_error(tmp_path):
         llama_config_from_hf(tmp_path)
 
 
+@pytest.mark.parametrize("content, named", [
+    ("{not json", "is not valid JSON"),
+    ("[1, 2]", "holds a list, not an object of settings"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}}, "low_freq_factor"),
+    ({"hidden_size": None}, "hidden_size"),
+])
+def test_a_damaged_or_invalid_config_json_is_a_config_error_naming_the_file(tmp_path, content, named):
+    path, _ = hf_llama(tmp_path, tie=True)
+    if isinstance(content, dict):
+        content = json.dumps({**json.loads((path / "config.json").read_text()), **content})
+    (path / "config.json").write_text(content)
+    with pytest.raises(ConfigError, match=re.escape(named)) as e:
+        llama_config_from_hf(path)
+    assert f"{path}/config.json" in str(e.value) and "export the model again" in str(e.value)
+
+
 def test_exported_then_imported_model_continues_with_the_same_loss(trained_run, exported):
     """Continued pretraining starts where the exported model stood: same weights, same loss on the
     run's own batch, for the eager and the coda model."""
@@ -273,6 +289,25 @@ def test_init_from_refuses_shape_overrides_before_data_preparation(exported, tin
     out = result.stdout + result.stderr
     assert result.returncode == 1 and named in out and "remove those overrides" in out
     assert not cache.exists()  # refused before any data work
+
+
+def test_init_from_without_weights_is_refused_before_data_preparation(exported, tiny, tmp_path):
+    no_weights = tmp_path / "no-weights"
+    shutil.copytree(exported, no_weights)
+    (no_weights / "model.safetensors").unlink()
+    cache = tmp_path / "cache"
+    result = _train_cli(*tiny, f"trainer.run_dir={tmp_path / 'run'}", f"model.init_from={no_weights}",
+                        f"data.cache_dir={cache}")
+    out = result.stdout + result.stderr
+    assert result.returncode == 1 and f"{no_weights} has no model.safetensors" in out and "Traceback" not in out
+    assert not cache.exists()  # refused before any data work
+    # a sharded checkpoint missing one of the shards its index lists
+    (no_weights / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors"}}))
+    with pytest.raises(ConfigError, match="lacks model-00001-of-00002.safetensors of the shards"):
+        hf_weight_files(no_weights)
+    (no_weights / "model.safetensors.index.json").write_text("{")
+    with pytest.raises(ConfigError, match="model.safetensors.index.json is damaged"):
+        hf_weight_files(no_weights)
 
 
 def test_init_from_a_model_with_fewer_tokens_than_the_tokenizer_is_refused(exported):

@@ -3,6 +3,7 @@ exit codes, multirun), in-process train() for the bad-input errors. One tiny cor
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -22,8 +23,10 @@ from coda_train.config import register_configs, to_dataclass
 from coda_train.data import DataError, prepare
 from coda_train.errors import ConfigError
 from coda_train.kernels import BackendError
+from coda_train.model import LlamaConfig
 from coda_train.trainer.build import build_loader, build_train_state, resolve_model
-from coda_train.trainer.checkpoint import CheckpointError, list_checkpoints, load_state, verify_checkpoint
+from coda_train.trainer.checkpoint import (CheckpointError, check_same_model, find_resume_checkpoint, list_checkpoints,
+                                           load_state, verify_checkpoint)
 from coda_train.trainer.distributed import World
 from coda_train.trainer.loop import train
 from coda_train.trainer.metrics import metrics_line, mfu
@@ -309,6 +312,54 @@ def test_cli_rejects_unknown_and_ill_typed_keys_before_training(tmp_path):
     assert (tmp_path / "a_file").read_text() == "kept"
 
 
+def test_an_empty_run_dir_is_refused_before_the_current_directory_is_touched(tiny, tmp_path):
+    """hydra would take trainer.run_dir='' for the current directory: its config.yaml and metrics.jsonl stay as they were."""
+    (tmp_path / "config.yaml").write_text("mine: 1\n")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 5}\n{"step": 10}\n')
+    before = snapshot(tmp_path)
+    for empty in ("trainer.run_dir=", "trainer.run_dir=''"):
+        result = subprocess.run([sys.executable, str(REPO / "train.py"), *tiny, "trainer.max_steps=2", empty], cwd=tmp_path,
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 1 and "trainer.run_dir='' is empty" in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
+    assert snapshot(tmp_path) == before
+    with pytest.raises(ConfigError, match="trainer.run_dir='' is empty"):  # set in a config file, past the command-line check
+        train(compose_config(tmp_path, *tiny, "trainer.max_steps=2", "trainer.run_dir=''"), tmp_path)
+    assert snapshot(tmp_path) == before
+
+
+def test_a_run_dir_that_cannot_be_made_exits_4_before_hydra_tries(tmp_path):
+    result = run_train("trainer.max_steps=2", "trainer.run_dir=/proc/nope/run")  # /proc takes no new directories, root's either
+    assert result.returncode == 4 and "Traceback" not in result.stderr, result.stderr
+    assert "trainer.run_dir=/proc/nope/run cannot be used: this user cannot create files in /proc" in result.stderr
+    assert "choose another trainer.run_dir" in result.stderr
+
+
+def test_every_run_dir_of_a_multirun_sweep_is_checked_before_the_first_job(tmp_path):
+    (tmp_path / "a_file").write_text("kept")
+    result = run_train("-m", "trainer.max_steps=2", f"trainer.run_dir={tmp_path / 'x1'},{tmp_path / 'a_file'}")
+    assert result.returncode == 1 and "a_file is a file, not a directory" in result.stderr, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # the first job's dir was not made either
+    result = run_train("-m", "trainer.max_steps=2", f"trainer.run_dir=choice({tmp_path / 'x1'},'')")
+    assert result.returncode == 1 and "is empty" in result.stderr, result.stderr
+
+
+def test_a_leading_tilde_is_the_home_directory_in_every_path_setting(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = compose_config("'~/run'", "trainer.resume='~/runA'", "model.init_from='~/hf'", "data.source='~/c.jsonl'",
+                         "data.tokenizer='~/tok'", "data.cache_dir='~/cache'")
+    assert [cfg.trainer.run_dir, cfg.trainer.resume, cfg.model.init_from, cfg.data.source, cfg.data.tokenizer,
+            cfg.data.cache_dir] == [str(tmp_path / name) for name in ("run", "runA", "hf", "c.jsonl", "tok", "cache")]
+    assert compose_config(tmp_path).trainer.resume == "auto"
+    # hydra makes the run dir itself, from the command line: there too ~ is the home directory, not ./~
+    (tmp_path / "cwd").mkdir()
+    result = subprocess.run([sys.executable, str(REPO / "train.py"), *tiny, "trainer.max_steps=1",
+                             "trainer.run_dir='~/runs/x'"], cwd=tmp_path / "cwd", capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "HOME": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert [m["step"] for m in metrics(tmp_path / "runs" / "x")] == [1] and not any((tmp_path / "cwd").iterdir())
+
+
 def test_data_settings_that_cannot_work_stop_before_anything_is_prepared(tiny, tmp_path):
     """Each names its fix at start, before data preparation (which can take long) writes anything."""
     fresh = [o for o in tiny if not o.startswith("data.cache_dir=")] + [f"data.cache_dir={tmp_path / 'cache'}"]
@@ -376,6 +427,19 @@ def test_resume_with_another_model_shape_is_rejected_and_deletes_nothing(tiny, s
     with pytest.raises(CheckpointError, match=r"different model shape \(dim: checkpoint 64 vs this run 32"):
         train_in_process(straight_run, *tiny, "model.dim=32", f"trainer.max_steps={N + 2}")
     assert snapshot(straight_run) == before
+
+
+def test_resume_with_another_vocabulary_names_the_tokenizer_not_the_model_settings(straight_run):
+    """data.vocab_size changes the model's vocab_size though no model.* setting changed: the message says so."""
+    checkpoint = find_resume_checkpoint("auto", straight_run)
+    llama = LlamaConfig(**checkpoint.meta["model"])
+    with pytest.raises(CheckpointError) as raised:
+        check_same_model(checkpoint, dataclasses.replace(llama, vocab_size=512))
+    message = str(raised.value)
+    assert "vocab_size: checkpoint 384 vs this run 512" in message and "model settings" not in message
+    assert "Run with its tokenizer (data.vocab_size=300): vocab_size follows the tokenizer's vocabulary" in message
+    with pytest.raises(CheckpointError, match="Run with the checkpoint's model settings and its tokenizer"):
+        check_same_model(checkpoint, dataclasses.replace(llama, vocab_size=512, dim=32))
 
 
 def test_resume_never_refuses_a_dir_holding_a_run(tiny, straight_run):

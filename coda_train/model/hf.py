@@ -126,10 +126,20 @@ def llama_config_from_hf(hf_dir: str | Path) -> LlamaConfig:
     if not (path / "config.json").is_file():
         raise ConfigError(f"{path} has no config.json: point at a local Hugging Face model directory "
                           "(one written by save_pretrained or scripts/export_hf.py)")
-    raw = json.loads((path / "config.json").read_text())
+    fix = "repair it, or export the model again (scripts/export_hf.py, or save_pretrained)"
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except ValueError as e:  # not JSON, or not text
+        raise ConfigError(f"{path}/config.json is not valid JSON ({e}): {fix}") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}/config.json holds a {type(raw).__name__}, not an object of settings: {fix}")
     if raw.get("model_type") != "llama":
         raise ConfigError(f"{path}/config.json is model_type={raw.get('model_type')!r}; only 'llama' models can be loaded")
-    hf = transformers.LlamaConfig.from_pretrained(path)
+    try:
+        hf = transformers.LlamaConfig.from_pretrained(path)
+    except Exception as e:  # transformers' checks raise KeyError, ValueError, TypeError or huggingface_hub's own errors
+        raise ConfigError(f"{path}/config.json is not a valid Llama config, transformers refuses it "
+                          f"({type(e).__name__}: {e}): {fix}") from e
     rope = dict(hf.rope_parameters or {})
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     unsupported = {
@@ -150,23 +160,39 @@ def llama_config_from_hf(hf_dir: str | Path) -> LlamaConfig:
                        init_std=float(hf.initializer_range)).validate()
 
 
-def read_hf_state_dict(hf_dir: str | Path) -> dict[str, Tensor]:
-    """Every tensor of a local HF directory's model.safetensors, or of its shards listed in the index."""
+def hf_weight_files(hf_dir: str | Path) -> list[Path]:
+    """The safetensors files of a local HF directory: model.safetensors, or the shards its index lists; ConfigError
+    naming what is missing. Cheap (no tensor is read), so a run checks it before data preparation."""
     _require_hf()
-    from huggingface_hub import constants, load_state_dict_from_file
+    from huggingface_hub import constants
 
     path = Path(hf_dir)
     index = path / constants.SAFETENSORS_INDEX_FILE
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (path / constants.SAFETENSORS_SINGLE_FILE).is_file():
-        files = [constants.SAFETENSORS_SINGLE_FILE]
-    else:
-        raise ConfigError(f"{path} has no {constants.SAFETENSORS_SINGLE_FILE} or {constants.SAFETENSORS_INDEX_FILE}; "
-                          "only safetensors checkpoints are read (save with safe_serialization=True)")
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"{index} is damaged (no readable weight_map: {e!r}); export the model again "
+                              "(scripts/export_hf.py, or save_pretrained)") from e
+        missing = [name for name in names if not (path / name).is_file()]
+        if missing:
+            raise ConfigError(f"{path} lacks {', '.join(missing)} of the shards its {index.name} lists; copy the "
+                              "whole directory, or export the model again")
+        return [path / name for name in names]
+    if (path / constants.SAFETENSORS_SINGLE_FILE).is_file():
+        return [path / constants.SAFETENSORS_SINGLE_FILE]
+    raise ConfigError(f"{path} has no {constants.SAFETENSORS_SINGLE_FILE} or {constants.SAFETENSORS_INDEX_FILE}; "
+                      "only safetensors checkpoints are read (save with safe_serialization=True): copy the weights "
+                      "there, or point model.init_from at a directory that has them")
+
+
+def read_hf_state_dict(hf_dir: str | Path) -> dict[str, Tensor]:
+    """Every tensor of a local HF directory's model.safetensors, or of its shards listed in the index."""
+    from huggingface_hub import load_state_dict_from_file
+
     state: dict[str, Tensor] = {}
-    for name in files:
-        state.update(load_state_dict_from_file(path / name, map_location="cpu"))
+    for file in hf_weight_files(hf_dir):
+        state.update(load_state_dict_from_file(file, map_location="cpu"))
     return state
 
 

@@ -53,7 +53,8 @@ def _shape_errors(cfg: Config, llama: LlamaConfig, backend: str) -> list[str]:
 def check_model_before_data(cfg: Config, backend: str) -> None:
     """The model checks that need no tokenizer, before data preparation (which can take long): every
     model field, trainer.seq_len against max_seq_len, and the kernels' shape limits, all but the
-    vocabulary's when it follows the tokenizer (model.vocab_size null). resolve_model repeats them all."""
+    vocabulary's when it follows the tokenizer (model.vocab_size null), and that model.init_from has weights.
+    resolve_model repeats the shape checks."""
     vocab = 1 if cfg.model.vocab_size is None else cfg.model.vocab_size  # any vocabulary passes; 0 or less is refused
     llama = resolve_model_config(cfg.model, vocab, cfg.trainer.seq_len)
     errors = _shape_errors(cfg, llama, backend)
@@ -61,6 +62,10 @@ def check_model_before_data(cfg: Config, backend: str) -> None:
         errors = [e for e in errors if not e.startswith("model.vocab_size=")]
     if errors:
         raise ConfigError(f"kernels.backend={backend} cannot run this model: " + "; ".join(errors))
+    if cfg.model.init_from is not None:
+        from coda_train.model.hf import hf_weight_files
+
+        hf_weight_files(cfg.model.init_from)  # read after data preparation: a missing file would be found that late
 
 
 def resolve_model(cfg: Config, tokenizer_vocab_size: int, backend: str) -> LlamaConfig:

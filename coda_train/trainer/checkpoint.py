@@ -480,8 +480,14 @@ def check_same_model(checkpoint: Checkpoint, model: LlamaConfig) -> None:
              if k not in RESUME_MAY_CHANGE and saved.get(k) != v}
     if diffs:
         detail = ", ".join(f"{k}: checkpoint {a!r} vs this run {b!r}" for k, (a, b) in diffs.items())
-        raise CheckpointError(f"checkpoint {checkpoint.path} holds a different model shape ({detail}). Run with the "
-                              "checkpoint's model settings to continue it, or choose a new trainer.run_dir "
+        settings = ["the checkpoint's model settings"] if set(diffs) != {"vocab_size"} else []
+        if "vocab_size" in diffs:  # most often no model.* setting changed, but the tokenizer did
+            data = checkpoint.meta.get("config", {}).get("data", {})
+            saved = ", ".join(f"data.{k}={data[k]}" for k in ("vocab_size", "tokenizer") if data.get(k) is not None)
+            settings.append(f"its tokenizer ({saved or 'its data.* settings'}): vocab_size follows the tokenizer's "
+                            "vocabulary, rounded up to model.vocab_multiple_of, unless model.vocab_size is set")
+        raise CheckpointError(f"checkpoint {checkpoint.path} holds a different model shape ({detail}). Run with "
+                              f"{' and '.join(settings)} to continue it, or choose a new trainer.run_dir "
                               "(or trainer.resume=never in an empty dir) to start fresh; nothing was deleted")
 
 

@@ -11,11 +11,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Iterator, Optional
 
 from coda_train.durable import LockHeldError, exclusive_lock
+from coda_train.errors import ConfigError
 
 from .checkpoint import CHECKPOINTS_DIR, list_checkpoints, remove_partial_writes
 from .distributed import World, from_main
@@ -43,6 +46,26 @@ def _fix(e: OSError, run_dir: Path) -> str:
     if e.errno in (errno.EACCES, errno.EPERM):
         return f"This user may not write there: fix the ownership or permissions of {run_dir}, or choose another trainer.run_dir"
     return f"Check that filesystem ({errno.errorcode.get(e.errno, 'unknown error')}), or choose another trainer.run_dir"
+
+
+def check_run_dir_path(value: str) -> None:
+    """What hydra needs to make trainer.run_dir=value, checked before it tries (where it cannot, it stops with a
+    traceback): a non-empty path whose nearest existing ancestor is a directory this user can create files in.
+    ConfigError (exit 1) or RunDirError (exit 4) naming the fix; nothing is written."""
+    if not value.strip():
+        raise ConfigError(f"trainer.run_dir={value!r} is empty, which would make the current directory ({Path.cwd()}) "
+                          "the run dir and overwrite its files: name a directory (e.g. trainer.run_dir=runs/x), or leave "
+                          "trainer.run_dir unset for a fresh timestamped one")
+    path = Path(value).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())  # the run dir, or where it would be made
+    if not existing.is_dir():
+        raise ConfigError(f"trainer.run_dir={path}: {existing} is a file, not a directory; name a new or existing "
+                          "directory (a run's files go there)")
+    try:  # tried, not os.access: that says yes to root even where mkdir fails (/proc, a read-only mount)
+        os.rmdir(tempfile.mkdtemp(prefix=".write-test-", dir=existing))
+    except OSError as e:
+        raise RunDirError(f"trainer.run_dir={path} cannot be used: this user cannot create files in {existing} "
+                          f"({e.strerror or e}); nothing was written. {_fix(e, existing)}") from e
 
 
 def continue_hint(run_dir: Path, resume: str = "auto", sweep_dir: Optional[Path] = None, saved: bool = True) -> str:
