@@ -7,7 +7,8 @@
 Exit codes: 0 finished, or stopped by SIGTERM/SIGINT after saving a checkpoint, or during data preparation
 (a multirun stops too; run again with the trainer.run_dir the message names to continue); 1 bad input (config, data, backend, checkpoint, or the run dir in
 use by another run; nothing trained); 3 the loss or gradient norm became non-finite (that state is not
-saved); 4 a file of the run dir could not be written, or the run dir cannot be made (disk full, read-only,
+saved); in a multirun, a job stopping with 1 or 3 does not stop the sweep: the other jobs run, and train.py then
+exits with the first such job's code, naming each; 4 a file of the run dir could not be written, or the run dir cannot be made (disk full, read-only,
 permissions; the newest checkpoint is intact: fix the cause and run again to continue).
 """
 
@@ -25,26 +26,36 @@ from omegaconf import DictConfig
 
 from coda_train.config import register_configs, to_dataclass
 from coda_train.errors import ConfigError
-from coda_train.trainer.loop import EXIT_BAD_INPUT, STOP_ERRORS, exit_code, train
+from coda_train.trainer.loop import EXIT_BAD_INPUT, EXIT_NON_FINITE, STOP_ERRORS, exit_code, train
 from coda_train.trainer.rundir import check_run_dir_path
 
 log = logging.getLogger("train")
 register_configs()
 
 
+# multirun jobs that stopped on their own input or diverged, as (job number, its run dir, exit code): the sweep
+# goes on with its other jobs (e.g. an lr sweep whose largest lr diverges) and train.py exits with the first code
+failed_jobs: list[tuple[int, str, int]] = []
+
+
 @hydra.main(config_path="configs", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    hydra_config = HydraConfig.get()
+    sweep_dir = Path(hydra_config.sweep.dir) if hydra_config.mode == RunMode.MULTIRUN else None
     try:
-        config = to_dataclass(cfg)
-    except ConfigError as e:
-        log.error("%s", e)
-        sys.exit(EXIT_BAD_INPUT)
-    try:
-        hydra_config = HydraConfig.get()
-        sweep_dir = Path(hydra_config.sweep.dir) if hydra_config.mode == RunMode.MULTIRUN else None
+        try:
+            config = to_dataclass(cfg)
+        except ConfigError as e:
+            log.error("%s", e)
+            raise
         end = train(config, Path(hydra_config.runtime.output_dir), sweep_dir)
     except STOP_ERRORS as e:  # train() logged it; kernels.BackendError is a ConfigError
-        sys.exit(exit_code(e))
+        code = exit_code(e)
+        if sweep_dir is None or code not in (EXIT_BAD_INPUT, EXIT_NON_FINITE):  # a stop signal or a full disk ends a sweep
+            sys.exit(code)
+        failed_jobs.append((hydra_config.job.num, hydra_config.runtime.output_dir, code))
+        log.error("multirun job #%d stopped (exit code %d); the sweep goes on with its next job", hydra_config.job.num, code)
+        return
     if end.stopped_by:  # saved and stopped: exit now, so a multirun sweep stops too instead of starting its next job
         sys.exit(0)
 
@@ -79,3 +90,7 @@ def check_run_dirs(argv: list[str]) -> None:
 if __name__ == "__main__":
     check_run_dirs(sys.argv[1:])
     main()
+    for job, run_dir, code in failed_jobs:
+        print(f"multirun job #{job} ({run_dir}) stopped with exit code {code} (its reason is logged above)", file=sys.stderr)
+    if failed_jobs:
+        sys.exit(failed_jobs[0][2])

@@ -97,6 +97,19 @@ def test_loss_falls_for_both_impls_in_a_multirun(tiny, tmp_path):
     assert first_losses[0] == pytest.approx(first_losses[1], abs=1e-4)
 
 
+def test_a_multirun_job_that_diverges_or_has_a_bad_value_does_not_stop_the_sweep(tiny, tmp_path):
+    """An lr sweep whose largest lr diverges (exit 3) and a job with an invalid value (exit 1): the other jobs run,
+    and train.py exits with the first failed job's code, naming each failed job."""
+    result = run_train("-m", *tiny, "trainer.max_steps=6", "optim.warmup_steps=1", "optim.grad_clip=0",
+                       "optim.lr=1e-3,1e9,-1,2e-3", f"trainer.run_dir={tmp_path}", timeout=300)
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert [len(metrics(tmp_path / str(job))) if (tmp_path / str(job) / "metrics.jsonl").exists() else None
+            for job in (0, 3)] == [6, 6]
+    assert f"multirun job #1 ({tmp_path / '1'}) stopped with exit code 3 (its reason is logged above)" in result.stderr
+    assert f"multirun job #2 ({tmp_path / '2'}) stopped with exit code 1" in result.stderr
+    assert "loss=nan" in result.stderr + result.stdout and "optim.lr=-1.0 must be > 0" in result.stderr + result.stdout
+
+
 def test_train_state_round_trip_takes_the_same_next_steps(tiny, tmp_path):
     """A fresh TrainState loaded from another's state_dict (through torch.save, as a checkpoint)
     takes the same next steps bit for bit; a non-finite step changes no weight and no counter."""
