@@ -467,3 +467,49 @@ def test_eval_and_sample_refuse_zero_and_negative_counts(trained_run):
         assert result.returncode == 1 and "need --batch-size >= 1" in result.stderr, (flag, result.stderr[-500:])
     result = run_script("sample.py", str(trained_run), "--prompt", "def ", "--max-new-tokens", "-5")
     assert result.returncode == 1 and "max_new_tokens=-5 must be >= 0" in result.stderr, result.stderr[-500:]
+
+
+def run_without_its_data(trained_run: Path, tmp_path: Path, source: str | None = None) -> tuple[Path, Path]:
+    """A copy of trained_run's newest checkpoint whose prepared folder is gone, its data.cache_dir a fresh path under
+    tmp_path (a tool that prepares data creates it), and its data.source `source` where given: (run dir, cache dir)."""
+    ckpt = find_checkpoint(trained_run).path
+    copy = tmp_path / "run" / "checkpoints" / ckpt.name
+    shutil.copytree(ckpt, copy)
+    meta = json.loads((copy / "meta.json").read_text())
+    meta["prepared_data"] = str(tmp_path / "gone")
+    meta["config"]["data"]["cache_dir"] = str(tmp_path / "cache")
+    meta["config"]["data"]["source"] = source or meta["config"]["data"]["source"]
+    (copy / "meta.json").write_text(json.dumps(meta))
+    return tmp_path / "run", tmp_path / "cache"
+
+
+@pytest.mark.parametrize("script, args, named", [
+    ("export_hf.py", ["--out", "RUN", "--max-shard-size", "5GB"], "exists and is not an empty directory"),
+    ("export_hf.py", ["--out", "NEW", "--max-shard-size", "5XB"], "--max-shard-size='5XB' is not a size"),
+    ("eval.py", ["--batch-size", "0"], "need --batch-size >= 1"),
+    ("eval.py", ["--text", "NEW"], "cannot read --text"),
+    ("eval.py", ["--seq-len", "5000"], "--seq-len=5000 exceeds the model's max_seq_len=256"),
+    ("sample.py", ["--top-p", "1.5"], "top_p=1.5"),
+    ("sample.py", ["--temperature", "nan"], "need a finite temperature"),
+    ("sample.py", ["--max-new-tokens", "-1"], "max_new_tokens=-1 must be >= 0"),
+    ("sample.py", ["--max-new-tokens", "256"], "--max-new-tokens=256 leaves no room for a prompt"),
+])
+def test_tools_refuse_arguments_before_preparing_data(trained_run, tmp_path, script, args, named):
+    """Arguments that need no checkpoint, and those checked against its model config, are refused before the run's
+    data is prepared again (its folder is gone here) and before anything is printed."""
+    run, cache = run_without_its_data(trained_run, tmp_path)
+    args = [str(run) if a == "RUN" else str(tmp_path / "new") if a == "NEW" else a for a in args]
+    result = run_script(script, str(run), *args)
+    assert result.returncode == 1 and named in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert not cache.exists() and not (tmp_path / "new").exists()
+
+
+def test_generate_checks_its_arguments_when_called(trained_run):
+    """generate() refuses bad arguments at the call, not at the first token drawn (a caller prints nothing first)."""
+    model = load_eager_model(open_checkpoint(trained_run), torch.device("cpu"), torch.float32)
+    for kwargs in ({"temperature": float("nan")}, {"temperature": float("inf")}, {"top_p": float("nan")}, {"top_k": 0}):
+        with pytest.raises(ValueError, match="need a finite temperature"):
+            generate(model, [0], 4, **kwargs)
+    with pytest.raises(ValueError, match="exceeds the model's max_seq_len=256"):
+        generate(model, [0, 1], 255)
