@@ -27,6 +27,10 @@ from coda_train.trainer.checkpoint import (CHECKPOINTS_DIR, META_FILE, Checkpoin
 
 log = logging.getLogger(__name__)
 
+# what eval, sample and export can do without the run's data: the tokenizer from elsewhere (an export holds it)
+TOOLS_FIX = ("Restore the run's corpus (its data.source), or pass --tokenizer PATH with the run's tokenizer.json (an export "
+             "of the run holds one) and, for eval, the text to evaluate with --text FILE ...")
+
 
 @dataclass
 class TrainedCheckpoint:
@@ -96,7 +100,7 @@ def open_checkpoint(path: str | Path, tokenizer: Optional[str] = None,
     if check is not None:
         check(model_config, run_config)
     if tokenizer is not None:  # read before the weights: a wrong path is refused at once
-        tok, config_eos = load_tokenizer(tokenizer)
+        tok, config_eos = load_tokenizer(tokenizer, "--tokenizer", "leave it out to use the run's own")
     state = load_model_state(ckpt, meta)
     data = None
     if tokenizer is None:
@@ -125,9 +129,8 @@ def run_prepared_data(meta: dict[str, Any]) -> PreparedData:
     try:
         return prepare(cfg)
     except DataError as e:
-        if folder is None:
-            raise
-        raise DataError(f"the run's prepared data {folder} is gone, and preparing it again failed: {e}") from e
+        gone = f"the run's prepared data {folder} is gone" if folder is not None else "the checkpoint records no prepared data"
+        raise DataError(f"{gone}, and preparing it again failed: {e}. {TOOLS_FIX}") from e
 
 
 def run_data_config(meta: dict[str, Any]) -> DataConfig:

@@ -17,6 +17,7 @@ import torch
 
 from coda_train.config import Config, TrainerConfig, resolve_model_config
 from coda_train.data import DataConfig, PreparedData, TokenLoader
+from coda_train.data.tokenizer import load_tokenizer
 from coda_train.errors import ConfigError
 from coda_train.model import LlamaConfig, build_model, kernel_shape_errors
 
@@ -53,7 +54,8 @@ def _shape_errors(cfg: Config, llama: LlamaConfig, backend: str) -> list[str]:
 def check_model_before_data(cfg: Config, backend: str) -> None:
     """The model checks that need no tokenizer, before data preparation (which can take long): every
     model field, trainer.seq_len against max_seq_len, and the kernels' shape limits, all but the
-    vocabulary's when it follows the tokenizer (model.vocab_size null). resolve_model repeats them all."""
+    vocabulary's when it follows the tokenizer (model.vocab_size null). resolve_model repeats them all.
+    Where model.init_from's tokenizer is the data's (no data.tokenizer), it is read here: an error names model.init_from."""
     vocab = 1 if cfg.model.vocab_size is None else cfg.model.vocab_size  # any vocabulary passes; 0 or less is refused
     llama = resolve_model_config(cfg.model, vocab, cfg.trainer.seq_len)
     errors = _shape_errors(cfg, llama, backend)
@@ -61,6 +63,8 @@ def check_model_before_data(cfg: Config, backend: str) -> None:
         errors = [e for e in errors if not e.startswith("model.vocab_size=")]
     if errors:
         raise ConfigError(f"kernels.backend={backend} cannot run this model: " + "; ".join(errors))
+    if cfg.model.init_from is not None and cfg.data.tokenizer is None:
+        load_tokenizer(cfg.model.init_from, "model.init_from", "set data.tokenizer to that model's tokenizer")
 
 
 def resolve_model(cfg: Config, tokenizer_vocab_size: int, backend: str) -> LlamaConfig:
