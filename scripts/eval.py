@@ -19,9 +19,9 @@ from pathlib import Path
 from coda_train.data import DataError, PreparedData, TokenLoader
 from coda_train.data.tokenizer import fingerprint
 from coda_train.errors import ConfigError
-from coda_train.model import LlamaConfig
 from coda_train.inference import (checkpoint_parser, load_eager_model, log_progress_to_stderr, mean_loss, open_checkpoint,
                                   run_prepared_data, text_windows)
+from coda_train.model import LlamaConfig
 from coda_train.trainer.checkpoint import CheckpointError
 from coda_train.trainer.device import pick_compute_dtype, pick_device
 
@@ -40,7 +40,7 @@ def read_texts(files: list[str]) -> list[str]:
         try:
             texts.append(Path(file).read_text(encoding="utf-8", errors="replace"))
         except OSError as e:
-            raise ConfigError(f"cannot read --text {file}: {e.strerror or e}; pass text files that exist") from e
+            raise ConfigError(f"cannot read --text {file}: {e.strerror or e}; pass readable text files") from e
     return texts
 
 
@@ -50,7 +50,7 @@ def checkpoint_check(args):
         if args.seq_len is not None and args.seq_len > model.max_seq_len:
             raise ConfigError(f"--seq-len={args.seq_len} exceeds the model's max_seq_len={model.max_seq_len}; "
                               f"pass --seq-len <= {model.max_seq_len}")
-        if not args.text and args.split == "val" and run["data"].get("val_fraction") == 0:
+        if not args.text and args.split == "val" and run.get("data", {}).get("val_fraction") == 0:
             raise ConfigError("the run held out no val split (data.val_fraction=0): evaluate --split train, "
                               "or text files with --text FILE ...")
     return check
