@@ -9,7 +9,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -26,6 +26,10 @@ from coda_train.trainer.checkpoint import (CHECKPOINTS_DIR, META_FILE, Checkpoin
                                            load_model_state, newest_good_checkpoint, verify_checkpoint)
 
 log = logging.getLogger(__name__)
+
+# what eval, sample and export can do without the run's data: the tokenizer from elsewhere (an export holds it)
+TOOLS_FIX = ("Restore the run's corpus (its data.source), or pass --tokenizer PATH with the run's tokenizer.json (an export "
+             "of the run holds one) and, for eval, the text to evaluate with --text FILE ...")
 
 
 @dataclass
@@ -80,16 +84,23 @@ def find_checkpoint(path: str | Path) -> Checkpoint:
                           "pass the trainer.run_dir of a run that saved a checkpoint, or one of its checkpoints/step_* dirs")
 
 
-def open_checkpoint(path: str | Path, tokenizer: Optional[str] = None) -> TrainedCheckpoint:
+def open_checkpoint(path: str | Path, tokenizer: Optional[str] = None,
+                    check: Optional[Callable[[LlamaConfig, dict[str, Any]], None]] = None) -> TrainedCheckpoint:
     """The checkpoint at `path` (see find_checkpoint) with its tokenizer: the run's prepared data's
     (see run_prepared_data), or `tokenizer` (a tokenizer.json or HF directory). The
-    tokenizer must be the one the model was trained with (same fingerprint, ids within the vocab)."""
+    tokenizer must be the one the model was trained with (same fingerprint, ids within the vocab).
+    check(model_config, run_config), where given, refuses the caller's arguments that depend on the
+    checkpoint (ConfigError) before the weights are loaded and any data is prepared."""
     ckpt, meta = find_checkpoint(path)
     try:
         model_config = LlamaConfig(**meta["model"]).validate()
         run_config = meta["config"]
     except (KeyError, TypeError) as e:
         raise CheckpointError(f"checkpoint {ckpt}: {META_FILE} lacks a usable model or run config ({e!r})") from e
+    if check is not None:
+        check(model_config, run_config)
+    if tokenizer is not None:  # read before the weights: a wrong path is refused at once
+        tok, config_eos = load_tokenizer(tokenizer, "--tokenizer", "leave it out to use the run's own")
     state = load_model_state(ckpt, meta)
     data = None
     if tokenizer is None:
@@ -97,7 +108,6 @@ def open_checkpoint(path: str | Path, tokenizer: Optional[str] = None) -> Traine
         tok, tokenizer_file = data.tokenizer, data.path / TOKENIZER_FILE
         eos_token, eos_id = data.manifest["tokenizer"]["eos_token"], data.eos_id
     else:
-        tok, config_eos = load_tokenizer(tokenizer)
         tokenizer_file = Path(tokenizer) / TOKENIZER_FILE if Path(tokenizer).is_dir() else Path(tokenizer)
         eos_token, eos_id = find_eos(tok, run_config.get("data", {}).get("eos_token"), config_eos)
     trained_with = state.get("train_loader", {}).get("tokenizer")
@@ -119,9 +129,8 @@ def run_prepared_data(meta: dict[str, Any]) -> PreparedData:
     try:
         return prepare(cfg)
     except DataError as e:
-        if folder is None:
-            raise
-        raise DataError(f"the run's prepared data {folder} is gone, and preparing it again failed: {e}") from e
+        gone = f"the run's prepared data {folder} is gone" if folder is not None else "the checkpoint records no prepared data"
+        raise DataError(f"{gone}, and preparing it again failed: {e}. {TOOLS_FIX}") from e
 
 
 def run_data_config(meta: dict[str, Any]) -> DataConfig:
@@ -147,9 +156,8 @@ def text_windows(ckpt: TrainedCheckpoint, texts: Iterable[str], seq_len: int, ba
     if n_windows == 0:
         raise DataError(f"the texts hold {len(tokens)} tokens, fewer than one window of {seq_len}+1; use a smaller --seq-len")
     windows = np.stack([tokens[w * seq_len: w * seq_len + seq_len + 1] for w in range(n_windows)]).astype(np.int64)
-    for start in range(0, n_windows, batch_size):
-        batch = torch.from_numpy(windows[start:start + batch_size])
-        yield batch[:, :-1], batch[:, 1:]
+    # a generator expression, not a generator function: texts too short are refused here, before the model is loaded
+    return ((batch[:, :-1], batch[:, 1:]) for batch in torch.from_numpy(windows).split(batch_size))
 
 
 @torch.no_grad()

@@ -1,6 +1,11 @@
 """docs/benchmarks.md and its bar chart, regenerated from the JSON results of scripts/bench.py.
 
-    python scripts/bench_report.py docs/bench/bench_*.json [--md docs/benchmarks.md] [--png docs/benchmarks.png]
+    python scripts/bench_report.py RESULT.json ... [--md docs/benchmarks.md] [--png docs/benchmarks.png]
+
+One report per GPU (results of two GPUs are refused): docs/bench holds H200 results and, named *-h100-*, H100 ones:
+
+    python scripts/bench_report.py $(ls docs/bench/bench_*.json | grep -v -- -h100-)
+    python scripts/bench_report.py docs/bench/bench_*-h100-*.json --md docs/benchmarks_h100.md --png docs/benchmarks_h100.png
 
 One table per shape (every variant: forward+backward median/min/max, full step, tokens/s, MFU,
 peak memory, ratio to coda and to the floor; failed variants with their error), a summary of the
@@ -13,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -39,14 +46,40 @@ SHAPE_ORDER = ("125m", "1b-4x4096", "1b-2x8192", "8b-slice")
 PROFILE_VERSION = 2  # bench.py's coda breakdown before version 2 counted profiler ranges as kernels
 
 
-def load(paths: list[Path]) -> list[dict]:
+REPO = Path(__file__).resolve().parents[1]
+# what every bench.py result holds (bench.py's `result`, environment()) and this report reads
+RESULT_KEYS = ("shape", "preset", "n_layers", "batch", "seq", "command", "environment", "variants", "failed",
+               "gemm_peak_tflops")
+ENVIRONMENT_KEYS = ("gpu", "cuda", "date", "packages")
+WHAT_TO_PASS = "pass the JSON results scripts/bench.py wrote (docs/bench/bench_*.json)"
+
+
+def read_result(path: Path) -> dict:
+    """bench.py's result in `path`; exits naming the file and what is wrong where it is not one."""
+    try:
+        r = json.loads(path.read_text())
+    except OSError as e:
+        sys.exit(f"error: cannot read {path}: {e.strerror or e}; {WHAT_TO_PASS}")
+    except ValueError as e:
+        sys.exit(f"error: {path} is not JSON ({e}); {WHAT_TO_PASS}")
+    if not isinstance(r, dict):
+        sys.exit(f"error: {path} holds a JSON {type(r).__name__}, not a scripts/bench.py result; {WHAT_TO_PASS}")
+    env = r.get("environment")
+    missing = [k for k in RESULT_KEYS if k not in r]
+    missing += [f"environment.{k}" for k in ENVIRONMENT_KEYS if isinstance(env, dict) and k not in env]
+    if missing or not isinstance(env, dict) or not isinstance(r["variants"], dict):
+        sys.exit(f"error: {path} is not a scripts/bench.py result (it lacks {', '.join(missing) or 'a usable environment'}"
+                 f"; another tool's JSON?); {WHAT_TO_PASS}")
+    return r
+
+
+def load(runs: list[dict]) -> list[dict]:
     """One result per shape: its newest run with a floor and no opt-in peer (ties: the one with most variants); its
     coda breakdown is the newest valid one among that shape's runs (a `--variants coda --tag=-profile`
     run can supply it), and its other runs that timed a peer next to a coda variant are kept as
     `peer_runs` (e.g. a `--variants compile-max-autotune,coda` run: each compared within its own run)."""
     by_shape: dict[str, list[dict]] = {}
-    for path in paths:
-        r = json.loads(path.read_text())
+    for r in runs:
         by_shape.setdefault(r["shape"], []).append(r)
     results = []
     for runs in by_shape.values():
@@ -435,22 +468,26 @@ def chart(results: list[dict], png: Path) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("results", nargs="+", type=Path)
-    p.add_argument("--md", type=Path, default=Path("docs/benchmarks.md"))
-    p.add_argument("--png", type=Path, default=Path("docs/benchmarks.png"))
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results", nargs="+", type=Path, help="JSON results of scripts/bench.py, all from one GPU")
+    p.add_argument("--md", type=Path, help="the report to write (default: docs/benchmarks.md of this repo, wherever "
+                                           "the command runs; missing folders are created)")
+    p.add_argument("--png", type=Path, help="its chart (default: docs/benchmarks.png of this repo; the report links it)")
     args = p.parse_args()
+    md, png = args.md or REPO / "docs/benchmarks.md", args.png or REPO / "docs/benchmarks.png"
+    runs = [read_result(path) for path in args.results]
     gpus: dict[str, list[str]] = {}  # one report per GPU: a shape's runs are compared with each other
-    for path in args.results:
-        gpus.setdefault(json.loads(path.read_text())["environment"]["gpu"], []).append(path.as_posix())
+    for path, run in zip(args.results, runs):
+        gpus.setdefault(run["environment"]["gpu"], []).append(path.as_posix())
     if len(gpus) > 1:
         p.error("the results come from more than one GPU (" + "; ".join(f"{g}: {' '.join(f)}" for g, f in gpus.items()) +
                 "); write one report per GPU, e.g. --md docs/benchmarks_h100.md --png docs/benchmarks_h100.png with its files")
-    results = load(args.results)
+    results = load(runs)
     env = results[0]["environment"]
     pkgs = ", ".join(f"{k} {v}" for k, v in env["packages"].items() if v)
     lines = ["# Benchmarks", "",
              "Generated by `python scripts/bench_report.py " + " ".join(p.as_posix() for p in args.results) +
+             "".join(f" {flag} {path.as_posix()}" for flag, path in (("--md", args.md), ("--png", args.png)) if path) +
              "` from the JSON that `scripts/bench.py` wrote; do not edit by hand.", "",
              f"Machine: one {env['gpu']} (CUDA {env['cuda']}); packages: {pkgs}. Every variant of a shape was timed in "
              "one process on the same weights and batch: bf16 compute, fp32 master weights, fused AdamW in the full "
@@ -458,14 +495,16 @@ def main() -> None:
              "run. The floor is the step's GEMMs at the best of cuBLAS and quack plus FlashAttention 4, nothing else, each "
              "timed alone; 'floor back to back' runs the same kernels in a step's order and times them as a step, at the "
              "clocks a sustained step gets (an H200 running these steps back to back nears its 700 W limit and lowers its SM clock).",
-             "", f"![forward+backward time per variant, floor as a line]({args.png.name})", "",
+             "", f"![forward+backward time per variant, floor as a line]({Path(os.path.relpath(png, md.parent)).as_posix()})", "",
              "## Summary: coda against its closest peer and the floor (forward + backward)", "", *summary_table(results), "",
              *memory_caveat(results), "## Per shape", ""]
     for r in results:
         lines += shape_table(r)
-    args.md.write_text("\n".join(lines) + "\n")
-    chart(results, args.png)
-    print(f"wrote {args.md} and {args.png}")
+    for path in (md, png):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    md.write_text("\n".join(lines) + "\n")
+    chart(results, png)
+    print(f"wrote {md} and {png}")
 
 
 if __name__ == "__main__":

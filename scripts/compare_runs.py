@@ -4,7 +4,8 @@
 
 Each RUN_DIR holds `metrics.jsonl` (one JSON line per logged step, from train.py) and
 `config.yaml` (the resolved config; its model.impl names the run). The first run is the reference for the difference panel and the |Δloss| columns.
-Writes the PNG, and the table as Markdown (`.md`) and JSON (`.json`) beside it.
+Writes the PNG at --out (a path ending in .png), and the table as Markdown (`.md`) and JSON (`.json`) beside it,
+under the same name (--out cmp/a.png: cmp/a.png, cmp/a.md, cmp/a.json).
 
 With three runs or more (e.g. eager twice and coda twice: `python train.py -m model.impl=eager,coda,eager,coda`)
 a second table lists every pair's smoothed difference over the last 10% of steps, split into pairs of
@@ -50,12 +51,17 @@ def read_run(run_dir: Path) -> Run:
     rows = []
     for n, line in lines:
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except ValueError:
             if n != lines[-1][0]:
                 sys.exit(f"error: {path}:{n} is not a JSON line; the metrics file is damaged")
             # the last line cut short (a run killed or out of disk mid-write), as the trainer's rewind skips it
             print(f"warning: {path}:{n} is cut short and left out", file=sys.stderr)
+            continue
+        if problem := metrics_problem(row):
+            sys.exit(f"error: {path}:{n} is not a metrics line of train.py ({problem}); the metrics file is damaged "
+                     "or another tool's: pass run directories written by train.py")
+        rows.append(row)
     train = [r for r in rows if "loss" in r]
     if not train:
         sys.exit(f"error: {path} has no training steps logged")
@@ -74,6 +80,23 @@ def read_run(run_dir: Path) -> Run:
                elapsed_s=np.array([r.get("elapsed_s", math.nan) for r in train], dtype=np.float64),
                tokens_per_s=float(np.median(tps[len(tps) // 2:])) if tps else math.nan,
                val_steps=np.array(sorted(val)), val_loss=np.array([val[s] for s in sorted(val)], dtype=np.float64))
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def metrics_problem(row) -> str | None:
+    """What makes a parsed metrics.jsonl line unusable (None if nothing): an object whose loss or val_loss is a
+    number, logged with an integer step."""
+    if not isinstance(row, dict):
+        return f"a JSON {type(row).__name__}, not an object"
+    logged = [k for k in ("loss", "val_loss") if row.get(k) is not None]
+    if logged and not (isinstance(row.get("step"), int) and not isinstance(row.get("step"), bool)):
+        return f"{logged[0]} without an integer step"
+    if bad := [k for k in logged if not _is_number(row[k])]:
+        return f"{bad[0]}={row[bad[0]]!r} is not a number"
+    return None
 
 
 def run_impl(config_path: Path) -> str | None:
@@ -270,12 +293,19 @@ def plot(runs: list[Run], window: int, x_axis: str, out: Path) -> None:
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", type=Path, help="run directories (the first is the reference)")
-    p.add_argument("--out", type=Path, default=None, help="PNG path (default: compare.png beside the first run)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="the plot's path, ending in .png; the table is written beside it as .md and .json (same name) "
+                        "(default: compare.png beside the first run)")
     p.add_argument("--smooth", type=int, default=0, help="moving-average window in logged steps (default: 2%% of the run, at least 1)")
     p.add_argument("--x", choices=["step", "tokens", "time"], default="step", help="x axis of the plot")
     args = p.parse_args(argv)
     if args.smooth < 0:
         p.error(f"--smooth {args.smooth}: the window is a number of logged steps, >= 1 (0: the default)")
+    if args.out is not None and args.out.is_dir():
+        p.error(f"--out {args.out} is a directory; pass the plot's path in it, e.g. --out {args.out / 'compare.png'}")
+    if args.out is not None and args.out.suffix.lower() != ".png":  # the .md and .json go beside it, under its name
+        p.error(f"--out {args.out}: the plot is a PNG, so --out ends in .png (e.g. --out {args.out.with_suffix('.png')}); "
+                "the table is written beside it as .md and .json")
     runs = [read_run(d) for d in args.runs]
     names = [r.name for r in runs]
     for run, run_dir in zip(runs, args.runs):  # two sweeps' job 0 are both "eager (0)": name their sweep too

@@ -16,13 +16,55 @@ import math
 import sys
 from pathlib import Path
 
-from coda_train.data import DataError, TokenLoader
+from coda_train.data import DataError, PreparedData, TokenLoader
 from coda_train.data.tokenizer import fingerprint
 from coda_train.errors import ConfigError
 from coda_train.inference import (checkpoint_parser, load_eager_model, log_progress_to_stderr, mean_loss, open_checkpoint,
                                   run_prepared_data, text_windows)
+from coda_train.model import LlamaConfig
 from coda_train.trainer.checkpoint import CheckpointError
 from coda_train.trainer.device import pick_compute_dtype, pick_device
+
+
+def check_counts(args) -> None:
+    """The counts given, refused below 1 before the checkpoint is opened (which may prepare data)."""
+    counts = (args.batch_size, args.seq_len, args.max_batches)
+    if any(n is not None and n < 1 for n in counts):
+        raise ConfigError("need --batch-size >= 1, --seq-len >= 1 and --max-batches >= 1 (or leave them out); "
+                          "got {}, {}, {}".format(*counts))
+
+
+def read_texts(files: list[str]) -> list[str]:
+    texts = []
+    for file in files:
+        try:
+            texts.append(Path(file).read_text(encoding="utf-8", errors="replace"))
+        except OSError as e:
+            raise ConfigError(f"cannot read --text {file}: {e.strerror or e}; pass readable text files") from e
+    return texts
+
+
+def checkpoint_check(args):
+    """open_checkpoint's check: the arguments that depend on the run, refused before its data is prepared."""
+    def check(model: LlamaConfig, run: dict) -> None:
+        if args.seq_len is not None and args.seq_len > model.max_seq_len:
+            raise ConfigError(f"--seq-len={args.seq_len} exceeds the model's max_seq_len={model.max_seq_len}; "
+                              f"pass --seq-len <= {model.max_seq_len}")
+        if not args.text and args.split == "val" and run.get("data", {}).get("val_fraction") == 0:
+            raise ConfigError("the run held out no val split (data.val_fraction=0): evaluate --split train, "
+                              "or text files with --text FILE ...")
+    return check
+
+
+def eval_batches(data: PreparedData, split: str, batch_size: int, seq_len: int, max_batches: int | None):
+    try:
+        loader = TokenLoader(data, split, batch_size, seq_len, seed=0)
+    except DataError as e:  # a split shorter than one batch; the loader's message names training's settings
+        other_split = "--split train, " if split == "val" else ""
+        raise DataError(f"the {split} split of {data.path} holds {data.num_tokens(split):,} tokens, fewer than one batch "
+                        f"of {batch_size} windows of {seq_len}+1; pass a smaller --batch-size or --seq-len, {other_split}"
+                        "or --text FILE ...") from e
+    return loader.iter_eval(max_batches)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,18 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     log_progress_to_stderr()
     try:
-        ckpt = open_checkpoint(args.checkpoint, args.tokenizer)
+        check_counts(args)
+        device = pick_device(args.device, "--device ")
+        dtype = pick_compute_dtype(args.dtype, device)
+        texts = read_texts(args.text) if args.text else None
+        ckpt = open_checkpoint(args.checkpoint, args.tokenizer, checkpoint_check(args))
         trainer = ckpt.meta["config"]["trainer"]
         batch_size = trainer["batch_size"] if args.batch_size is None else args.batch_size
         seq_len = trainer["seq_len"] if args.seq_len is None else args.seq_len
-        max_batches_ok = args.max_batches is None or args.max_batches >= 1
-        if batch_size < 1 or not 1 <= seq_len <= ckpt.model_config.max_seq_len or not max_batches_ok:
-            raise ConfigError(f"need --batch-size >= 1, 1 <= --seq-len <= max_seq_len={ckpt.model_config.max_seq_len} "
-                              f"and --max-batches >= 1; got {batch_size}, {seq_len}, {args.max_batches}")
-        device = pick_device(args.device, "--device ")
-        dtype = pick_compute_dtype(args.dtype, device)
-        if args.text:
-            texts = [Path(f).read_text(encoding="utf-8", errors="replace") for f in args.text]
+        if texts is not None:
             batches, what = text_windows(ckpt, texts, seq_len, batch_size), f"{len(texts)} text file(s)"
         else:
             data = ckpt.data or run_prepared_data(ckpt.meta)
@@ -54,9 +93,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise DataError(f"the run's data, prepared again at {data.path}, is tokenized with another tokenizer than "
                                 f"{ckpt.tokenizer_file} (its source files changed since the run prepared them, and a new "
                                 "BPE was trained); restore the run's corpus, or evaluate files with --text")
-            batches = TokenLoader(data, args.split, batch_size, seq_len, seed=0).iter_eval(args.max_batches)
+            batches = eval_batches(data, args.split, batch_size, seq_len, args.max_batches)
             what = f"the {args.split} split of {data.path}"
-        if args.text and args.max_batches is not None:
+        if texts is not None and args.max_batches is not None:
             batches = (b for b, _ in zip(batches, range(args.max_batches)))
         model = load_eager_model(ckpt, device, dtype)
         loss, tokens = mean_loss(model, batches, device)

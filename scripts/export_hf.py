@@ -18,7 +18,7 @@ import torch
 from coda_train.data import DataError
 from coda_train.errors import ConfigError
 from coda_train.inference import checkpoint_parser, log_progress_to_stderr, open_checkpoint
-from coda_train.model.hf import export_hf
+from coda_train.model.hf import check_export, export_hf
 from coda_train.trainer.checkpoint import CheckpointError
 
 
@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     log_progress_to_stderr()
     try:
+        check_export(args.out, args.max_shard_size)  # before the checkpoint: opening it may prepare data
         ckpt = open_checkpoint(args.checkpoint, args.tokenizer)
         out = export_hf(ckpt.weights, ckpt.model_config, args.out, tokenizer_file=ckpt.tokenizer_file,
                         eos_token=ckpt.eos_token, dtype=getattr(torch, args.dtype), max_shard_size=args.max_shard_size)

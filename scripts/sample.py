@@ -19,9 +19,17 @@ from tokenizers.decoders import DecodeStream
 from coda_train.data import DataError
 from coda_train.errors import ConfigError
 from coda_train.inference import checkpoint_parser, load_eager_model, log_progress_to_stderr, open_checkpoint
-from coda_train.model.generate import generate
+from coda_train.model import LlamaConfig
+from coda_train.model.generate import check_sampling, generate
 from coda_train.trainer.checkpoint import CheckpointError
 from coda_train.trainer.device import pick_compute_dtype, pick_device
+
+
+def check_room(args, model: LlamaConfig) -> None:
+    """--max-new-tokens within the model's context, with room for a prompt of one token at least."""
+    if args.max_new_tokens >= model.max_seq_len:
+        raise ConfigError(f"--max-new-tokens={args.max_new_tokens} leaves no room for a prompt in the model's "
+                          f"max_seq_len={model.max_seq_len}; pass --max-new-tokens <= {model.max_seq_len - 1}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,9 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     log_progress_to_stderr()  # the text alone goes to stdout
     try:
-        ckpt = open_checkpoint(args.checkpoint, args.tokenizer)
+        # before the checkpoint, whose opening may prepare data, and before anything is printed
+        check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
         device = pick_device(args.device, "--device ")
         dtype = pick_compute_dtype(args.dtype, device)
+        ckpt = open_checkpoint(args.checkpoint, args.tokenizer, check=lambda model, run: check_room(args, model))
         model = load_eager_model(ckpt, device, dtype)
         prompt = ckpt.tokenizer.encode(args.prompt, add_special_tokens=False).ids if args.prompt else [ckpt.eos_id]
         tokens = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

@@ -266,3 +266,46 @@ def test_results_of_two_gpus_are_refused_with_the_fix(tmp_path):
                           str(tmp_path / "b.md"), "--png", str(tmp_path / "b.png")], cwd=tmp_path, capture_output=True, text=True)
     assert run.returncode == 2 and "more than one GPU" in run.stderr and "one report per GPU" in run.stderr
     assert not (tmp_path / "b.md").exists()
+
+
+def test_inputs_that_are_not_bench_results_are_clear_errors(tmp_path):
+    """A missing file, a non-JSON file, another tool's JSON: one line naming the file and what to pass, no traceback."""
+    (tmp_path / "notes.json").write_text("not json")
+    (tmp_path / "other.json").write_text(json.dumps({"loss": 1.0}))
+    (tmp_path / "list.json").write_text("[1, 2]")
+    no_env = _result("125m")
+    del no_env["environment"]
+    (tmp_path / "no_env.json").write_text(json.dumps(no_env))
+    for name, named in (("missing.json", "cannot read"), ("notes.json", "is not JSON"),
+                        ("other.json", "is not a scripts/bench.py result"), ("list.json", "holds a JSON list"),
+                        ("no_env.json", "it lacks environment")):
+        run = subprocess.run([sys.executable, str(ROOT / "scripts/bench_report.py"), str(tmp_path / name), "--md",
+                              str(tmp_path / "b.md")], cwd=tmp_path, capture_output=True, text=True)
+        assert run.returncode == 1 and named in run.stderr and "Traceback" not in run.stderr, (name, run.stderr)
+        assert "pass the JSON results scripts/bench.py wrote" in run.stderr
+    assert not (tmp_path / "b.md").exists()
+
+
+def test_outputs_go_where_named_from_any_directory_and_help_says_the_defaults(tmp_path):
+    path = tmp_path / "bench_125m.json"
+    path.write_text(json.dumps(_result("125m")))
+    md, png = tmp_path / "report" / "b.md", tmp_path / "charts" / "b.png"
+    _report([path], md, png, cwd=tmp_path)  # folders that do not exist yet, outside the repo
+    assert png.is_file() and "](../charts/b.png)" in md.read_text()
+    assert f"--md {md.as_posix()} --png {png.as_posix()}`" in md.read_text()  # the header's command writes the same files
+    help_text = subprocess.run([sys.executable, str(ROOT / "scripts/bench_report.py"), "--help"], cwd=tmp_path,
+                               capture_output=True, text=True, check=True).stdout
+    assert "default: docs/benchmarks.md of this repo" in help_text and "One report per GPU" in help_text
+
+
+def test_the_documented_report_commands_run(tmp_path):
+    """README's and the script's commands over docs/bench each select one GPU's results (the folder holds two GPUs'),
+    run here with the outputs redirected."""
+    docs = (ROOT / "README.md").read_text() + (ROOT / "scripts/bench_report.py").read_text()
+    commands = sorted({line.strip().split("   #")[0] for line in docs.splitlines()
+                       if line.strip().startswith("python scripts/bench_report.py") and "docs/bench/" in line})
+    assert len(commands) == 2, commands
+    for i, command in enumerate(commands):
+        command = command.replace("python", f"'{sys.executable}'", 1) + f" --md {tmp_path}/{i}.md --png {tmp_path}/{i}.png"
+        run = subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, text=True)
+        assert run.returncode == 0, (command, run.stderr[-2000:])

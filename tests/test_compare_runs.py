@@ -125,3 +125,23 @@ def test_runs_logged_at_other_intervals_and_runs_of_other_settings_are_told_apar
     lr_pair = by_pair[("eager (a/0)", "eager (c/0)")]
     assert not lr_pair["same_model"] and lr_pair["settings_differ"] == ["optim.lr"]
     assert "| eager (a/0) | eager (c/0) | no (optim.lr) |" in out.with_suffix(".md").read_text()
+
+
+def test_bad_out_paths_and_metrics_lines_are_clear_errors(tmp_path, capsys):
+    """--out is the plot's .png path (a directory or report.md would be overwritten or refused with a traceback),
+    and a JSON line that is not a metrics object names its file and line."""
+    compare_runs = compare_runs_module()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 5.0 - 0.01 * s}) + "\n" for s in range(1, 11)))
+    for out, named in ((tmp_path, "is a directory; pass the plot's path in it"), (tmp_path / "report.md", "ends in .png")):
+        with pytest.raises(SystemExit):
+            compare_runs.main([str(run), "--out", str(out)])
+        assert named in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    good = (run / "metrics.jsonl").read_text()
+    for line, named in (("5", "a JSON int, not an object"), ('{"loss": 1.0}', "loss without an integer step"),
+                        ('{"step": 11, "loss": "low"}', "loss='low' is not a number")):
+        (run / "metrics.jsonl").write_text(good + line + "\n" + good)
+        with pytest.raises(SystemExit, match=rf"{run / 'metrics.jsonl'}:11 is not a metrics line of train.py \({named}\)"):
+            compare_runs.read_run(run)

@@ -20,7 +20,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")  # the `hf` extra (in `dev`)
 
-from coda_train.data import TokenLoader  # noqa: E402
+from coda_train.data import DataError, TokenLoader  # noqa: E402
 from coda_train.data.tokenizer import EOS_TOKEN, fingerprint, load_tokenizer, train_bpe  # noqa: E402
 from coda_train.errors import ConfigError  # noqa: E402
 from coda_train.inference import (find_checkpoint, load_eager_model, mean_loss, open_checkpoint,  # noqa: E402
@@ -502,3 +502,89 @@ def test_eval_and_sample_refuse_zero_and_negative_counts(trained_run):
         assert result.returncode == 1 and "need --batch-size >= 1" in result.stderr, (flag, result.stderr[-500:])
     result = run_script("sample.py", str(trained_run), "--prompt", "def ", "--max-new-tokens", "-5")
     assert result.returncode == 1 and "max_new_tokens=-5 must be >= 0" in result.stderr, result.stderr[-500:]
+
+
+def run_without_its_data(trained_run: Path, tmp_path: Path, **data) -> tuple[Path, Path]:
+    """A copy of trained_run's newest checkpoint whose prepared folder is gone, its data.cache_dir a fresh path under
+    tmp_path (a tool that prepares data creates it), and the data.* settings `data` changed: (run dir, cache dir)."""
+    ckpt = find_checkpoint(trained_run).path
+    copy = tmp_path / "run" / "checkpoints" / ckpt.name
+    shutil.copytree(ckpt, copy)
+    meta = json.loads((copy / "meta.json").read_text())
+    meta["prepared_data"] = str(tmp_path / "gone")
+    meta["config"]["data"]["cache_dir"] = str(tmp_path / "cache")
+    meta["config"]["data"].update(data)
+    (copy / "meta.json").write_text(json.dumps(meta))
+    return tmp_path / "run", tmp_path / "cache"
+
+
+@pytest.mark.parametrize("script, args, named", [
+    ("export_hf.py", ["--out", "RUN", "--max-shard-size", "5GB"], "exists and is not an empty directory"),
+    ("export_hf.py", ["--out", "NEW", "--max-shard-size", "5XB"], "--max-shard-size='5XB' is not a size"),
+    ("eval.py", ["--batch-size", "0"], "need --batch-size >= 1"),
+    ("eval.py", ["--text", "NEW"], "cannot read --text"),
+    ("eval.py", ["--seq-len", "5000"], "--seq-len=5000 exceeds the model's max_seq_len=256"),
+    ("sample.py", ["--top-p", "1.5"], "top_p=1.5"),
+    ("sample.py", ["--temperature", "nan"], "need a finite temperature"),
+    ("sample.py", ["--max-new-tokens", "-1"], "max_new_tokens=-1 must be >= 0"),
+    ("sample.py", ["--max-new-tokens", "256"], "--max-new-tokens=256 leaves no room for a prompt"),
+])
+def test_tools_refuse_arguments_before_preparing_data(trained_run, tmp_path, script, args, named):
+    """Arguments that need no checkpoint, and those checked against its model config, are refused before the run's
+    data is prepared again (its folder is gone here) and before anything is printed."""
+    run, cache = run_without_its_data(trained_run, tmp_path)
+    args = [str(run) if a == "RUN" else str(tmp_path / "new") if a == "NEW" else a for a in args]
+    result = run_script(script, str(run), *args)
+    assert result.returncode == 1 and named in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert not cache.exists() and not (tmp_path / "new").exists()
+
+
+def test_generate_checks_its_arguments_when_called(trained_run):
+    """generate() refuses bad arguments at the call, not at the first token drawn (a caller prints nothing first)."""
+    model = load_eager_model(open_checkpoint(trained_run), torch.device("cpu"), torch.float32)
+    for kwargs in ({"temperature": float("nan")}, {"temperature": float("inf")}, {"top_p": float("nan")}, {"top_k": 0}):
+        with pytest.raises(ValueError, match="need a finite temperature"):
+            generate(model, [0], 4, **kwargs)
+    with pytest.raises(ValueError, match="exceeds the model's max_seq_len=256"):
+        generate(model, [0, 1], 255)
+
+
+def test_a_missing_tokenizer_names_the_setting_that_gave_it(trained_run, exported, tiny, tmp_path):
+    """--tokenizer and model.init_from are named as the fix, not data.tokenizer (which they did not set)."""
+    with pytest.raises(DataError, match=r"fix --tokenizer=/nonexistent, or leave it out to use the run's own"):
+        open_checkpoint(trained_run, tokenizer="/nonexistent")
+    result = run_script("sample.py", str(trained_run), "--tokenizer", "/nonexistent")
+    assert result.returncode == 1 and "fix --tokenizer=/nonexistent" in result.stderr, result.stderr[-2000:]
+
+    model_only = tmp_path / "model-only"
+    shutil.copytree(exported, model_only, ignore=shutil.ignore_patterns("tokenizer*"))
+    result = _train_cli(*tiny, f"trainer.run_dir={tmp_path / 'run'}", f"model.init_from={model_only}",
+                        f"data.cache_dir={tmp_path / 'cache'}")
+    out = result.stdout + result.stderr
+    assert result.returncode == 1 and f"fix model.init_from={model_only}, or set data.tokenizer" in out, out[-2000:]
+    assert "leave it unset to train a BPE" not in out and not (tmp_path / "cache").exists()
+
+
+def test_tools_name_their_fix_when_the_runs_data_and_corpus_are_gone(trained_run, exported, tmp_path):
+    """With the run's prepared folder and its corpus gone, the error names what the tools can do instead, and
+    doing it works: the run's tokenizer (from its export) and, for eval, the text to evaluate."""
+    run, cache = run_without_its_data(trained_run, tmp_path, source=str(tmp_path / "no-corpus.jsonl"))
+    result = run_script("eval.py", str(run))
+    assert result.returncode == 1 and "no files match data.source" in result.stderr, result.stderr[-2000:]
+    assert "pass --tokenizer PATH with the run's tokenizer.json" in result.stderr and "--text FILE" in result.stderr
+    text = tmp_path / "doc.py"
+    text.write_text(TEXT * 12)
+    result = run_script("eval.py", str(run), "--tokenizer", str(exported / "tokenizer.json"), "--text", str(text),
+                        "--seq-len", "16")
+    assert result.returncode == 0 and "loss" in result.stdout, result.stderr[-2000:]
+
+
+def test_eval_of_a_run_without_a_val_split_names_split_train(trained_run, tmp_path):
+    run, cache = run_without_its_data(trained_run, tmp_path, val_fraction=0.0)
+    result = run_script("eval.py", str(run))
+    assert result.returncode == 1 and "data.val_fraction=0): evaluate --split train" in result.stderr, result.stderr[-2000:]
+    assert not cache.exists()
+    result = run_script("eval.py", str(trained_run), "--batch-size", "1000")  # a val split shorter than one batch
+    assert result.returncode == 1 and "fewer than one batch of 1000 windows of 32+1; pass a smaller --batch-size" \
+        in result.stderr and "--split train" in result.stderr, result.stderr[-2000:]

@@ -41,17 +41,21 @@ def train_bpe(texts: Iterable[str], vocab_size: int, show_progress: bool = False
     return tokenizer
 
 
-def load_tokenizer(path: str) -> tuple[Tokenizer, Optional[str]]:
-    """A tokenizer.json file or an HF tokenizer directory; also returns the EOS named in its tokenizer_config.json, if any."""
+def load_tokenizer(path: str, setting: str = "data.tokenizer",
+                   otherwise: str = "leave it unset to train a BPE") -> tuple[Tokenizer, Optional[str]]:
+    """A tokenizer.json file or an HF tokenizer directory; also returns the EOS named in its tokenizer_config.json, if any.
+    `setting` is where the caller's user gave the path (data.tokenizer, model.init_from, a script's --tokenizer) and
+    `otherwise` what they can do instead: the errors name both as the fix."""
     p = Path(path).expanduser()
     file = p / "tokenizer.json" if p.is_dir() else p
     if not file.is_file():
         hint = " (only tokenizers with a tokenizer.json are supported; save one with save_pretrained)" if p.is_dir() else ""
-        raise DataError(f"tokenizer file {file} does not exist{hint}; fix data.tokenizer or leave it unset to train a BPE")
+        raise DataError(f"tokenizer file {file} does not exist{hint}; fix {setting}={path}, or {otherwise}")
     try:
         tokenizer = Tokenizer.from_file(str(file))
     except Exception as e:  # the Rust parser raises a bare Exception for malformed JSON
-        raise DataError(f"could not read tokenizer {file}: {e}; point data.tokenizer at a valid tokenizer.json") from e
+        raise DataError(f"could not read tokenizer {file}: {e}; point {setting} at a valid tokenizer.json, "
+                        f"or {otherwise}") from e
     config_eos = None
     config_file = file.parent / "tokenizer_config.json"
     if config_file.is_file():

@@ -3,6 +3,7 @@ then one token per forward, each seeing the cached keys and values of all earlie
 
 from __future__ import annotations
 
+import math
 from typing import Iterator, Optional
 
 import torch
@@ -28,26 +29,40 @@ def next_token_distribution(logits: Tensor, temperature: float, top_k: Optional[
     return probs
 
 
-@torch.no_grad()
+def check_sampling(max_new_tokens: int, temperature: float, top_k: Optional[int], top_p: Optional[float]) -> None:
+    """ValueError naming the range of each sampling setting out of it; needs no model, so callers check before loading one."""
+    # `not` of the comparisons: NaN fails every comparison, so it is refused too
+    if not (math.isfinite(temperature) and temperature >= 0) or (top_k is not None and top_k < 1) \
+            or (top_p is not None and not 0 < top_p <= 1):
+        raise ValueError(f"need a finite temperature >= 0 (0: greedy), top_k >= 1 and 0 < top_p <= 1; got "
+                         f"temperature={temperature}, top_k={top_k}, top_p={top_p}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+
+
 def generate(model: EagerLlama, prompt: list[int], max_new_tokens: int, *, temperature: float = 1.0,
              top_k: Optional[int] = None, top_p: Optional[float] = None, generator: Optional[torch.Generator] = None,
              vocab_limit: Optional[int] = None, stop_token: Optional[int] = None) -> Iterator[int]:
     """Yield up to max_new_tokens token ids continuing `prompt`, one at a time as each is chosen.
     temperature=0 picks the most likely token (greedy); otherwise draws with `generator`. Ids at or
     past vocab_limit (embedding rows beyond the tokenizer) are never chosen; stop_token ends the
-    sequence after it is yielded."""
-    cfg = model.cfg
+    sequence after it is yielded. The arguments are checked here, when called (ValueError), not at the
+    first token: a caller can refuse them before printing anything."""
     if not prompt:
         raise ValueError("the prompt is empty; start it with at least one token (e.g. the EOS that separates documents)")
-    if temperature < 0 or (top_k is not None and top_k < 1) or (top_p is not None and not 0 < top_p <= 1):
-        raise ValueError(f"need temperature >= 0, top_k >= 1, 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
-    if len(prompt) + max_new_tokens > cfg.max_seq_len:
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    if len(prompt) + max_new_tokens > model.cfg.max_seq_len:
         raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-                         f"max_seq_len={cfg.max_seq_len}; shorten one of them")
+                         f"max_seq_len={model.cfg.max_seq_len}; shorten one of them")
+    return _tokens(model, prompt, max_new_tokens, temperature, top_k, top_p, generator, vocab_limit, stop_token)
+
+
+@torch.no_grad()
+def _tokens(model: EagerLlama, prompt: list[int], max_new_tokens: int, temperature: float, top_k: Optional[int],
+            top_p: Optional[float], generator: Optional[torch.Generator], vocab_limit: Optional[int],
+            stop_token: Optional[int]) -> Iterator[int]:
     device = model.tok_emb.device
-    cache = KVCache(cfg, 1, len(prompt) + max_new_tokens, device, model.compute_dtype)
+    cache = KVCache(model.cfg, 1, len(prompt) + max_new_tokens, device, model.compute_dtype)
     tokens = torch.tensor([prompt], device=device)
     for _ in range(max_new_tokens):
         logits = model.logits(tokens, cache)[0, -1]

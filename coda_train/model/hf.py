@@ -214,6 +214,18 @@ def load_hf_weights(model: LlamaWeights, hf_dir: str | Path) -> None:
     model.load_state_dict({name: t.to(mine[name].dtype) for name, t in ours.items()}, strict=True)
 
 
+def check_export(out_dir: str | Path, max_shard_size: int | str) -> Path:
+    """out_dir as a Path where an export can go (absent or an empty directory) with a valid max_shard_size, and the
+    `hf` extra installed; ConfigError naming the fix otherwise. Needs no checkpoint: callers run it before opening one."""
+    _require_hf()
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out} exists and is not an empty directory; choose a new --out (nothing was written)")
+    if isinstance(max_shard_size, str) and not re.fullmatch(r"\s*\d+(\.\d+)?\s*[KMGT]B\s*", max_shard_size, re.IGNORECASE):
+        raise ConfigError(f"--max-shard-size={max_shard_size!r} is not a size such as 5GB or 500MB (units KB, MB, GB, TB)")
+    return out
+
+
 def export_hf(state_dict: dict[str, Tensor], cfg: LlamaConfig, out_dir: str | Path, *, tokenizer_file: str | Path,
               eos_token: str, dtype: torch.dtype = torch.float32, max_shard_size: int | str = "5GB") -> Path:
     """Write a Hugging Face Llama directory (config.json, safetensors weights sharded by
@@ -224,11 +236,7 @@ def export_hf(state_dict: dict[str, Tensor], cfg: LlamaConfig, out_dir: str | Pa
     from huggingface_hub import save_torch_state_dict
     from tokenizers import Tokenizer
 
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"{out} exists and is not an empty directory; choose a new --out (nothing was written)")
-    if isinstance(max_shard_size, str) and not re.fullmatch(r"\s*\d+(\.\d+)?\s*[KMGT]B\s*", max_shard_size, re.IGNORECASE):
-        raise ConfigError(f"--max-shard-size={max_shard_size!r} is not a size such as 5GB or 500MB (units KB, MB, GB, TB)")
+    out = check_export(out_dir, max_shard_size)
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     check_tokenizer_fits(tokenizer, cfg, str(tokenizer_file))
     eos_id = tokenizer.token_to_id(eos_token)

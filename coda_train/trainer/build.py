@@ -17,6 +17,7 @@ import torch
 
 from coda_train.config import Config, TrainerConfig, resolve_model_config
 from coda_train.data import DataConfig, PreparedData, TokenLoader
+from coda_train.data.tokenizer import load_tokenizer
 from coda_train.errors import ConfigError
 from coda_train.model import LlamaConfig, build_model, kernel_shape_errors
 
@@ -54,7 +55,8 @@ def check_model_before_data(cfg: Config, backend: str) -> None:
     """The model checks that need no tokenizer, before data preparation (which can take long): every
     model field, trainer.seq_len against max_seq_len, and the kernels' shape limits, all but the
     vocabulary's when it follows the tokenizer (model.vocab_size null), and that model.init_from has weights.
-    resolve_model repeats the shape checks."""
+    resolve_model repeats the shape checks. Where model.init_from's tokenizer is the data's (no data.tokenizer),
+    it is read here: an error names model.init_from."""
     vocab = 1 if cfg.model.vocab_size is None else cfg.model.vocab_size  # any vocabulary passes; 0 or less is refused
     llama = resolve_model_config(cfg.model, vocab, cfg.trainer.seq_len)
     errors = _shape_errors(cfg, llama, backend)
@@ -66,6 +68,8 @@ def check_model_before_data(cfg: Config, backend: str) -> None:
         from coda_train.model.hf import hf_weight_files
 
         hf_weight_files(cfg.model.init_from)  # read after data preparation: a missing file would be found that late
+        if cfg.data.tokenizer is None:
+            load_tokenizer(cfg.model.init_from, "model.init_from", "set data.tokenizer to that model's tokenizer")
 
 
 def resolve_model(cfg: Config, tokenizer_vocab_size: int, backend: str) -> LlamaConfig:
