@@ -26,8 +26,11 @@ from typing import Optional
 import palette_png  # scripts/palette_png.py
 from code_version import commit_of_sources  # scripts/code_version.py
 
-PEERS = ("eager", "compile", "compile-graphs", "compile-max-autotune", "liger")
-OPT_IN = ("compile-max-autotune",)  # run only where asked (--variants): its runs supplement a shape's main run
+# every peer bench.py runs, the FlashAttention 4 forms of the compile peers included (scripts/fa4_peer.py): the
+# closest peer is chosen among all of them, never among a weaker subset
+PEERS = ("eager", "compile", "compile-graphs", "compile-max-autotune", "compile-fa4", "compile-graphs-fa4",
+         "compile-max-autotune-fa4", "liger")
+OPT_IN = ("compile-max-autotune", "compile-max-autotune-fa4")  # run only where asked (--variants): its runs supplement a shape's main run
 NOT_RUN_WHY = {  # why bench.py leaves a variant out unless asked (--variants)
     "compile-max-autotune": "opt-in: its GEMM autotuning takes 5-6 minutes of device time per shape (310-340 s at "
                             "125m and 8b-slice on 2026-12-01), run only where the session's device time allowed it",
