@@ -89,8 +89,11 @@ def check_run_dirs(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     check_run_dirs(sys.argv[1:])
-    main()
-    for job, run_dir, code in failed_jobs:
-        print(f"multirun job #{job} ({run_dir}) stopped with exit code {code} (its reason is logged above)", file=sys.stderr)
+    try:
+        main()
+    finally:  # also when a later job's stop signal or unwritable run dir ends the sweep (sys.exit)
+        for job, run_dir, code in failed_jobs:
+            print(f"multirun job #{job} ({run_dir}) stopped with exit code {code} (its reason is logged above)",
+                  file=sys.stderr)
     if failed_jobs:
         sys.exit(failed_jobs[0][2])

@@ -305,9 +305,23 @@ def test_init_from_without_weights_is_refused_before_data_preparation(exported, 
     (no_weights / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors"}}))
     with pytest.raises(ConfigError, match="lacks model-00001-of-00002.safetensors of the shards"):
         hf_weight_files(no_weights)
-    (no_weights / "model.safetensors.index.json").write_text("{")
-    with pytest.raises(ConfigError, match="model.safetensors.index.json is damaged"):
-        hf_weight_files(no_weights)
+    for damaged in ("{", json.dumps({"weight_map": {}}), json.dumps({"weight_map": {"a": 1}})):
+        (no_weights / "model.safetensors.index.json").write_text(damaged)
+        with pytest.raises(ConfigError, match="model.safetensors.index.json is damaged"):
+            hf_weight_files(no_weights)
+
+
+def test_a_run_from_init_from_resumes_without_its_weights(exported, tiny, tmp_path):
+    """A resumed run takes its weights from its checkpoint: model.init_from's may be gone by then (its config and
+    tokenizer are still read)."""
+    start = tmp_path / "start"
+    shutil.copytree(exported, start)
+    run = [*tiny, f"trainer.run_dir={tmp_path / 'run'}", f"model.init_from={start}", "trainer.ckpt_every=2"]
+    assert _train_cli(*run, "trainer.max_steps=2").returncode == 0
+    (start / "model.safetensors").unlink()
+    result = _train_cli(*run, "trainer.max_steps=4")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-2000:]
+    assert "resumed from" in result.stdout + result.stderr
 
 
 def test_init_from_a_model_with_fewer_tokens_than_the_tokenizer_is_refused(exported):

@@ -348,6 +348,22 @@ def test_a_run_dir_that_cannot_be_made_exits_4_before_hydra_tries(tmp_path):
     assert "choose another trainer.run_dir" in result.stderr
 
 
+def test_a_run_dir_through_a_dangling_link_is_refused_before_hydra_tries(tmp_path):
+    (tmp_path / "link").symlink_to(tmp_path / "gone")
+    result = run_train("trainer.max_steps=2", f"trainer.run_dir={tmp_path / 'link' / 'run'}")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"{tmp_path / 'link'} is a link to {tmp_path / 'gone'}, which does not exist" in result.stderr
+
+
+def test_a_sweep_ended_by_an_unwritable_run_dir_still_names_the_jobs_that_failed_before(tiny, tmp_path):
+    result = run_train("-m", *tiny, "model.impl=eager", "trainer.max_steps=3", "trainer.ckpt_every=2",
+                       "trainer.eval_every=0", "debug.nan_loss_at_step=2,null", "debug.disk_full_in_checkpoint_at_step=null,2",
+                       f"trainer.run_dir={tmp_path}", timeout=300)
+    assert result.returncode == 4, result.stderr[-3000:]
+    for job in (0, 1):
+        assert f"multirun job #{job} ({tmp_path / str(job)}) stopped with exit code 3" in result.stderr
+
+
 def test_every_run_dir_of_a_multirun_sweep_is_checked_before_the_first_job(tmp_path):
     (tmp_path / "a_file").write_text("kept")
     result = run_train("-m", "trainer.max_steps=2", f"trainer.run_dir={tmp_path / 'x1'},{tmp_path / 'a_file'}")
@@ -503,6 +519,35 @@ def test_changes_on_resume_are_announced_with_what_they_do(tiny, tmp_path):
     windows = now.trainer.batch_size * 2
     assert lines[2].startswith(f"trainer.grad_accum_steps 1 -> 2: each optimizer step now reads {windows * 2} windows "
                                f"(was {windows})")
+
+
+def test_resume_naming_the_run_dir_keeps_the_damaged_checkpoint_it_skips(tiny, straight_run, tmp_path):
+    """trainer.resume=<run dir> takes the newest good checkpoint as auto does: a newer damaged one is kept aside as
+    damaged (never pruned), and the metrics of the steps it redoes are not kept as another trajectory's."""
+    from coda_train.trainer.checkpoint import resumes_newest_good
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight_run, run_dir)
+    newest = run_dir / "checkpoints" / f"step_{N:08d}"
+    (newest / "meta.json").write_text("{edited")
+    train_in_process(run_dir, *tiny, f"trainer.resume={run_dir}", f"trainer.max_steps={N}", "trainer.keep_last=1")
+    assert len(list((run_dir / "checkpoints").glob(f".damaged-step_{N:08d}-*"))) == 1
+    assert not list(run_dir.glob("metrics.replaced-*"))
+    assert without_timing(metrics(run_dir)) == without_timing(metrics(straight_run))
+    assert resumes_newest_good("auto") and resumes_newest_good(str(run_dir / "checkpoints"))
+    assert not resumes_newest_good(str(newest))  # one checkpoint, named: newer ones are another trajectory's
+
+
+def test_abandoned_metrics_kept_aside_get_a_free_name_when_a_pid_repeats(tmp_path, monkeypatch):
+    from coda_train.trainer.metrics import rewind_metrics
+
+    monkeypatch.setattr(os, "getpid", lambda: 7)
+    path = tmp_path / "metrics.jsonl"
+    for trajectory in ("a", "b"):
+        path.write_text("".join(json.dumps({"step": s, "loss": 1.0, "run": trajectory}) + "\n" for s in range(1, 11)))
+        rewind_metrics(path, 5, keep_dropped=True)
+    kept = {p.name: {json.loads(line)["run"] for line in p.read_text().splitlines()} for p in tmp_path.glob("metrics.replaced-*")}
+    assert kept == {"metrics.replaced-step_00000005-7.jsonl": {"a"}, "metrics.replaced-step_00000005-8.jsonl": {"b"}}
 
 
 def test_a_checkpoint_whose_meta_step_was_edited_is_damaged(tiny, straight_run, tmp_path, caplog):

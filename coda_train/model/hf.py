@@ -171,6 +171,8 @@ def hf_weight_files(hf_dir: str | Path) -> list[Path]:
     if index.is_file():
         try:
             names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            if not names or not all(isinstance(name, str) for name in names):
+                raise ValueError("its weight_map names no shard files")
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ConfigError(f"{index} is damaged (no readable weight_map: {e!r}); export the model again "
                               "(scripts/export_hf.py, or save_pretrained)") from e

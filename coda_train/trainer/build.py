@@ -51,10 +51,11 @@ def _shape_errors(cfg: Config, llama: LlamaConfig, backend: str) -> list[str]:
     return errors
 
 
-def check_model_before_data(cfg: Config, backend: str) -> None:
+def check_model_before_data(cfg: Config, backend: str, check_weights: bool = True) -> None:
     """The model checks that need no tokenizer, before data preparation (which can take long): every
     model field, trainer.seq_len against max_seq_len, and the kernels' shape limits, all but the
-    vocabulary's when it follows the tokenizer (model.vocab_size null), and that model.init_from has weights.
+    vocabulary's when it follows the tokenizer (model.vocab_size null), and that model.init_from has weights
+    (check_weights: a new run's; a resumed one takes them from its checkpoint).
     resolve_model repeats the shape checks. Where model.init_from's tokenizer is the data's (no data.tokenizer),
     it is read here: an error names model.init_from."""
     vocab = 1 if cfg.model.vocab_size is None else cfg.model.vocab_size  # any vocabulary passes; 0 or less is refused
@@ -67,7 +68,8 @@ def check_model_before_data(cfg: Config, backend: str) -> None:
     if cfg.model.init_from is not None:
         from coda_train.model.hf import hf_weight_files
 
-        hf_weight_files(cfg.model.init_from)  # read after data preparation: a missing file would be found that late
+        if check_weights:  # read after data preparation: a missing file would be found that late
+            hf_weight_files(cfg.model.init_from)
         if cfg.data.tokenizer is None:
             load_tokenizer(cfg.model.init_from, "model.init_from", "set data.tokenizer to that model's tokenizer")
 

@@ -453,6 +453,12 @@ def find_resume_checkpoint(resume: str, run_dir: Path) -> Optional[Checkpoint]:
     return found
 
 
+def resumes_newest_good(resume: str) -> bool:
+    """Whether trainer.resume takes the newest good checkpoint of a run (auto, or a path naming a run dir or its
+    checkpoints dir), so that any newer checkpoint there was skipped as damaged, not left by another trajectory."""
+    return resume == "auto" or not (Path(resume) / META_FILE).exists() and not (Path(resume) / STATE_FILE).exists()
+
+
 def _checkpoint_at(path: Path, resume: str) -> Checkpoint:
     """The checkpoint trainer.resume=path names: that checkpoint (it must be good), or the newest good one of
     a run dir or checkpoints dir."""

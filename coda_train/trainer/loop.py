@@ -27,7 +27,7 @@ from coda_train.model.liger import require_liger
 from .build import (build_loader, build_train_state, check_compute, check_model_before_data, data_config,
                     report_untuned_gemms, resolve_model, tune_untuned_gemms)
 from .checkpoint import (CHECKPOINTS_DIR, CheckpointError, Checkpointer, check_ckpt_async, check_same_model,
-                         find_resume_checkpoint, list_checkpoints, restore, set_aside_newer)
+                         find_resume_checkpoint, list_checkpoints, restore, resumes_newest_good, set_aside_newer)
 from .device import pick_compute_dtype, pick_device
 from .distributed import (World, any_rank, barrier, check_fsdp_options, close_world, data_parallel, from_main, init_world,
                           process_device, resolve_parallel)
@@ -140,7 +140,10 @@ def train(cfg: Config, run_dir: Path, sweep_dir: Optional[Path] = None) -> RunEn
                 require_liger(device)
             compute_dtype = pick_compute_dtype(cfg.trainer.compute_dtype, device)
             check_compute(cfg, backend, compute_dtype)
-            check_model_before_data(cfg, backend)
+            # a resumed run takes its weights from its checkpoint: model.init_from's are checked for a new run only
+            resuming = cfg.trainer.resume not in ("auto", "never") or (
+                cfg.trainer.resume == "auto" and bool(list_checkpoints(Path(run_dir) / CHECKPOINTS_DIR)))
+            check_model_before_data(cfg, backend, check_weights=not resuming)
             world = init_world(device.type)
             held.callback(close_world, world)
             parallel = resolve_parallel(cfg.trainer.parallel, world)
@@ -211,10 +214,10 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
     if world.is_main:  # the first writes, after every check
         with writing("the run's config.yaml and metrics.jsonl", run_dir, run_dir):
             if resume_from is not None:
-                # auto-resume continues the newest good checkpoint: any newer one is damaged, not another trajectory
-                set_aside_newer(checkpointer.root, resume_from.step, damaged=t.resume == "auto")
-            # an explicit older checkpoint starts another trajectory: the abandoned one's metrics are kept aside
-            rewind_metrics(run_dir / METRICS_FILE, state.step, keep_dropped=resume_from is not None and t.resume != "auto")
+                set_aside_newer(checkpointer.root, resume_from.step, damaged=resumes_newest_good(t.resume))
+            # an explicitly named older checkpoint starts another trajectory: the abandoned one's metrics are kept aside
+            rewind_metrics(run_dir / METRICS_FILE, state.step,
+                           keep_dropped=resume_from is not None and not resumes_newest_good(t.resume))
             (run_dir / "config.yaml").write_text(OmegaConf.to_yaml({**config, "resolved_model": meta["model"]}))
             if cfg.model.impl == "coda" and backend == "cute":  # the cute backend means a Hopper GPU here
                 report_untuned_gemms(llama, t, gpu_key(torch.cuda.get_device_name(device)), run_dir)

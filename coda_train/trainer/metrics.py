@@ -85,7 +85,9 @@ def rewind_metrics(path: Path, step: int, keep_dropped: bool = False) -> None:
     if len(kept) == len(lines):
         return
     if keep_dropped and dropped:
-        aside = path.with_name(f"{path.stem}.replaced-step_{step:08d}-{os.getpid()}{path.suffix}")
+        n = os.getpid()
+        while (aside := path.with_name(f"{path.stem}.replaced-step_{step:08d}-{n}{path.suffix}")).exists():
+            n += 1  # a PID repeats (containers): the next free name, as for set-aside checkpoints
         write_synced(aside, "".join(dropped).encode())
         log.warning("the metrics of steps after %d (another trajectory) are moved to %s", step, aside)
     tmp = path.with_name(path.name + ".tmp")

@@ -57,7 +57,10 @@ def check_run_dir_path(value: str) -> None:
                           "the run dir and overwrite its files: name a directory (e.g. trainer.run_dir=runs/x), or leave "
                           "trainer.run_dir unset for a fresh timestamped one")
     path = Path(value).expanduser().absolute()
-    existing = next(p for p in (path, *path.parents) if p.exists())  # the run dir, or where it would be made
+    existing = next(p for p in (path, *path.parents) if os.path.lexists(p))  # the run dir, or where it would be made
+    if existing.is_symlink() and not existing.exists():
+        raise ConfigError(f"trainer.run_dir={path}: {existing} is a link to {os.readlink(existing)}, which does not "
+                          "exist; make that directory, remove the link, or name another directory")
     if not existing.is_dir():
         raise ConfigError(f"trainer.run_dir={path}: {existing} is a file, not a directory; name a new or existing "
                           "directory (a run's files go there)")
