@@ -5,11 +5,12 @@
     python train.py -m model.impl=coda,eager           # one run per value (multirun)
 
 Exit codes: 0 finished, or stopped by SIGTERM/SIGINT after saving a checkpoint, or during data preparation
-(a multirun stops too; run again with the trainer.run_dir the message names to continue); 1 bad input (config, data, backend, checkpoint, or the run dir in
-use by another run; nothing trained); 3 the loss or gradient norm became non-finite (that state is not
-saved); in a multirun, a job stopping with 1 or 3 does not stop the sweep: the other jobs run, and train.py then
-exits with the first such job's code, naming each; 4 a file of the run dir could not be written, or the run dir cannot be made (disk full, read-only,
-permissions; the newest checkpoint is intact: fix the cause and run again to continue).
+(a multirun stops too; run again with the trainer.run_dir the message names to continue); 1 bad input (config,
+data, backend, checkpoint, or the run dir in use by another run; nothing trained); 3 the loss or gradient norm
+became non-finite (that state is not saved); 4 a file of the run dir could not be written, or the run dir cannot
+be made (disk full, read-only, permissions; the newest checkpoint is intact: fix the cause and run again to
+continue). In a multirun, a job stopping with 1 or 3 does not stop the sweep: the other jobs run, and train.py
+then names each failed job and exits with the first one's code.
 """
 
 import logging

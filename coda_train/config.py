@@ -130,7 +130,8 @@ PATH_SETTINGS = ("trainer.run_dir", "trainer.resume", "model.init_from", "data.s
 
 
 def expand_home(cfg: Config) -> Config:
-    """cfg with a leading ~ of every PATH_SETTINGS value expanded, in place: the one place they are expanded."""
+    """cfg with a leading ~ of every PATH_SETTINGS value expanded, in place, as the run config reaches the trainer
+    (the data layer, also used without it, expands its own paths as well)."""
     for key in PATH_SETTINGS:
         group, name = key.split(".")
         node = getattr(cfg, group)
