@@ -30,6 +30,7 @@ from coda_train.trainer.distributed import PARALLEL
 from coda_train.trainer.graphs import CUDA_GRAPHS
 from coda_train.trainer.metrics import LOGGERS, WANDB_MODES, LoggerConfig
 from coda_train.trainer.optim import OPTIMIZERS, SCHEDULES, OptimConfig
+from coda_train.trainer.rundir import check_run_dir_not_empty
 
 
 def _model_schema() -> type:
@@ -160,10 +161,7 @@ def _non_finite_floats(node: Any, prefix: str = "") -> list[tuple[str, Any, Any]
 def check_config(cfg: Config) -> None:
     """Cross-field checks hydra's types cannot express; raises ConfigError (DataError for data.*) naming the fix."""
     t, o = cfg.trainer, cfg.optim
-    if t.run_dir is not None and not t.run_dir.strip():  # hydra would take it for the current directory
-        raise ConfigError(f"trainer.run_dir={t.run_dir!r} is empty, which would make the current directory the run dir "
-                          "and overwrite its files: name a directory (e.g. trainer.run_dir=runs/x), or leave it unset "
-                          "for a fresh timestamped one")
+    check_run_dir_not_empty(t.run_dir)  # also one set past the command line, which train.py checks before hydra
     for key, value, default in _non_finite_floats(cfg):  # NaN passes every comparison below
         works = "null (the preset's value)" if default is None else repr(default)
         raise ConfigError(f"{key}={value} is not a finite number; every float setting must be finite "

@@ -48,14 +48,19 @@ def _fix(e: OSError, run_dir: Path) -> str:
     return f"Check that filesystem ({errno.errorcode.get(e.errno, 'unknown error')}), or choose another trainer.run_dir"
 
 
+def check_run_dir_not_empty(value: Optional[str]) -> None:
+    """An empty trainer.run_dir, which hydra would take for the current directory: ConfigError."""
+    if value is not None and not value.strip():
+        raise ConfigError(f"trainer.run_dir={value!r} is empty, which would make the current directory ({Path.cwd()}) "
+                          "the run dir and overwrite its files: name a directory (e.g. trainer.run_dir=runs/x), or leave "
+                          "trainer.run_dir unset for a fresh timestamped one")
+
+
 def check_run_dir_path(value: str) -> None:
     """What hydra needs to make trainer.run_dir=value, checked before it tries (where it cannot, it stops with a
     traceback): a non-empty path whose nearest existing ancestor is a directory this user can create files in.
     ConfigError (exit 1) or RunDirError (exit 4) naming the fix; nothing is written."""
-    if not value.strip():
-        raise ConfigError(f"trainer.run_dir={value!r} is empty, which would make the current directory ({Path.cwd()}) "
-                          "the run dir and overwrite its files: name a directory (e.g. trainer.run_dir=runs/x), or leave "
-                          "trainer.run_dir unset for a fresh timestamped one")
+    check_run_dir_not_empty(value)
     path = Path(value).expanduser().absolute()
     existing = next(p for p in (path, *path.parents) if os.path.lexists(p))  # the run dir, or where it would be made
     if existing.is_symlink() and not existing.exists():
