@@ -273,6 +273,9 @@ def build(impl: str, cfg, state: dict):
     else:
         model = build_model(cfg, impl, backend=backend, compute_dtype=COMPUTE_DTYPE).to(DEVICE)
     model.load_state_dict(state)
+    # only the trainer's AdamW (bench_model's full step) updates these weights, as in train.py: the timed forwards
+    # keep their compute copies (weights.py) instead of casting every weight again
+    model.weight_updates_tracked = True
     return model
 
 

@@ -559,6 +559,7 @@ def test_bf16_compute_copies_are_cast_once_per_update_and_gradients_stay_fp32(mo
     copy); its weight gradients arrive in fp32 straight from the ops (never rounded to bf16 on the way)."""
     cfg = preset("tiny", **SMALL, n_layers=2, tie_embeddings=tied)
     _, coda = make_pair(cfg, torch.float32, compute_dtype=torch.bfloat16)
+    coda.weight_updates_tracked = True  # as under the trainer's AdamW: an update is seen by its version counter
     copies = []
     real_copy = torch._foreach_copy_
     monkeypatch.setattr(torch, "_foreach_copy_", lambda dst, src: (copies.append(len(dst)), real_copy(dst, src)))
@@ -613,22 +614,41 @@ def test_training_after_a_forward_under_inference_mode(impl):
                     p.sub_(1e-2 * p.grad)
 
 
-def test_compute_copies_follow_a_fused_optimizer_step_when_forced():
-    """torch's fused AdamW updates the weights in place without bumping their version counters, so
-    the version check alone would keep computing with the old weights: force=True rewrites them. The
-    trainer's AdamW keeps them current itself (tests/test_optimizer.py)."""
+def test_compute_copies_follow_updates_no_version_counter_sees():
+    """torch's fused AdamW (and p.data.add_) update the weights in place without bumping their version counters:
+    outside the trainer (no AdamW of ours vouching for every update) each forward rewrites the copies, so the
+    model computes with the updated weights, as the eager model does; force=True does the same on request."""
     cfg = preset("tiny", **SMALL, n_layers=1)
-    _, coda = make_pair(cfg, torch.float32, compute_dtype=torch.bfloat16)
-    eager, _ = make_pair(cfg, torch.float32, compute_dtype=torch.bfloat16)
+    eager, coda = make_pair(cfg, torch.float32, compute_dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(10)
     tokens, targets = (torch.randint(0, cfg.vocab_size, (2, 16), generator=g) for _ in range(2))
-    coda(tokens, targets).backward()
+    for m in (eager, coda):
+        m(tokens, targets).backward()
     w = coda.layers[0].w_down
-    optimizer = torch.optim.AdamW(coda.parameters(), lr=0.1, fused=True)
     version = w._version
-    optimizer.step()
-    assert w._version == version  # the reason for force=True
+    for m in (eager, coda):
+        torch.optim.AdamW(m.parameters(), lr=0.1, fused=True).step()
+    assert w._version == version  # unseen by the version check
+    with torch.no_grad():
+        assert coda(tokens, targets).item() == pytest.approx(eager(tokens, targets).item(), rel=2e-2)
+    assert torch.equal(coda.compute_copy(w), w.detach().bfloat16())
+    w.data.add_(1.0)  # unseen too
+    with torch.no_grad():
+        coda(tokens, targets)
+    assert torch.equal(coda.compute_copy(w), w.detach().bfloat16())
+    coda.weight_updates_tracked = True  # the trainer's contract: then force=True is the way to show such an update
+    w.data.add_(1.0)
     coda.refresh_compute_copies(force=True)
     assert torch.equal(coda.compute_copy(w), w.detach().bfloat16())
     eager.refresh_compute_copies(force=True)
     assert eager._copies == {}  # a model that never read copies gets none
+
+
+def test_the_trainers_adamw_vouches_for_every_update():
+    from coda_train.config import OptimConfig
+    from coda_train.trainer.optim import build_optimizer
+
+    _, coda = make_pair(preset("tiny", **SMALL, n_layers=1), torch.float32, compute_dtype=torch.bfloat16)
+    assert not coda.weight_updates_tracked
+    build_optimizer(coda, OptimConfig(), torch.device("cpu"))
+    assert coda.weight_updates_tracked

@@ -56,6 +56,10 @@ class LlamaWeights(nn.Module):
         self._rope_cache: dict[tuple, Tensor] = {}  # (rows, seq_len, device, dtype) -> table
         # id(parameter) -> (the parameter, (version, data_ptr) it was copied at, its compute-dtype copy)
         self._copies: dict[int, tuple[Tensor, tuple[int, int], Tensor]] = {}
+        # whether every update of the weights bumps their version counters or writes the copies (the trainer's
+        # AdamW sets it); until then any optimizer may update in place unseen (torch's fused ones, p.data.add_),
+        # so every forward rewrites the copies: the casts eager pays, never stale weights
+        self.weight_updates_tracked = False
         self.reset_parameters()
 
     @property
@@ -91,7 +95,8 @@ class LlamaWeights(nn.Module):
         in every forward and backward. A change is seen through the parameter's version counter (an
         in-place op, a load). Fused optimizers update in place without bumping it: the trainer's
         fused AdamW writes the copies itself (compute_copies, trainer/optim.py), and after any other
-        such update force=True rewrites every copy. Copies exist only for the parameters the model
+        such update force=True rewrites every copy; so does every call while weight_updates_tracked is
+        False (a model outside the trainer, under any optimizer). Copies exist only for the parameters the model
         has read through compute_copy: one read in its own dtype (the CODA embedding table, gathered
         row by row) or a model that reads none (the eager one) costs no memory. FSDP2's sharded
         parameters are gathered in the compute dtype and need none."""
@@ -101,7 +106,7 @@ class LlamaWeights(nn.Module):
                 del self._copies[key]
                 continue
             now = (p._version, p.data_ptr())
-            if force or now != seen:
+            if force or not self.weight_updates_tracked or now != seen:
                 stale.append(copy)
                 sources.append(p.detach())
                 self._copies[key] = (p, now, copy)

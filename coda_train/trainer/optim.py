@@ -47,6 +47,8 @@ class AdamW(torch.optim.AdamW):
         super().__init__(params, **kwargs)
         self._step_supports_amp_scaling = False  # the pass applies no grad_scale: a GradScaler must unscale first
         self.model = model
+        if hasattr(model, "weight_updates_tracked"):  # this step writes the copies (fused) or bumps the versions (foreach)
+            model.weight_updates_tracked = True
         self.grad_factor: Optional[torch.Tensor] = None
         self._check_groups()
 
