@@ -14,6 +14,7 @@ then names each failed job and exits with the first one's code.
 """
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -88,7 +89,17 @@ def check_run_dirs(argv: list[str]) -> None:
             sys.exit(exit_code(e))
 
 
+def refuse_a_sweep_under_torchrun(argv: list[str]) -> None:
+    """A multirun's second job would set up the process group again inside the same torchrun workers, which
+    hangs in its first collective: one torchrun per job instead."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and ({"-m", "--multirun"} & set(argv)):
+        print("a multirun sweep (-m) cannot run under torchrun (its second job would hang setting up the processes "
+              "again); launch one torchrun per job instead, e.g. a shell loop over the values", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+
+
 if __name__ == "__main__":
+    refuse_a_sweep_under_torchrun(sys.argv[1:])
     check_run_dirs(sys.argv[1:])
     try:
         main()

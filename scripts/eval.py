@@ -5,7 +5,8 @@
                            [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16] [--tokenizer PATH]
 
 By default it evaluates the run's own prepared data (`--split`, the val split unless told otherwise),
-in windows of the run's trainer.seq_len. With --text, each file is one document, tokenized with the
+in windows of the run's trainer.seq_len: every window of the split, so the loss does not depend on --batch-size
+(--max-batches N reads the first N batches of --batch-size windows). With --text, each file is one document, tokenized with the
 checkpoint's tokenizer and followed by EOS, as preparation does. The eager model computes the loss,
 whatever impl trained the checkpoint (one parameter layout).
 """
@@ -64,7 +65,8 @@ def eval_batches(data: PreparedData, split: str, batch_size: int, seq_len: int, 
         raise DataError(f"the {split} split of {data.path} holds {data.num_tokens(split):,} tokens, fewer than one batch "
                         f"of {batch_size} windows of {seq_len}+1; pass a smaller --batch-size or --seq-len, {other_split}"
                         "or --text FILE ...") from e
-    return loader.iter_eval(max_batches)
+    # the whole split: every window, whatever the batch size (the run's per-process batch differs between layouts)
+    return loader.iter_eval(every_window=True) if max_batches is None else loader.iter_eval(max_batches)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -345,6 +345,10 @@ def test_eval_script_reports_loss_and_perplexity_of_the_val_split_and_of_text_fi
     assert result.returncode == 0, result.stderr[-3000:]
     loss, ppl = map(float, re.search(r"loss ([\d.]+) \| perplexity ([\d.]+)", result.stdout).groups())
     assert "val split" in result.stdout and "384 tokens" in result.stdout  # 3 batches x 4 x 32
+    # the whole split: every window, so the loss and its token count do not depend on --batch-size
+    whole = [run_script("eval.py", str(trained_run), "--batch-size", b, "--device", "cpu") for b in ("3", "4")]
+    assert all(r.returncode == 0 for r in whole), whole[0].stderr[-2000:]
+    assert whole[0].stdout.splitlines()[1:] == whole[1].stdout.splitlines()[1:]
     ckpt = open_checkpoint(trained_run)
     model = load_eager_model(ckpt, torch.device("cpu"), torch.float32)
     expected, count = mean_loss(model, TokenLoader(ckpt.data, "val", 4, 32, seed=0).iter_eval(3), torch.device("cpu"))

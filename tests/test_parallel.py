@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -499,3 +500,20 @@ def test_a_stop_that_begins_on_another_rank_is_logged_in_train_log(tiny, tmp_pat
     assert result.returncode != 0
     log = (run_dir / "train.log").read_text()
     assert "rank 1 stopped: shard train_00000.bin holds a damaged token (test)" in log, log[-2000:]
+
+
+def test_two_ranks_without_a_run_dir_leave_one_timestamped_dir(tiny, tmp_path):
+    """Hydra times a run dir in every process; rank 0's is the run's, and the other rank's unused one is removed."""
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(REPO / "train.py"), *tiny, "trainer.max_steps=1", "trainer.eval_every=0"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (day,) = (tmp_path / "outputs").iterdir()
+    (run_dir,) = day.iterdir()
+    assert [m["step"] for m in metrics(run_dir)] == [1]
+
+
+def test_a_sweep_under_torchrun_is_refused_before_it_hangs(tmp_path):
+    result = subprocess.run([sys.executable, "train.py", "-m", "model.impl=eager,coda"], cwd=REPO, capture_output=True,
+                            text=True, timeout=60, env={**os.environ, "WORLD_SIZE": "2"})
+    assert result.returncode == 1 and "a multirun sweep (-m) cannot run under torchrun" in result.stderr, result.stderr

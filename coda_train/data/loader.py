@@ -62,8 +62,16 @@ class TokenLoader:
         self.step += 1
         return self._batch(windows)
 
-    def iter_eval(self, num_batches: Optional[int] = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """The same batches on every call (windows in storage order, disjoint per rank); does not move the training position."""
+    def iter_eval(self, num_batches: Optional[int] = None, every_window: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The same batches on every call (windows in storage order, disjoint per rank); does not move the training
+        position. every_window (one process, num_batches None): every window of the split, the last batch partial,
+        so what is evaluated does not depend on batch_size (scripts/eval.py)."""
+        if every_window:
+            if self.world_size != 1 or num_batches is not None:
+                raise ValueError("every_window reads the whole split in one process")
+            for start in range(0, self.num_windows, self.batch_size):
+                yield self._batch(np.arange(start, min(start + self.batch_size, self.num_windows)))
+            return
         steps = self.steps_per_epoch if num_batches is None else min(num_batches, self.steps_per_epoch)
         windows = np.arange(self.rank, self.windows_per_rank * self.world_size, self.world_size)
         for step in range(steps):

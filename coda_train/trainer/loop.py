@@ -72,10 +72,11 @@ def _announced_settings(config: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def changes_since_checkpoint(saved: dict[str, Any], cfg: Config, step: int, world_size: int) -> list[str]:
-    """What the resumed run does differently from the run that saved the checkpoint at `step`, as log lines:
-    the optim.*, trainer.*, kernels.* and model.impl values that changed, and what a changed max_steps or
-    grad_accum_steps does."""
+def changes_since_checkpoint(saved: dict[str, Any], cfg: Config, step: int, world_size: int,
+                             saved_world_size: Optional[int]) -> list[str]:
+    """What the resumed run does differently from the run that saved the checkpoint at `step` (its config and its
+    number of processes, unknown for checkpoints before 2026-12-05), as log lines: the optim.*, trainer.*, kernels.*
+    and model.impl values that changed, and what a longer max_steps or another global batch does."""
     before, now = _announced_settings(saved), _announced_settings(OmegaConf.to_container(OmegaConf.structured(cfg)))
     changed = {k: (before[k], v) for k, v in now.items() if k in before and before[k] != v and k not in _RESUME_IGNORED}
     if not changed:
@@ -89,12 +90,14 @@ def changes_since_checkpoint(saved: dict[str, Any], cfg: Config, step: int, worl
             lines.append(f"the {cfg.optim.schedule} schedule now spans {new_max} steps, not {old_max}: the learning rate at "
                          f"step {step + 1} is {new_lr:.3g} where the saved run's would be {old_lr:.3g}; keep "
                          f"trainer.max_steps={old_max} to continue its schedule")
-    if "trainer.grad_accum_steps" in changed:
-        old_a, new_a = changed["trainer.grad_accum_steps"]
-        micro = cfg.trainer.batch_size * world_size
-        lines.append(f"trainer.grad_accum_steps {old_a} -> {new_a}: each optimizer step now reads {micro * new_a} windows "
-                     f"(was {micro * old_a}), and validation reads eval_batches global batches of the new size, so "
-                     f"val_loss from step {step + 1} on is over other windows than before")
+    old_global = before["trainer.batch_size"] * saved_world_size * before["trainer.grad_accum_steps"] \
+        if saved_world_size is not None and "trainer.batch_size" in before and "trainer.grad_accum_steps" in before else None
+    new_global = cfg.trainer.batch_size * world_size * cfg.trainer.grad_accum_steps
+    if old_global is not None and old_global != new_global:  # (the loader refuses other changes of the global batch)
+        lines.append(f"the global batch (trainer.batch_size x processes x trainer.grad_accum_steps) is now {new_global} "
+                     f"windows, was {old_global}: each optimizer step reads more or fewer windows, and validation reads "
+                     f"eval_batches global batches of the new size, so val_loss from step {step + 1} on is over other "
+                     "windows than before")
     return lines
 
 
@@ -150,7 +153,9 @@ def train(cfg: Config, run_dir: Path, sweep_dir: Optional[Path] = None) -> RunEn
             check_fsdp_options(parallel, cfg.trainer.fsdp_reshard_after_forward)
             check_ckpt_async(cfg.trainer.ckpt_async, parallel)
             cuda_graphs = use_cuda_graphs(cfg.trainer.cuda_graphs, cfg.model.impl, device, parallel)
-            run_dir = from_main(run_dir, world)
+            own_dir, run_dir = run_dir, from_main(run_dir, world)
+            if own_dir != run_dir and own_dir.is_dir() and not any(own_dir.iterdir()):
+                own_dir.rmdir()  # the dir hydra timed for this rank alone, unused: rank 0's is the run's
             held.enter_context(hold_run_dir(run_dir, world))  # before anything reads or writes the run dir
             holding = True
             result = _train(cfg, run_dir, backend, process_device(device, world), compute_dtype, world, parallel,
@@ -196,7 +201,8 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
         apply_config_after_resume(state.optimizer, state.scheduler, cfg.optim)
         if world.is_main:  # once, not once per rank
             log.info("resumed from %s (step %d)", resume_from.path, state.step)
-            for line in changes_since_checkpoint(resume_from.meta.get("config", {}), cfg, state.step, world.world_size):
+            for line in changes_since_checkpoint(resume_from.meta.get("config", {}), cfg, state.step, world.world_size,
+                                                 resume_from.meta.get("world_size")):
                 log.warning("%s", line)
     config = OmegaConf.to_container(OmegaConf.structured(cfg))
     config["trainer"]["run_dir"] = str(run_dir)  # this job's dir (a multirun gives each job its own)
@@ -206,7 +212,7 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
         config["model"]["init_from"] = str(Path(cfg.model.init_from).expanduser().absolute())
     # the folder itself too: the tools reopen it also after the corpus has moved or changed
     meta = {"model": dataclasses.asdict(llama), "impl": cfg.model.impl, "config": config,
-            "prepared_data": str(data.path.absolute())}
+            "prepared_data": str(data.path.absolute()), "world_size": world.world_size}
     checkpointer = Checkpointer(run_dir / CHECKPOINTS_DIR, t.keep_last, meta, resume_from,
                                 cfg.debug.sigkill_in_checkpoint_at_step, cfg.debug.disk_full_in_checkpoint_at_step,
                                 t.ckpt_async)
