@@ -10,7 +10,7 @@ import os
 import socket
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +21,15 @@ def write_synced(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def unused_name(name_for: Callable[[int], Path]) -> Path:
+    """name_for(n) for the first n from this process's PID that names nothing yet: what a run sets aside is named
+    after it, and a PID repeats across runs (a container's entrypoint gets the same one at every launch)."""
+    n = os.getpid()
+    while name_for(n).exists():
+        n += 1
+    return name_for(n)
 
 
 def fsync_dir(path: Path) -> None:

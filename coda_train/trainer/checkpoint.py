@@ -57,7 +57,7 @@ from coda_train.data.config import DataError
 from coda_train.errors import ConfigError
 from coda_train.model import LlamaConfig
 
-from ..durable import fsync_dir, sha256_file, write_synced
+from ..durable import fsync_dir, sha256_file, unused_name, write_synced
 from .distributed import World, from_main
 from .metrics import METRICS_FILE
 from .state import TrainState
@@ -141,10 +141,7 @@ def set_aside_newer(root: Path, step: int, damaged: bool) -> None:
     kind = "damaged" if damaged else "replaced"
     for path in list_checkpoints(root):
         if int(STEP_DIR.match(path.name).group(1)) > step:
-            n = os.getpid()
-            while (root / f".{kind}-{path.name}-{n}").exists():
-                n += 1
-            aside = root / f".{kind}-{path.name}-{n}"
+            aside = unused_name(lambda n: root / f".{kind}-{path.name}-{n}")
             if damaged:
                 log.warning("this run continues from step %d, so the damaged checkpoint %s is moved to %s and kept "
                             "(never pruned): repair it and rename it back to resume from it, or delete it", step, path, aside)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from coda_train.durable import write_synced
+from coda_train.durable import unused_name, write_synced
 from coda_train.errors import ConfigError
 
 from .step import StepResult
@@ -85,9 +85,7 @@ def rewind_metrics(path: Path, step: int, keep_dropped: bool = False) -> None:
     if len(kept) == len(lines):
         return
     if keep_dropped and dropped:
-        n = os.getpid()
-        while (aside := path.with_name(f"{path.stem}.replaced-step_{step:08d}-{n}{path.suffix}")).exists():
-            n += 1  # a PID repeats (containers): the next free name, as for set-aside checkpoints
+        aside = unused_name(lambda n: path.with_name(f"{path.stem}.replaced-step_{step:08d}-{n}{path.suffix}"))
         write_synced(aside, "".join(dropped).encode())
         log.warning("the metrics of steps after %d (another trajectory) are moved to %s", step, aside)
     tmp = path.with_name(path.name + ".tmp")
