@@ -1,6 +1,7 @@
 """Data pipeline: tokenizer, preparation, loader, and every bad input named in issue 3. Tiny corpora; no network."""
 
 import json
+import logging
 import os
 import random
 import subprocess

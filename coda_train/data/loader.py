@@ -127,6 +127,11 @@ class TokenLoader:
             detail = ", ".join(f"{names.get(k, k)}: saved {saved} vs now {now}" for k, (saved, now) in differing.items())
             raise DataError(f"cannot resume the data position, the loader differs from the checkpoint ({detail}); resume "
                             f"with {', '.join(fixes)}")
+        if saved_micro * saved_accum != micro * self.accum_steps and self.rank == 0:  # only another accumulation gets here
+            log.warning("the global batch (trainer.batch_size x processes x trainer.grad_accum_steps) is now %d windows, "
+                        "was %d: each optimizer step reads more or fewer windows, and validation reads eval_batches "
+                        "global batches of the new size, so val_loss from here on is over other windows than before",
+                        micro * self.accum_steps, saved_micro * saved_accum)
         epoch = state.get("epoch", 0)
         if self.steps_per_epoch < step and step * micro <= self.num_windows:
             # a position this layout's epoch never reaches (it ends at its last whole optimizer step): a larger

@@ -72,11 +72,10 @@ def _announced_settings(config: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def changes_since_checkpoint(saved: dict[str, Any], cfg: Config, step: int, world_size: int,
-                             saved_world_size: Optional[int]) -> list[str]:
-    """What the resumed run does differently from the run that saved the checkpoint at `step` (its config and its
-    number of processes, unknown for checkpoints before 2026-12-05), as log lines: the optim.*, trainer.*, kernels.*
-    and model.impl values that changed, and what a longer max_steps or another global batch does."""
+def changes_since_checkpoint(saved: dict[str, Any], cfg: Config, step: int) -> list[str]:
+    """What the resumed run does differently from the run that saved the checkpoint at `step` (its config), as log
+    lines: the optim.*, trainer.*, kernels.* and model.impl values that changed, and what a longer max_steps does
+    (another global batch is the loader's to say: its state holds the saved layout, TokenLoader.load_state_dict)."""
     before, now = _announced_settings(saved), _announced_settings(OmegaConf.to_container(OmegaConf.structured(cfg)))
     changed = {k: (before[k], v) for k, v in now.items() if k in before and before[k] != v and k not in _RESUME_IGNORED}
     if not changed:
@@ -90,14 +89,6 @@ def changes_since_checkpoint(saved: dict[str, Any], cfg: Config, step: int, worl
             lines.append(f"the {cfg.optim.schedule} schedule now spans {new_max} steps, not {old_max}: the learning rate at "
                          f"step {step + 1} is {new_lr:.3g} where the saved run's would be {old_lr:.3g}; keep "
                          f"trainer.max_steps={old_max} to continue its schedule")
-    old_global = before["trainer.batch_size"] * saved_world_size * before["trainer.grad_accum_steps"] \
-        if saved_world_size is not None and "trainer.batch_size" in before and "trainer.grad_accum_steps" in before else None
-    new_global = cfg.trainer.batch_size * world_size * cfg.trainer.grad_accum_steps
-    if old_global is not None and old_global != new_global:  # (the loader refuses other changes of the global batch)
-        lines.append(f"the global batch (trainer.batch_size x processes x trainer.grad_accum_steps) is now {new_global} "
-                     f"windows, was {old_global}: each optimizer step reads more or fewer windows, and validation reads "
-                     f"eval_batches global batches of the new size, so val_loss from step {step + 1} on is over other "
-                     "windows than before")
     return lines
 
 
@@ -201,8 +192,7 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
         apply_config_after_resume(state.optimizer, state.scheduler, cfg.optim)
         if world.is_main:  # once, not once per rank
             log.info("resumed from %s (step %d)", resume_from.path, state.step)
-            for line in changes_since_checkpoint(resume_from.meta.get("config", {}), cfg, state.step, world.world_size,
-                                                 resume_from.meta.get("world_size")):
+            for line in changes_since_checkpoint(resume_from.meta.get("config", {}), cfg, state.step):
                 log.warning("%s", line)
     config = OmegaConf.to_container(OmegaConf.structured(cfg))
     config["trainer"]["run_dir"] = str(run_dir)  # this job's dir (a multirun gives each job its own)
@@ -212,7 +202,7 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
         config["model"]["init_from"] = str(Path(cfg.model.init_from).expanduser().absolute())
     # the folder itself too: the tools reopen it also after the corpus has moved or changed
     meta = {"model": dataclasses.asdict(llama), "impl": cfg.model.impl, "config": config,
-            "prepared_data": str(data.path.absolute()), "world_size": world.world_size}
+            "prepared_data": str(data.path.absolute())}
     checkpointer = Checkpointer(run_dir / CHECKPOINTS_DIR, t.keep_last, meta, resume_from,
                                 cfg.debug.sigkill_in_checkpoint_at_step, cfg.debug.disk_full_in_checkpoint_at_step,
                                 t.ckpt_async)
