@@ -397,6 +397,10 @@ def gap_table(r: dict) -> list[str]:
                  + more(f"{gap_b2b - total_excess_b2b - idle:+.2f}"))
     lines.append(f"| **total** | | | **{gap:+.2f}** ({name} {ms:.2f} − floor {floor['fwd_bwd']['median_ms']:.2f}) |"
                  + (f" | **{gap_b2b:+.2f}** (− floor back to back {b2b['median_ms']:.2f}) |" if b2b_ms else ""))
+    if prof.get("weights_recast_every_forward"):  # bench.py's profile before the fix of 2026-12-05
+        lines += ["", "This profile's model cast every weight to its bf16 compute copy in every forward (its "
+                  "`[copies / casts]` row); the timed coda steps keep their copies between optimizer steps, so that "
+                  "row is not part of the total, and the rest row, negative by as much, takes it back."]
     return lines
 
 

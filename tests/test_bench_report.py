@@ -145,6 +145,19 @@ def test_profile_from_a_profile_only_run_and_old_profiles_ignored(tmp_path):
     assert "--tag=-profile" in text and "| rope_backward_rowscale_stat | 9.500 |" in text and "| gemm_rowscale_rope | 7.000 |" not in text
 
 
+def test_a_profile_whose_model_recast_its_weights_every_forward_says_so_under_its_gap_table(tmp_path):
+    plain, recast = _result("125m"), _result("1b-4x4096")
+    recast["coda_profile"]["weights_recast_every_forward"] = True  # bench.py's profiles before the 2026-12-05 fix
+    plain["coda_profile"]["weights_recast_every_forward"] = False
+    for name, r in (("a.json", plain), ("b.json", recast)):
+        (tmp_path / name).write_text(json.dumps(r))
+    md = tmp_path / "r.md"
+    _report([tmp_path / "a.json", tmp_path / "b.json"], md, tmp_path / "r.png", tmp_path)
+    text = md.read_text()
+    note = "This profile's model cast every weight to its bf16 compute copy in every forward"
+    assert text.count(note) == 1 and text.index(note) > text.index("### 1b-4x4096")
+
+
 def test_peers_from_separate_runs_compare_within_their_own_run(tmp_path):
     """A newer run with a floor is the shape's main run; a separate `--variants compile-max-autotune,coda`
     run (and an older full run with Liger) add their peers, each against the CODA step of its own run."""
