@@ -221,11 +221,13 @@ def check_config(cfg: Config) -> None:
 INIT_FROM_MAY_CHANGE = ("init_std", "max_seq_len")
 
 
-def _init_from_config(model: ModelConfig, overrides: dict[str, Any], tokenizer_vocab_size: int) -> LlamaConfig:
-    """The shape of the Hugging Face model at model.init_from; other shape overrides are refused, not ignored."""
+def _init_from_config(model: ModelConfig, overrides: dict[str, Any], tokenizer_vocab_size: int,
+                      init_from_shape: Optional[LlamaConfig]) -> LlamaConfig:
+    """The shape of the Hugging Face model at model.init_from (init_from_shape where given); other shape
+    overrides are refused, not ignored."""
     from coda_train.model.hf import llama_config_from_hf
 
-    llama = llama_config_from_hf(model.init_from)
+    llama = llama_config_from_hf(model.init_from) if init_from_shape is None else init_from_shape
     clash = {k: v for k, v in overrides.items() if k not in INIT_FROM_MAY_CHANGE and v != getattr(llama, k)}
     if clash:
         raise ConfigError(f"model.init_from={model.init_from} fixes the model's shape, but the config also sets "
@@ -238,13 +240,15 @@ def _init_from_config(model: ModelConfig, overrides: dict[str, Any], tokenizer_v
     return dataclasses.replace(llama, **{k: v for k, v in overrides.items() if k in INIT_FROM_MAY_CHANGE}).validate()
 
 
-def resolve_model_config(model: ModelConfig, tokenizer_vocab_size: int, seq_len: int) -> LlamaConfig:
+def resolve_model_config(model: ModelConfig, tokenizer_vocab_size: int, seq_len: int,
+                         init_from_shape: Optional[LlamaConfig] = None) -> LlamaConfig:
     """The LlamaConfig this run trains: the preset (or the Hugging Face model at model.init_from), the
-    non-null overrides, and a vocab that fits the tokenizer."""
+    non-null overrides, and a vocab that fits the tokenizer. init_from_shape: model.init_from's shape as a
+    resumed run's checkpoint records it, read instead of that directory (which may be gone by then)."""
     fields = {f.name for f in dataclasses.fields(LlamaConfig)}
     overrides = {k: v for k, v in dataclasses.asdict(model).items() if k in fields and v is not None}
     if model.init_from is not None:
-        llama = _init_from_config(model, overrides, tokenizer_vocab_size)
+        llama = _init_from_config(model, overrides, tokenizer_vocab_size, init_from_shape)
     else:
         llama = _preset_config(model, overrides, tokenizer_vocab_size)
     if seq_len > llama.max_seq_len:

@@ -119,18 +119,29 @@ def open_checkpoint(path: str | Path, tokenizer: Optional[str] = None,
 
 
 def run_prepared_data(meta: dict[str, Any]) -> PreparedData:
-    """The prepared folder the run trained on, as its meta.json recorded it, which needs neither the corpus
-    nor the folder's old name; where that folder is gone (or the checkpoint predates the record), the run's
-    data prepared again from its data.source (reused from data.cache_dir when the inputs are unchanged)."""
+    """The prepared folder the run trained on (recorded_prepared_data); where that folder is gone (or the
+    checkpoint predates the record), the run's data prepared again from its data.source (reused from
+    data.cache_dir when the inputs are unchanged)."""
     cfg = run_data_config(meta)
+    data = recorded_prepared_data(meta, cfg.verify_shards)
+    if data is not None:
+        return data
     folder = meta.get("prepared_data")
-    if folder is not None and (Path(folder) / MANIFEST).is_file():
-        return PreparedData.open(folder, verify=cfg.verify_shards)
     try:
         return prepare(cfg)
     except DataError as e:
         gone = f"the run's prepared data {folder} is gone" if folder is not None else "the checkpoint records no prepared data"
         raise DataError(f"{gone}, and preparing it again failed: {e}. {TOOLS_FIX}") from e
+
+
+def recorded_prepared_data(meta: dict[str, Any], verify: str) -> Optional[PreparedData]:
+    """The prepared folder the run trained on, as its meta.json recorded it, which needs neither the corpus nor
+    the folder's old name (nor the tokenizer it was prepared with); None where that folder is gone or the
+    checkpoint predates the record. verify: data.verify_shards."""
+    folder = meta.get("prepared_data")
+    if folder is None or not (Path(folder) / MANIFEST).is_file():
+        return None
+    return PreparedData.open(folder, verify=verify)
 
 
 def run_data_config(meta: dict[str, Any]) -> DataConfig:

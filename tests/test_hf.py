@@ -324,6 +324,74 @@ def test_a_run_from_init_from_resumes_without_its_weights(exported, tiny, tmp_pa
     assert "resumed from" in result.stdout + result.stderr
 
 
+def _metrics_without_timing(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if k not in ("tokens_per_s", "elapsed_s")}
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_run_from_init_from_resumes_after_that_directory_is_gone(exported, tiny, tmp_path):
+    """model.init_from deleted after the run began (an HF cache cleaned): the resumed run takes the model's shape
+    from its checkpoint and its data from the checkpoint's prepared folder (its tokenizer was that directory's),
+    and continues as the uninterrupted run does; a new run from the missing directory still stops at once."""
+    start = tmp_path / "start"
+    shutil.copytree(exported, start)
+    # validation at every checkpoint: the interrupted run validates at its last step, as the straight one must
+    run = [*tiny, f"model.init_from={start}", "trainer.ckpt_every=2", "trainer.eval_every=2",
+           f"data.cache_dir={tmp_path / 'cache'}"]
+    straight = _train_cli(*run, f"trainer.run_dir={tmp_path / 'straight'}", "trainer.max_steps=4")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    assert _train_cli(*run, f"trainer.run_dir={tmp_path / 'run'}", "trainer.max_steps=2").returncode == 0
+    prepared = sorted((tmp_path / "cache").iterdir())
+    shutil.rmtree(start)
+
+    result = _train_cli(*run, f"trainer.run_dir={tmp_path / 'run'}", "trainer.max_steps=4")
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    assert (f"model.init_from={start} holds no config.json any more: this resumed run takes the model's shape and its "
+            f"prepared data from its checkpoint {tmp_path / 'run' / 'checkpoints' / 'step_00000002'}") in out
+    assert _metrics_without_timing(tmp_path / "run") == _metrics_without_timing(tmp_path / "straight")
+    assert sorted((tmp_path / "cache").iterdir()) == prepared  # nothing prepared again
+
+    result = _train_cli(*run, f"trainer.run_dir={tmp_path / 'new'}", f"data.cache_dir={tmp_path / 'new-cache'}")
+    assert result.returncode == 1 and f"{start} has no config.json" in result.stdout + result.stderr
+    assert not (tmp_path / "new-cache").exists()  # refused before any data work
+
+
+def test_a_resume_that_cannot_find_its_data_without_init_from_names_the_fix(exported, tiny, tmp_path):
+    """model.init_from gone (its tokenizer the data's) and the checkpoint's prepared folder gone too, or other data
+    settings: the resumed run stops before building the model, naming the fixes, and leaves the run as it was;
+    data.tokenizer set to a copy of that tokenizer then continues it."""
+    start, tokenizer = tmp_path / "start", tmp_path / "tokenizer"
+    shutil.copytree(exported, start)
+    shutil.copytree(exported, tokenizer, ignore=shutil.ignore_patterns("*.safetensors*", "config.json"))
+    run = [*tiny, f"trainer.run_dir={tmp_path / 'run'}", f"model.init_from={start}", "trainer.ckpt_every=2",
+           f"data.cache_dir={tmp_path / 'cache'}"]
+    assert _train_cli(*run, "trainer.max_steps=2").returncode == 0
+    shutil.rmtree(start)
+    before = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file() and p.name not in (".lock", "train.log")}
+
+    result = _train_cli(*run, "trainer.max_steps=4", "data.val_fraction=0.2")
+    out = result.stdout + result.stderr
+    assert result.returncode == 1 and "Traceback" not in out, out[-3000:]
+    assert (f"model.init_from={start} is gone, and its tokenizer is the data's (data.tokenizer is unset): this run's data "
+            "settings differ from the checkpoint's (data.val_fraction: checkpoint 0.1 vs this run 0.2)") in out
+    assert "or resume with the checkpoint's data settings" in out
+
+    (folder,) = (tmp_path / "cache").iterdir()
+    folder.rename(tmp_path / "aside")
+    result = _train_cli(*run, "trainer.max_steps=4")
+    out = result.stdout + result.stderr
+    assert result.returncode == 1 and f"the checkpoint's prepared data {folder} is gone" in out, out[-3000:]
+    assert f"Restore {start}, or set data.tokenizer to a copy of that model's tokenizer" in out
+    assert "M params" not in out  # stopped before the model was built
+    after = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file() and p.name not in (".lock", "train.log")}
+    assert after == before
+
+    result = _train_cli(*run, "trainer.max_steps=4", f"data.tokenizer={tokenizer}")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert [m["step"] for m in _metrics_without_timing(tmp_path / "run")] == [1, 2, 3, 4]
+
+
 def test_init_from_a_model_with_fewer_tokens_than_the_tokenizer_is_refused(exported):
     from coda_train.config import ModelConfig, resolve_model_config
 

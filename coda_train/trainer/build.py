@@ -12,15 +12,18 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any, Optional
 
 import torch
 
 from coda_train.config import Config, TrainerConfig, resolve_model_config
-from coda_train.data import DataConfig, PreparedData, TokenLoader
+from coda_train.data import DataConfig, DataError, PreparedData, TokenLoader
 from coda_train.data.tokenizer import load_tokenizer
 from coda_train.errors import ConfigError
+from coda_train.inference import recorded_prepared_data, run_data_config
 from coda_train.model import LlamaConfig, build_model, kernel_shape_errors
 
+from .checkpoint import Checkpoint
 from .distributed import World, barrier, from_main, shard_model
 from .optim import build_optimizer, build_scheduler
 from .state import TrainState, seed_all
@@ -43,6 +46,40 @@ def data_config(cfg: Config) -> DataConfig:
     return cfg.data.for_model(cfg.model.init_from)
 
 
+def init_from_gone(cfg: Config) -> bool:
+    """model.init_from is set and holds no config.json any more (moved, or an HF cache cleaned): a resumed run then
+    takes the model's shape from its checkpoint and, where that model's tokenizer is the data's, the checkpoint's
+    prepared data (checkpoint_data); a new run stops on it (check_model_before_data)."""
+    return cfg.model.init_from is not None and not (Path(cfg.model.init_from) / "config.json").is_file()
+
+
+# data settings that leave the prepared data as it is (prepare's inputs leave them out)
+_PREPARED_ALIKE = {"num_proc", "streaming", "cache_dir", "verify_shards"}
+
+
+def checkpoint_data(checkpoint: Checkpoint, config: dict[str, Any]) -> PreparedData:
+    """The data of a resumed run whose model.init_from, its data's tokenizer, is gone (init_from_gone): the
+    checkpoint's prepared folder, where this run (config: its run config as meta.json records it) has the
+    checkpoint's data settings. Without that tokenizer the data can be neither found nor prepared otherwise:
+    DataError naming the fix, before any GPU work."""
+    now, saved = run_data_config({"config": config}), run_data_config(checkpoint.meta)
+    changed = [f"data.{f.name}: checkpoint {getattr(saved, f.name)!r} vs this run {getattr(now, f.name)!r}"
+               for f in dataclasses.fields(DataConfig)
+               if f.name not in _PREPARED_ALIKE and getattr(saved, f.name) != getattr(now, f.name)]
+    data = None if changed else recorded_prepared_data(checkpoint.meta, now.verify_shards)
+    if data is not None:
+        return data
+    init_from, folder = config["model"]["init_from"], checkpoint.meta.get("prepared_data")
+    if changed:
+        why = f"this run's data settings differ from the checkpoint's ({', '.join(changed)})"
+    else:
+        why = f"the checkpoint's prepared data {folder} is gone" if folder else "the checkpoint records no prepared data"
+    raise DataError(f"model.init_from={init_from} is gone, and its tokenizer is the data's (data.tokenizer is unset): "
+                    f"{why}, so the run's data can be neither found nor prepared without that tokenizer. Restore "
+                    f"{init_from}, or set data.tokenizer to a copy of that model's tokenizer (its tokenizer.json)"
+                    + (", or resume with the checkpoint's data settings" if changed else ""))
+
+
 def _shape_errors(cfg: Config, llama: LlamaConfig, backend: str) -> list[str]:
     errors = kernel_shape_errors(llama, backend) if cfg.model.impl == "coda" else []  # only coda calls CODA ops
     if errors and cfg.model.init_from is not None:  # its shape is fixed: the model.* changes named are refused
@@ -51,13 +88,16 @@ def _shape_errors(cfg: Config, llama: LlamaConfig, backend: str) -> list[str]:
     return errors
 
 
-def check_model_before_data(cfg: Config, backend: str, check_weights: bool = True) -> None:
+def check_model_before_data(cfg: Config, backend: str, resuming: bool = False) -> None:
     """The model checks that need no tokenizer, before data preparation (which can take long): every
     model field, trainer.seq_len against max_seq_len, and the kernels' shape limits, all but the
     vocabulary's when it follows the tokenizer (model.vocab_size null), and that model.init_from has weights
-    (check_weights: a new run's; a resumed one takes them from its checkpoint).
+    (a new run's; a resumed one takes them from its checkpoint).
     resolve_model repeats the shape checks. Where model.init_from's tokenizer is the data's (no data.tokenizer),
-    it is read here: an error names model.init_from."""
+    it is read here: an error names model.init_from. A resumed run whose model.init_from is gone (init_from_gone)
+    is checked by resolve_model alone, against the shape its checkpoint records."""
+    if resuming and init_from_gone(cfg):
+        return
     vocab = 1 if cfg.model.vocab_size is None else cfg.model.vocab_size  # any vocabulary passes; 0 or less is refused
     llama = resolve_model_config(cfg.model, vocab, cfg.trainer.seq_len)
     errors = _shape_errors(cfg, llama, backend)
@@ -68,15 +108,17 @@ def check_model_before_data(cfg: Config, backend: str, check_weights: bool = Tru
     if cfg.model.init_from is not None:
         from coda_train.model.hf import hf_weight_files
 
-        if check_weights:  # read after data preparation: a missing file would be found that late
+        if not resuming:  # read after data preparation: a missing file would be found that late
             hf_weight_files(cfg.model.init_from)
         if cfg.data.tokenizer is None:
             load_tokenizer(cfg.model.init_from, "model.init_from", "set data.tokenizer to that model's tokenizer")
 
 
-def resolve_model(cfg: Config, tokenizer_vocab_size: int, backend: str) -> LlamaConfig:
-    """The model this run trains, checked against the kernels' shape limits before any GPU work."""
-    llama = resolve_model_config(cfg.model, tokenizer_vocab_size, cfg.trainer.seq_len)
+def resolve_model(cfg: Config, tokenizer_vocab_size: int, backend: str,
+                  init_from_shape: Optional[LlamaConfig] = None) -> LlamaConfig:
+    """The model this run trains, checked against the kernels' shape limits before any GPU work
+    (init_from_shape: see resolve_model_config)."""
+    llama = resolve_model_config(cfg.model, tokenizer_vocab_size, cfg.trainer.seq_len, init_from_shape)
     if errors := _shape_errors(cfg, llama, backend):
         raise ConfigError(f"kernels.backend={backend} cannot run this model: " + "; ".join(errors))
     return llama

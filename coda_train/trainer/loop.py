@@ -24,8 +24,8 @@ from coda_train.kernels.tile_configs import gpu_key
 from coda_train.model import LlamaConfig
 from coda_train.model.liger import require_liger
 
-from .build import (build_loader, build_train_state, check_compute, check_model_before_data, data_config,
-                    report_untuned_gemms, resolve_model, tune_untuned_gemms)
+from .build import (build_loader, build_train_state, check_compute, check_model_before_data, checkpoint_data,
+                    data_config, init_from_gone, report_untuned_gemms, resolve_model, tune_untuned_gemms)
 from .checkpoint import (CHECKPOINTS_DIR, CheckpointError, Checkpointer, check_ckpt_async, check_same_model,
                          find_resume_checkpoint, list_checkpoints, restore, resumes_newest_good, set_aside_newer)
 from .device import pick_compute_dtype, pick_device
@@ -134,10 +134,11 @@ def train(cfg: Config, run_dir: Path, sweep_dir: Optional[Path] = None) -> RunEn
                 require_liger(device)
             compute_dtype = pick_compute_dtype(cfg.trainer.compute_dtype, device)
             check_compute(cfg, backend, compute_dtype)
-            # a resumed run takes its weights from its checkpoint: model.init_from's are checked for a new run only
+            # a resumed run takes its weights from its checkpoint (and its shape where model.init_from is gone):
+            # model.init_from's are checked for a new run only
             resuming = cfg.trainer.resume not in ("auto", "never") or (
                 cfg.trainer.resume == "auto" and bool(list_checkpoints(Path(run_dir) / CHECKPOINTS_DIR)))
-            check_model_before_data(cfg, backend, check_weights=not resuming)
+            check_model_before_data(cfg, backend, resuming)
             world = init_world(device.type)
             held.callback(close_world, world)
             parallel = resolve_parallel(cfg.trainer.parallel, world)
@@ -173,13 +174,27 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
            world: World, parallel: str, cuda_graphs: bool, sweep_dir: Optional[Path]) -> Optional[dict[str, Any]]:
     t = cfg.trainer
     resume_from = find_resume_checkpoint(t.resume, run_dir)  # before data preparation, which can be long
+    config = OmegaConf.to_container(OmegaConf.structured(cfg))
+    config["trainer"]["run_dir"] = str(run_dir)  # this job's dir (a multirun gives each job its own)
+    # local paths absolute, so the tools that reopen the run's data find it from any directory
+    config["data"] = dataclasses.asdict(cfg.data.with_absolute_paths())
+    if cfg.model.init_from is not None:
+        config["model"]["init_from"] = str(Path(cfg.model.init_from).expanduser().absolute())
+    # model.init_from moved or deleted since the run began (an HF cache cleaned): its checkpoint records the shape
+    shape_from_checkpoint = resume_from is not None and init_from_gone(cfg)
+    data_from_checkpoint = shape_from_checkpoint and cfg.data.tokenizer is None  # the tokenizer was init_from's
+    if shape_from_checkpoint and world.is_main:
+        log.warning("model.init_from=%s holds no config.json any more: this resumed run takes the model's shape%s "
+                    "from its checkpoint %s", cfg.model.init_from,
+                    " and its prepared data" if data_from_checkpoint else "", resume_from.path)
     # every rank, no collective around it: the cache folder's lock lets one process prepare while the others wait
     # as long as it takes (a barrier would time out under NCCL after 10 minutes; a first preparation can take longer)
-    data = prepare(data_config(cfg))
+    data = checkpoint_data(resume_from, config) if data_from_checkpoint else prepare(data_config(cfg))
     # both loaders before the model: a split too small for one batch stops the run before any GPU work
     train_loader = build_loader(data, "train", t, world)
     val_loader = build_loader(data, "val", t, world) if t.eval_every else None
-    llama = resolve_model(cfg, data.vocab_size, backend)
+    llama = resolve_model(cfg, data.vocab_size, backend,
+                          LlamaConfig(**resume_from.meta["model"]) if shape_from_checkpoint else None)
     if resume_from is not None:
         check_same_model(resume_from, llama)
     if cfg.model.impl == "coda" and backend == "cute" and cfg.kernels.tune == "once":  # before the model takes GPU memory
@@ -194,12 +209,6 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
             log.info("resumed from %s (step %d)", resume_from.path, state.step)
             for line in changes_since_checkpoint(resume_from.meta.get("config", {}), cfg, state.step):
                 log.warning("%s", line)
-    config = OmegaConf.to_container(OmegaConf.structured(cfg))
-    config["trainer"]["run_dir"] = str(run_dir)  # this job's dir (a multirun gives each job its own)
-    # local paths absolute, so the tools that reopen the run's data find it from any directory
-    config["data"] = dataclasses.asdict(cfg.data.with_absolute_paths())
-    if cfg.model.init_from is not None:
-        config["model"]["init_from"] = str(Path(cfg.model.init_from).expanduser().absolute())
     # the folder itself too: the tools reopen it also after the corpus has moved or changed
     meta = {"model": dataclasses.asdict(llama), "impl": cfg.model.impl, "config": config,
             "prepared_data": str(data.path.absolute())}
