@@ -23,7 +23,7 @@ from coda_train.model import LlamaConfig, build_model
 from coda_train.model.eager import EagerLlama
 from coda_train.model.hf import check_tokenizer_fits
 from coda_train.trainer.checkpoint import (CHECKPOINTS_DIR, META_FILE, Checkpoint, CheckpointError, list_checkpoints,
-                                           load_model_state, newest_good_checkpoint, verify_checkpoint)
+                                           load_model_state, newest_good_checkpoint, saved_model, verify_checkpoint)
 
 log = logging.getLogger(__name__)
 
@@ -92,11 +92,10 @@ def open_checkpoint(path: str | Path, tokenizer: Optional[str] = None,
     check(model_config, run_config), where given, refuses the caller's arguments that depend on the
     checkpoint (ConfigError) before the weights are loaded and any data is prepared."""
     ckpt, meta = find_checkpoint(path)
-    try:
-        model_config = LlamaConfig(**meta["model"]).validate()
-        run_config = meta["config"]
-    except (KeyError, TypeError) as e:
-        raise CheckpointError(f"checkpoint {ckpt}: {META_FILE} lacks a usable model or run config ({e!r})") from e
+    model_config = saved_model(ckpt, meta)
+    if not isinstance(run_config := meta.get("config"), dict):
+        raise CheckpointError(f"checkpoint {ckpt}: {META_FILE} lacks a usable run config; restore it, or choose "
+                              "another checkpoint")
     if check is not None:
         check(model_config, run_config)
     if tokenizer is not None:  # read before the weights: a wrong path is refused at once

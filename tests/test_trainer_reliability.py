@@ -349,3 +349,16 @@ def test_set_aside_checkpoints_count_against_keep_last(tmp_path):
     save(3)
     save(4)
     assert names() == ["step_00000002", "step_00000003", "step_00000004"]
+
+
+def test_a_checkpoints_model_fields_this_code_cannot_build_are_a_checkpoint_error(tmp_path):
+    import dataclasses
+
+    from coda_train.trainer.checkpoint import saved_model
+
+    fields = dataclasses.asdict(preset("tiny"))
+    assert saved_model(tmp_path, {"model": fields}) == preset("tiny")
+    for model in ({**fields, "bias": True}, {**fields, "dim": -1}, None):  # another version's field, an invalid value, none
+        meta = {} if model is None else {"model": model}
+        with pytest.raises(CheckpointError, match=f"checkpoint {tmp_path}: meta.json lacks a usable model config"):
+            saved_model(tmp_path, meta)

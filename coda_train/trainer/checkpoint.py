@@ -476,6 +476,16 @@ def _checkpoint_at(path: Path, resume: str) -> Checkpoint:
                           "checkpoints; pass an existing path, or auto / never")
 
 
+def saved_model(path: Path, meta: dict[str, Any]) -> LlamaConfig:
+    """The model a checkpoint's meta.json records (its "model" fields); CheckpointError where they are not one
+    this code builds (edited by hand, or written by another version)."""
+    try:
+        return LlamaConfig(**meta["model"]).validate()
+    except (KeyError, TypeError, ConfigError) as e:
+        raise CheckpointError(f"checkpoint {path}: {META_FILE} lacks a usable model config ({e!r}); restore it, or "
+                              "choose another checkpoint") from e
+
+
 def check_same_model(checkpoint: Checkpoint, model: LlamaConfig) -> None:
     """The checkpoint's model (its meta's "model" fields) is `model`, up to RESUME_MAY_CHANGE."""
     saved = checkpoint.meta["model"]

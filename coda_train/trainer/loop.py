@@ -27,7 +27,8 @@ from coda_train.model.liger import require_liger
 from .build import (build_loader, build_train_state, check_compute, check_model_before_data, checkpoint_data,
                     data_config, init_from_gone, report_untuned_gemms, resolve_model, tune_untuned_gemms)
 from .checkpoint import (CHECKPOINTS_DIR, CheckpointError, Checkpointer, check_ckpt_async, check_same_model,
-                         find_resume_checkpoint, list_checkpoints, restore, resumes_newest_good, set_aside_newer)
+                         find_resume_checkpoint, list_checkpoints, restore, resumes_newest_good, saved_model,
+                         set_aside_newer)
 from .device import pick_compute_dtype, pick_device
 from .distributed import (World, any_rank, barrier, check_fsdp_options, close_world, data_parallel, from_main, init_world,
                           process_device, resolve_parallel)
@@ -194,7 +195,7 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
     train_loader = build_loader(data, "train", t, world)
     val_loader = build_loader(data, "val", t, world) if t.eval_every else None
     llama = resolve_model(cfg, data.vocab_size, backend,
-                          LlamaConfig(**resume_from.meta["model"]) if shape_from_checkpoint else None)
+                          saved_model(resume_from.path, resume_from.meta) if shape_from_checkpoint else None)
     if resume_from is not None:
         check_same_model(resume_from, llama)
     if cfg.model.impl == "coda" and backend == "cute" and cfg.kernels.tune == "once":  # before the model takes GPU memory
