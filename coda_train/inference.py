@@ -16,14 +16,15 @@ import torch
 from tokenizers import Tokenizer
 
 from coda_train.data import DataConfig, DataError, PreparedData, prepare
-from coda_train.data.shards import MANIFEST, TOKENIZER_FILE
+from coda_train.data.shards import TOKENIZER_FILE
 from coda_train.data.tokenizer import encode_documents, find_eos, fingerprint, load_tokenizer, token_dtype
 from coda_train.errors import ConfigError
 from coda_train.model import LlamaConfig, build_model
 from coda_train.model.eager import EagerLlama
 from coda_train.model.hf import check_tokenizer_fits
 from coda_train.trainer.checkpoint import (CHECKPOINTS_DIR, META_FILE, Checkpoint, CheckpointError, list_checkpoints,
-                                           load_model_state, newest_good_checkpoint, saved_model, verify_checkpoint)
+                                           load_model_state, newest_good_checkpoint, recorded_prepared_data, saved_model,
+                                           verify_checkpoint)
 
 log = logging.getLogger(__name__)
 
@@ -131,16 +132,6 @@ def run_prepared_data(meta: dict[str, Any]) -> PreparedData:
     except DataError as e:
         gone = f"the run's prepared data {folder} is gone" if folder is not None else "the checkpoint records no prepared data"
         raise DataError(f"{gone}, and preparing it again failed: {e}. {TOOLS_FIX}") from e
-
-
-def recorded_prepared_data(meta: dict[str, Any], verify: str) -> Optional[PreparedData]:
-    """The prepared folder the run trained on, as its meta.json recorded it, which needs neither the corpus nor
-    the folder's old name (nor the tokenizer it was prepared with); None where that folder is gone or the
-    checkpoint predates the record. verify: data.verify_shards."""
-    folder = meta.get("prepared_data")
-    if folder is None or not (Path(folder) / MANIFEST).is_file():
-        return None
-    return PreparedData.open(folder, verify=verify)
 
 
 def run_data_config(meta: dict[str, Any]) -> DataConfig:

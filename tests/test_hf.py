@@ -368,22 +368,48 @@ def test_a_resume_that_cannot_find_its_data_without_init_from_names_the_fix(expo
            f"data.cache_dir={tmp_path / 'cache'}"]
     assert _train_cli(*run, "trainer.max_steps=2").returncode == 0
     shutil.rmtree(start)
+    # a setting the prepared bytes do not depend on (the tokenizer is given) is no difference: the run goes on
+    result = _train_cli(*run, "trainer.max_steps=2", "data.vocab_size=400")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     before = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file() and p.name not in (".lock", "train.log")}
 
     result = _train_cli(*run, "trainer.max_steps=4", "data.val_fraction=0.2")
     out = result.stdout + result.stderr
     assert result.returncode == 1 and "Traceback" not in out, out[-3000:]
-    assert (f"model.init_from={start} is gone, and its tokenizer is the data's (data.tokenizer is unset): this run's data "
-            "settings differ from the checkpoint's (data.val_fraction: checkpoint 0.1 vs this run 0.2)") in out
-    assert "or resume with the checkpoint's data settings" in out
+    assert ("this run's data settings differ from the checkpoint's (data.val_fraction: checkpoint 0.1 vs this run 0.2), "
+            "and without model.init_from's tokenizer the data cannot be prepared again. Resume with the checkpoint's "
+            f"data settings; or: Restore {start}, or set data.tokenizer to a copy of that model's tokenizer") in out
+
+    # another (missing) directory than the one the run started from: refused, naming that one, before any data work
+    result = _train_cli(*run, "trainer.max_steps=4", f"model.init_from={tmp_path / 'strat'}", f"data.tokenizer={tokenizer}",
+                        f"data.cache_dir={tmp_path / 'other-cache'}")
+    out = result.stdout + result.stderr
+    assert result.returncode == 1 and (f"model.init_from={tmp_path / 'strat'} has no config.json, and checkpoint "
+                                       f"{tmp_path / 'run' / 'checkpoints' / 'step_00000002'} was trained from {start}: "
+                                       f"resume with model.init_from={start}") in out, out[-3000:]
+    # the model checks against the checkpoint's shape still come before any data work
+    result = _train_cli(*run, "trainer.max_steps=4", f"data.tokenizer={tokenizer}", "trainer.seq_len=100000",
+                        f"data.cache_dir={tmp_path / 'other-cache'}")
+    assert result.returncode == 1 and "exceeds" in result.stdout + result.stderr, (result.stdout + result.stderr)[-3000:]
+    assert not (tmp_path / "other-cache").exists()
 
     (folder,) = (tmp_path / "cache").iterdir()
     folder.rename(tmp_path / "aside")
     result = _train_cli(*run, "trainer.max_steps=4")
     out = result.stdout + result.stderr
-    assert result.returncode == 1 and f"the checkpoint's prepared data {folder} is gone" in out, out[-3000:]
+    assert result.returncode == 1 and f"the checkpoint's prepared data ({folder}) is gone" in out, out[-3000:]
     assert f"Restore {start}, or set data.tokenizer to a copy of that model's tokenizer" in out
     assert "M params" not in out  # stopped before the model was built
+
+    # damaged: never the advice to delete it and prepare again (impossible without that tokenizer; it holds a copy)
+    shutil.copytree(tmp_path / "aside", folder)
+    for shard in folder.glob("val_*.bin"):
+        shard.unlink()
+    result = _train_cli(*run, "trainer.max_steps=4")
+    out = result.stdout + result.stderr
+    assert result.returncode == 1 and "the checkpoint's prepared data cannot be read" in out, out[-3000:]
+    assert f"; restore {start}, or set data.tokenizer" in out and "delete" not in out.lower()
+    shutil.rmtree(folder)
     after = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file() and p.name not in (".lock", "train.log")}
     assert after == before
 

@@ -64,13 +64,15 @@ class PreparedData:
 
     @classmethod
     def open(
-        cls, path: str | os.PathLike, expected_tokenizer: Optional[str] = None, verify: str = "first_use"
+        cls, path: str | os.PathLike, expected_tokenizer: Optional[str] = None, verify: str = "first_use",
+        fix: Optional[str] = None,
     ) -> "PreparedData":
         """Check the manifest, shard sizes, tokenizer and (per `verify`, see data.verify_shards) shard checksums.
 
-        expected_tokenizer is the fingerprint the caller will train with."""
+        expected_tokenizer is the fingerprint the caller will train with. fix: what the errors advise, where
+        the caller cannot prepare the folder again (by default: delete it and prepare again)."""
         path = Path(path)
-        fix = f"delete {path} and run prepare again"
+        caller_fix, fix = fix, fix or f"delete {path} and run prepare again"
         try:
             manifest = json.loads((path / MANIFEST).read_text())
             tokenizer_info, splits = manifest["tokenizer"], manifest["splits"]
@@ -106,7 +108,7 @@ class PreparedData:
         data = cls(path, manifest, tokenizer)
         if verify != "never":
             try:
-                data._verify_shards(remember=verify == "first_use")
+                data._verify_shards(remember=verify == "first_use", fix=caller_fix)
             except (KeyError, TypeError) as e:  # a shard entry without its sha256
                 raise DataError(f"the manifest {path / MANIFEST} is truncated or corrupt ({e!r}); {fix}") from e
         return data
@@ -122,9 +124,9 @@ class PreparedData:
         """Full content check: reads every shard, whatever was verified before."""
         self._verify_shards(remember=False)
 
-    def _verify_shards(self, remember: bool) -> None:
+    def _verify_shards(self, remember: bool, fix: Optional[str] = None) -> None:
         """sha256 of every shard against the manifest; with remember, shards already verified at their current size and
-        mtime (VERIFIED_FILE) are skipped and newly verified ones are added to it."""
+        mtime (VERIFIED_FILE) are skipped and newly verified ones are added to it. fix: as open's."""
         shards = [shard for split in SPLITS for shard in self._split(split)["shards"]]
         verified = _read_verified(self.path) if remember else {}
         todo = [s for s in shards if verified.get(s["file"]) != _stamp(self.path / s["file"], s["sha256"])]
@@ -138,9 +140,11 @@ class PreparedData:
             if sha256_file(file) != shard["sha256"]:
                 raise DataError(
                     f"shard {file} does not match the sha256 in {self.path / MANIFEST}: its contents changed after "
-                    f"preparation (disk or copy damage, or an edit), so training on it would use wrong tokens. Delete the "
-                    f"folder {self.path} and run preparation again (python -m coda_train.data.prepare with the same data "
-                    f"settings, or just start training again); a copy of the corpus elsewhere can be copied over instead"
+                    f"preparation (disk or copy damage, or an edit), so training on it would use wrong tokens. "
+                    + (f"{fix[0].upper()}{fix[1:]}" if fix else
+                       f"Delete the folder {self.path} and run preparation again (python -m coda_train.data.prepare with "
+                       f"the same data settings, or just start training again); a copy of the corpus elsewhere can be "
+                       f"copied over instead")
                 )
             verified[shard["file"]] = _stamp(file, shard["sha256"])
         if remember:

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -20,10 +20,9 @@ from coda_train.config import Config, TrainerConfig, resolve_model_config
 from coda_train.data import DataConfig, DataError, PreparedData, TokenLoader
 from coda_train.data.tokenizer import load_tokenizer
 from coda_train.errors import ConfigError
-from coda_train.inference import recorded_prepared_data, run_data_config
 from coda_train.model import LlamaConfig, build_model, kernel_shape_errors
 
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, recorded_prepared_data, saved_model
 from .distributed import World, barrier, from_main, shard_model
 from .optim import build_optimizer, build_scheduler
 from .state import TrainState, seed_all
@@ -46,38 +45,55 @@ def data_config(cfg: Config) -> DataConfig:
     return cfg.data.for_model(cfg.model.init_from)
 
 
-def init_from_gone(cfg: Config) -> bool:
-    """model.init_from is set and holds no config.json any more (moved, or an HF cache cleaned): a resumed run then
-    takes the model's shape from its checkpoint and, where that model's tokenizer is the data's, the checkpoint's
-    prepared data (checkpoint_data); a new run stops on it (check_model_before_data)."""
-    return cfg.model.init_from is not None and not (Path(cfg.model.init_from) / "config.json").is_file()
+def init_from_missing(cfg: Config) -> bool:
+    """model.init_from is set and holds no config.json (moved, or an HF cache cleaned): a new run stops on it
+    (check_model_before_data); a resumed one is checked once its checkpoint is found (init_from_shape)."""
+    return cfg.model.init_from is not None and not (Path(cfg.model.init_from).expanduser() / "config.json").is_file()
 
 
-# data settings that leave the prepared data as it is (prepare's inputs leave them out)
-_PREPARED_ALIKE = {"num_proc", "streaming", "cache_dir", "verify_shards"}
+def init_from_shape(cfg: Config, checkpoint: Checkpoint) -> LlamaConfig:
+    """The shape of a resumed run's model.init_from, which holds no config.json any more, as its checkpoint
+    records it; ConfigError where the checkpoint's run started from another directory (a typo, another cwd)."""
+    started = ((checkpoint.meta.get("config") or {}).get("model") or {}).get("init_from")
+    here = str(Path(cfg.model.init_from).expanduser().absolute())
+    if started != here:
+        fix = (f"was trained from {started}: resume with model.init_from={started}" if started else
+               "records no model.init_from (edited by hand, or written by another version): restore that directory")
+        raise ConfigError(f"model.init_from={cfg.model.init_from} has no config.json, and checkpoint {checkpoint.path} {fix}")
+    return saved_model(checkpoint.path, checkpoint.meta)
 
 
-def checkpoint_data(checkpoint: Checkpoint, config: dict[str, Any]) -> PreparedData:
-    """The data of a resumed run whose model.init_from, its data's tokenizer, is gone (init_from_gone): the
-    checkpoint's prepared folder, where this run (config: its run config as meta.json records it) has the
-    checkpoint's data settings. Without that tokenizer the data can be neither found nor prepared otherwise:
-    DataError naming the fix, before any GPU work."""
-    now, saved = run_data_config({"config": config}), run_data_config(checkpoint.meta)
-    changed = [f"data.{f.name}: checkpoint {getattr(saved, f.name)!r} vs this run {getattr(now, f.name)!r}"
-               for f in dataclasses.fields(DataConfig)
-               if f.name not in _PREPARED_ALIKE and getattr(saved, f.name) != getattr(now, f.name)]
-    data = None if changed else recorded_prepared_data(checkpoint.meta, now.verify_shards)
-    if data is not None:
-        return data
-    init_from, folder = config["model"]["init_from"], checkpoint.meta.get("prepared_data")
+# what decides the prepared bytes (shards._inputs) and can be compared without the corpus or the tokenizer;
+# split and text_field only where the source's format reads them (recorded as None otherwise)
+_PREPARED_BY = ("split", "text_field", "eos_token", "val_fraction", "max_documents", "tokens_per_shard", "decode_errors")
+
+
+def checkpoint_data(checkpoint: Checkpoint, data: DataConfig) -> PreparedData:
+    """The data of a resumed run whose model.init_from, its data's tokenizer, holds no config.json any more: the
+    checkpoint's prepared folder, where this run's data settings (data, as the run uses them) would prepare the
+    same. Without that tokenizer the data can be neither found nor prepared otherwise: DataError naming the fix,
+    before any GPU work (never the advice to prepare again, which would need that tokenizer)."""
+    fix = (f"Restore {checkpoint.meta['config']['model']['init_from']}, or set data.tokenizer to a copy of that model's "
+           "tokenizer (its tokenizer.json; the prepared folder holds one)")
+    try:
+        prepared = recorded_prepared_data(checkpoint.meta, data.verify_shards, fix=fix[0].lower() + fix[1:])
+    except DataError as e:
+        raise DataError(f"the checkpoint's prepared data cannot be read, and without model.init_from's tokenizer it "
+                        f"cannot be prepared again: {e}") from e
+    if prepared is None:
+        raise DataError(f"the checkpoint's prepared data ({checkpoint.meta.get('prepared_data') or 'not recorded'}) is "
+                        f"gone, and without model.init_from's tokenizer it cannot be prepared again. {fix}")
+    inputs = prepared.manifest.get("inputs") or {}
+    saved_source = (checkpoint.meta["config"].get("data") or {}).get("source")
+    changed = [f"data.{k}: checkpoint {inputs[k]!r} vs this run {getattr(data, k)!r}" for k in _PREPARED_BY
+               if k in inputs and inputs[k] is not None and inputs[k] != getattr(data, k)]
+    if saved_source not in (data.source, str(Path(data.source).expanduser().absolute())):
+        changed.append(f"data.source: checkpoint {saved_source!r} vs this run {data.source!r}")
     if changed:
-        why = f"this run's data settings differ from the checkpoint's ({', '.join(changed)})"
-    else:
-        why = f"the checkpoint's prepared data {folder} is gone" if folder else "the checkpoint records no prepared data"
-    raise DataError(f"model.init_from={init_from} is gone, and its tokenizer is the data's (data.tokenizer is unset): "
-                    f"{why}, so the run's data can be neither found nor prepared without that tokenizer. Restore "
-                    f"{init_from}, or set data.tokenizer to a copy of that model's tokenizer (its tokenizer.json)"
-                    + (", or resume with the checkpoint's data settings" if changed else ""))
+        raise DataError(f"this run's data settings differ from the checkpoint's ({', '.join(changed)}), and without "
+                        f"model.init_from's tokenizer the data cannot be prepared again. Resume with the checkpoint's "
+                        f"data settings; or: {fix}")
+    return prepared
 
 
 def _shape_errors(cfg: Config, llama: LlamaConfig, backend: str) -> list[str]:
@@ -88,18 +104,19 @@ def _shape_errors(cfg: Config, llama: LlamaConfig, backend: str) -> list[str]:
     return errors
 
 
-def check_model_before_data(cfg: Config, backend: str, resuming: bool = False) -> None:
+def check_model_before_data(cfg: Config, backend: str, resuming: bool = False,
+                            init_from_shape: Optional[LlamaConfig] = None) -> None:
     """The model checks that need no tokenizer, before data preparation (which can take long): every
     model field, trainer.seq_len against max_seq_len, and the kernels' shape limits, all but the
     vocabulary's when it follows the tokenizer (model.vocab_size null), and that model.init_from has weights
     (a new run's; a resumed one takes them from its checkpoint).
     resolve_model repeats the shape checks. Where model.init_from's tokenizer is the data's (no data.tokenizer),
-    it is read here: an error names model.init_from. A resumed run whose model.init_from is gone (init_from_gone)
-    is checked by resolve_model alone, against the shape its checkpoint records."""
-    if resuming and init_from_gone(cfg):
+    it is read here: an error names model.init_from. A resumed run whose model.init_from holds no config.json
+    (init_from_missing) is checked once its checkpoint is found, against the shape it records (init_from_shape)."""
+    if resuming and init_from_shape is None and init_from_missing(cfg):
         return
     vocab = 1 if cfg.model.vocab_size is None else cfg.model.vocab_size  # any vocabulary passes; 0 or less is refused
-    llama = resolve_model_config(cfg.model, vocab, cfg.trainer.seq_len)
+    llama = resolve_model_config(cfg.model, vocab, cfg.trainer.seq_len, init_from_shape)
     errors = _shape_errors(cfg, llama, backend)
     if cfg.model.vocab_size is None and cfg.model.init_from is None:  # the vocabulary follows the tokenizer (not yet read)
         errors = [e for e in errors if not e.startswith("model.vocab_size=")]
@@ -110,7 +127,7 @@ def check_model_before_data(cfg: Config, backend: str, resuming: bool = False) -
 
         if not resuming:  # read after data preparation: a missing file would be found that late
             hf_weight_files(cfg.model.init_from)
-        if cfg.data.tokenizer is None:
+        if cfg.data.tokenizer is None and init_from_shape is None:  # without config.json: the checkpoint's data
             load_tokenizer(cfg.model.init_from, "model.init_from", "set data.tokenizer to that model's tokenizer")
 
 

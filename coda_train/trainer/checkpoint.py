@@ -53,7 +53,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from coda_train.data import PreparedData
 from coda_train.data.config import DataError
+from coda_train.data.shards import MANIFEST
 from coda_train.errors import ConfigError
 from coda_train.model import LlamaConfig
 
@@ -484,6 +486,16 @@ def saved_model(path: Path, meta: dict[str, Any]) -> LlamaConfig:
     except (KeyError, TypeError, ConfigError) as e:
         raise CheckpointError(f"checkpoint {path}: {META_FILE} lacks a usable model config ({e!r}); restore it, or "
                               "choose another checkpoint") from e
+
+
+def recorded_prepared_data(meta: dict[str, Any], verify: str, fix: Optional[str] = None) -> Optional[PreparedData]:
+    """The prepared folder the run trained on, as its meta.json recorded it, which needs neither the corpus nor
+    the folder's old name (nor the tokenizer it was prepared with); None where that folder is gone or the
+    checkpoint predates the record. verify: data.verify_shards; fix: PreparedData.open's."""
+    folder = meta.get("prepared_data")
+    if folder is None or not (Path(folder) / MANIFEST).is_file():
+        return None
+    return PreparedData.open(folder, verify=verify, fix=fix)
 
 
 def check_same_model(checkpoint: Checkpoint, model: LlamaConfig) -> None:

@@ -25,10 +25,10 @@ from coda_train.model import LlamaConfig
 from coda_train.model.liger import require_liger
 
 from .build import (build_loader, build_train_state, check_compute, check_model_before_data, checkpoint_data,
-                    data_config, init_from_gone, report_untuned_gemms, resolve_model, tune_untuned_gemms)
+                    data_config, init_from_missing, init_from_shape, report_untuned_gemms, resolve_model,
+                    tune_untuned_gemms)
 from .checkpoint import (CHECKPOINTS_DIR, CheckpointError, Checkpointer, check_ckpt_async, check_same_model,
-                         find_resume_checkpoint, list_checkpoints, restore, resumes_newest_good, saved_model,
-                         set_aside_newer)
+                         find_resume_checkpoint, list_checkpoints, restore, resumes_newest_good, set_aside_newer)
 from .device import pick_compute_dtype, pick_device
 from .distributed import (World, any_rank, barrier, check_fsdp_options, close_world, data_parallel, from_main, init_world,
                           process_device, resolve_parallel)
@@ -181,21 +181,23 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
     config["data"] = dataclasses.asdict(cfg.data.with_absolute_paths())
     if cfg.model.init_from is not None:
         config["model"]["init_from"] = str(Path(cfg.model.init_from).expanduser().absolute())
-    # model.init_from moved or deleted since the run began (an HF cache cleaned): its checkpoint records the shape
-    shape_from_checkpoint = resume_from is not None and init_from_gone(cfg)
-    data_from_checkpoint = shape_from_checkpoint and cfg.data.tokenizer is None  # the tokenizer was init_from's
-    if shape_from_checkpoint and world.is_main:
-        log.warning("model.init_from=%s holds no config.json any more: this resumed run takes the model's shape%s "
-                    "from its checkpoint %s", cfg.model.init_from,
-                    " and its prepared data" if data_from_checkpoint else "", resume_from.path)
+    # model.init_from moved or deleted since the run began (an HF cache cleaned): its checkpoint records the shape,
+    # checked here before the data as train()'s early check does for any other run
+    shape = init_from_shape(cfg, resume_from) if resume_from is not None and init_from_missing(cfg) else None
+    data_from_checkpoint = shape is not None and cfg.data.tokenizer is None  # the tokenizer was init_from's
+    if shape is not None:
+        check_model_before_data(cfg, backend, resuming=True, init_from_shape=shape)
+        if world.is_main:
+            log.warning("model.init_from=%s holds no config.json any more: this resumed run takes the model's shape%s "
+                        "from its checkpoint %s", cfg.model.init_from,
+                        " and its prepared data" if data_from_checkpoint else "", resume_from.path)
     # every rank, no collective around it: the cache folder's lock lets one process prepare while the others wait
     # as long as it takes (a barrier would time out under NCCL after 10 minutes; a first preparation can take longer)
-    data = checkpoint_data(resume_from, config) if data_from_checkpoint else prepare(data_config(cfg))
+    data = checkpoint_data(resume_from, data_config(cfg)) if data_from_checkpoint else prepare(data_config(cfg))
     # both loaders before the model: a split too small for one batch stops the run before any GPU work
     train_loader = build_loader(data, "train", t, world)
     val_loader = build_loader(data, "val", t, world) if t.eval_every else None
-    llama = resolve_model(cfg, data.vocab_size, backend,
-                          saved_model(resume_from.path, resume_from.meta) if shape_from_checkpoint else None)
+    llama = resolve_model(cfg, data.vocab_size, backend, shape)
     if resume_from is not None:
         check_same_model(resume_from, llama)
     if cfg.model.impl == "coda" and backend == "cute" and cfg.kernels.tune == "once":  # before the model takes GPU memory
