@@ -51,12 +51,16 @@ def init_from_missing(cfg: Config) -> bool:
     return cfg.model.init_from is not None and not (Path(cfg.model.init_from).expanduser() / "config.json").is_file()
 
 
+def recorded_init_from(cfg: Config) -> str:
+    """model.init_from as a run's config records it (absolute: a resume from another directory compares the same)."""
+    return str(Path(cfg.model.init_from).expanduser().absolute())
+
+
 def init_from_shape(cfg: Config, checkpoint: Checkpoint) -> LlamaConfig:
     """The shape of a resumed run's model.init_from, which holds no config.json any more, as its checkpoint
     records it; ConfigError where the checkpoint's run started from another directory (a typo, another cwd)."""
     started = ((checkpoint.meta.get("config") or {}).get("model") or {}).get("init_from")
-    here = str(Path(cfg.model.init_from).expanduser().absolute())
-    if started != here:
+    if started != recorded_init_from(cfg):
         fix = (f"was trained from {started}: resume with model.init_from={started}" if started else
                "records no model.init_from (edited by hand, or written by another version): restore that directory")
         raise ConfigError(f"model.init_from={cfg.model.init_from} has no config.json, and checkpoint {checkpoint.path} {fix}")

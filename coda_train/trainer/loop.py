@@ -25,8 +25,8 @@ from coda_train.model import LlamaConfig
 from coda_train.model.liger import require_liger
 
 from .build import (build_loader, build_train_state, check_compute, check_model_before_data, checkpoint_data,
-                    data_config, init_from_missing, init_from_shape, report_untuned_gemms, resolve_model,
-                    tune_untuned_gemms)
+                    data_config, init_from_missing, init_from_shape, recorded_init_from, report_untuned_gemms,
+                    resolve_model, tune_untuned_gemms)
 from .checkpoint import (CHECKPOINTS_DIR, CheckpointError, Checkpointer, check_ckpt_async, check_same_model,
                          find_resume_checkpoint, list_checkpoints, restore, resumes_newest_good, set_aside_newer)
 from .device import pick_compute_dtype, pick_device
@@ -180,7 +180,7 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
     # local paths absolute, so the tools that reopen the run's data find it from any directory
     config["data"] = dataclasses.asdict(cfg.data.with_absolute_paths())
     if cfg.model.init_from is not None:
-        config["model"]["init_from"] = str(Path(cfg.model.init_from).expanduser().absolute())
+        config["model"]["init_from"] = recorded_init_from(cfg)
     # model.init_from moved or deleted since the run began (an HF cache cleaned): its checkpoint records the shape,
     # checked here before the data as train()'s early check does for any other run
     shape = init_from_shape(cfg, resume_from) if resume_from is not None and init_from_missing(cfg) else None
