@@ -25,7 +25,8 @@ Variants (bf16 compute, fp32 master weights, fused AdamW):
                         Timed per kernel (the sum is the floor) and also back to back in a
                         step's order like a model step (the same work at a sustained step's
                         clocks; reported next to it, with the SM clock of every timing)
-For each model variant: forward+backward ms (median, min, max over --iters after --warmup), a full
+For each model variant: forward+backward ms (median, min, max over --iters after --warmup and
+--sustain-s of steps back to back, so each is timed at the clock a power-capped GPU holds in training), a full
 training step (forward, backward, grad clip, AdamW, zero_grad: what train.py's step is compared with)
 ms, tokens/s, MFU (model FLOPs with
 causal attention counted as half, against the bf16 GEMM peak measured in the same run), peak memory
@@ -177,9 +178,30 @@ def model_config(shape: Shape):
 
 # ---- timing primitives --------------------------------------------------------------------
 
-def step_times(fn: Callable[[], None], iters: int, warmup: int, sync_each: bool = False) -> list[float]:
-    """Milliseconds of each of `iters` calls of fn after `warmup` calls: CUDA events on a GPU,
-    the host clock on CPU (the smoke shape). Back to back with one device sync after the last, as
+# Timed and profiled steps first run back to back for this long (bench.py --sustain-s): a power-capped GPU
+# that was idle before (a compile, a model's setup) boosts its clock for a second or so, and a variant timed
+# in that window reads fast (the 8b eager coda variant, timed right after its 60 s of kernel compiles, ran
+# at 1520 MHz mean where coda-graphs after it ran at 1440: 1.2 % faster in every such run to 2026-12-05).
+SUSTAIN_S = 3.0
+
+
+def sustain(fn: Callable[[], None], seconds: float) -> None:
+    """fn back to back for `seconds` on a GPU (nothing on CPU), the host waiting for the GPU now and then so
+    that the time is the GPU's, not the host's queue."""
+    start, calls = time.perf_counter(), 0
+    while DEVICE.type == "cuda" and time.perf_counter() - start < seconds:
+        fn()
+        calls += 1
+        if calls % 4 == 0:
+            sync()
+    sync()
+
+
+def step_times(fn: Callable[[], None], iters: int, warmup: int, sync_each: bool = False,
+               sustain_s: float = 0.0) -> list[float]:
+    """Milliseconds of each of `iters` calls of fn after `warmup` calls and, on a GPU, sustain_s of calls back to
+    back (sustain: the clock a power-capped GPU holds in training, not the boost left by an idle compile or setup
+    just before): CUDA events on a GPU, the host clock on CPU (the smoke shape). Back to back with one device sync after the last, as
     train.py runs steps (it syncs on logging steps only), so the host's launch work overlaps the
     previous step unless the host is the slower side; `sync_each`: a sync after every step, the
     method of results without a step_timing field, whose steps also pay the host's latency to their first kernel."""
@@ -192,6 +214,7 @@ def step_times(fn: Callable[[], None], iters: int, warmup: int, sync_each: bool 
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
         return times
+    sustain(fn, sustain_s)
     torch.cuda.synchronize()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
     for start, end in events:
@@ -301,7 +324,7 @@ def fwd_bwd_fn(model, mode: str | None, tokens, targets) -> Callable[[], None]:
     return fwd_bwd
 
 
-def bench_model(variant: str, cfg, state: dict, batch, iters: int, warmup: int) -> dict:
+def bench_model(variant: str, cfg, state: dict, batch, iters: int, warmup: int, sustain_s: float) -> dict:
     """Forward+backward and full-step timings and peak memory of one model variant."""
     impl, mode = MODEL_VARIANTS[variant]
     tokens, targets = batch
@@ -322,7 +345,7 @@ def bench_model(variant: str, cfg, state: dict, batch, iters: int, warmup: int) 
     setup_s = time.perf_counter() - t0
     reset_peak()
     with GpuClocks() as clocks:
-        fb = step_times(fwd_bwd, iters, warmup)
+        fb = step_times(fwd_bwd, iters, warmup, sustain_s=sustain_s)
     fb_synced = step_times(fwd_bwd, iters, 0, sync_each=True)  # the earlier method (results without step_timing), for comparison
     peak_fb = peak_memory() - base
 
@@ -340,7 +363,7 @@ def bench_model(variant: str, cfg, state: dict, batch, iters: int, warmup: int) 
 
     reset_peak()
     with GpuClocks() as step_clocks:  # the full step's own clock: the two phases may run at different ones
-        step = step_times(train_step, iters, warmup)
+        step = step_times(train_step, iters, warmup, sustain_s=sustain_s)
     peak_step = peak_memory() - base
     n_tokens = tokens.numel()
     result = {
@@ -395,7 +418,7 @@ def attention_calls(cfg, shape: Shape) -> tuple[Callable[[], None], Callable[[],
             lambda: ops.attention_backward(g_o, qkv, o, lse, H, G, shape.seq))
 
 
-def bench_floor(cfg, shape: Shape, iters: int, warmup: int, quack_tuned: bool = False) -> dict:
+def bench_floor(cfg, shape: Shape, iters: int, warmup: int, sustain_s: float, quack_tuned: bool = False) -> dict:
     """Sum over the step's GEMMs of the fastest of cuBLAS and quack (its default config, and with
     quack_tuned its autotuner's pick too), plus FA4 forward + backward, each timed alone (the floor);
     then the same kernels back to back in the step's order, timed as the model variants' steps are
@@ -406,7 +429,7 @@ def bench_floor(cfg, shape: Shape, iters: int, warmup: int, quack_tuned: bool = 
     floor["clocks"] = clocks.result
     sequence = _floor_sequence(cfg, shape, floor)
     with GpuClocks() as clocks:
-        b2b = floor["back_to_back"] = summary(step_times(sequence.step, iters, warmup))
+        b2b = floor["back_to_back"] = summary(step_times(sequence.step, iters, warmup, sustain_s=sustain_s))
     b2b["clocks"], b2b["replay"] = clocks.result, sequence.replay
     if DEVICE.type == "cuda":  # right after the timed steps, at their clocks: the time of each item as a step runs it
         launches = timeline(_profiled(sequence.ranged, 1, sustain_s=0.0), 1, prefix="floor::")["launches_by_owner"]
@@ -581,23 +604,14 @@ def graph_by_owner(sequence: list[dict], owners: list[tuple[str, str]]) -> dict:
             "kernels_matched": matched, "kernels": len(names)}
 
 
-# A profiled pass first runs its step back to back for this long, so that a power-capped GPU profiles
-# it at the clock the timed steps ran at, not at the higher clock of a GPU that was idle before.
-SUSTAIN_S = 2.0
-
-
 def _profiled(fn: Callable[[], None], steps: int, sustain_s: float = SUSTAIN_S):
     """The profiler over `steps` calls of fn, after at least two warm-up calls and sustain_s of them
     back to back on a GPU (0: the two only, e.g. where only launches are counted)."""
     from torch.profiler import ProfilerActivity, profile
 
-    start, calls = time.perf_counter(), 0
-    while calls < 2 or (DEVICE.type == "cuda" and time.perf_counter() - start < sustain_s):
-        fn()
-        calls += 1
-        if calls % 4 == 0:  # the host waits for the GPU now and then, so the clock above is the GPU's
-            sync()
-    sync()
+    fn()
+    fn()
+    sustain(fn, sustain_s)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True) as prof:
         for _ in range(steps):
             fn()
@@ -725,7 +739,8 @@ def _kernel_class(name: str) -> str:
 # ---- driver ---------------------------------------------------------------------------------
 
 def run(shape_name: str, variants: list[str], iters: int, warmup: int, profile_steps: int,
-        save: Callable[[dict], None] = lambda result: None, floor_quack_tuned: bool = False) -> dict:
+        save: Callable[[dict], None] = lambda result: None, floor_quack_tuned: bool = False,
+        sustain_s: float = SUSTAIN_S) -> dict:
     """Every variant of one shape; `save` gets the result so far after each variant, so a run cut short
     (a device call's time limit) keeps what it measured."""
     shape = SHAPES[shape_name]
@@ -741,14 +756,15 @@ def run(shape_name: str, variants: list[str], iters: int, warmup: int, profile_s
               "tokens": shape.batch * shape.seq, "flops_per_step": cfg.flops_per_token(shape.seq) * shape.batch * shape.seq,
               "environment": environment(), "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
               "variants": {}, "failed": {}, "memory_accounting": "own", "step_timing": "back_to_back",
-              "variant_isolation": "dynamo_reset"}  # torch.compile's state reset between variants (below)
+              "variant_isolation": "dynamo_reset",  # torch.compile's state reset between variants (below)
+              "sustain_s": sustain_s if DEVICE.type == "cuda" else 0.0}  # steps back to back before each timing
     result["gemm_peak_tflops"] = gemm_peak_tflops()
     print(f"{shape_name}: {shape} | bf16 GEMM peak {result['gemm_peak_tflops']['peak']:.0f} TFLOP/s", flush=True)
     for variant in variants:
         t0 = time.perf_counter()
         try:
-            row = (bench_floor(cfg, shape, iters, warmup, floor_quack_tuned) if variant == "floor"
-                   else bench_model(variant, cfg, state, batch, iters, warmup))
+            row = (bench_floor(cfg, shape, iters, warmup, sustain_s, floor_quack_tuned) if variant == "floor"
+                   else bench_model(variant, cfg, state, batch, iters, warmup, sustain_s))
             result["variants"][variant] = row
             print(f"  {variant:22s} fwd+bwd {row['fwd_bwd']['median_ms']:8.2f} ms  ({time.perf_counter() - t0:5.0f} s)",
                   flush=True)
@@ -860,6 +876,9 @@ def main() -> None:
                    help=f"comma list of {sorted([*MODEL_VARIANTS, 'floor'])}")
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--sustain-s", type=float, default=SUSTAIN_S,
+                   help="seconds of steps back to back before each timing (after --warmup), so every variant is timed "
+                        "at the clock a power-capped GPU holds in training, whatever ran before it")
     p.add_argument("--profile-steps", type=int, default=3, help="profiled coda steps (0: no breakdown)")
     p.add_argument("--tag", default="", help="suffix of the JSON name (bench_<shape><tag>.json), e.g. for a profile-only run")
     p.add_argument("--out", type=Path, default=Path("runs/bench"))
@@ -887,7 +906,8 @@ def main() -> None:
         result["not_run"] = [v for v in (*MODEL_VARIANTS, "floor") if v not in variants]
         path.write_text(json.dumps(result, indent=1, default=str))
 
-    result = run(args.shape, variants, args.iters, args.warmup, args.profile_steps, save, args.floor_quack_tuned)
+    result = run(args.shape, variants, args.iters, args.warmup, args.profile_steps, save, args.floor_quack_tuned,
+                 args.sustain_s)
     save(result)
     print_table(result)
     print(f"\nwrote {path}")

@@ -201,6 +201,15 @@ STEP_TIMING = {"synced": "each step timed with a device sync after it (its host 
                                "('synced': the same steps with a device sync after each, the earlier runs' method)."}
 
 
+def sustain_note(r: dict) -> str:
+    """How long each timing ran its steps back to back first (bench.py --sustain-s, recorded since 2026-12-05 20:00 UTC)."""
+    if r.get("sustain_s"):
+        return (f" Each timing followed {r['sustain_s']:g} s of its steps back to back (the clock a power-capped GPU "
+                "holds in training).")
+    return (" No sustained steps before each timing (runs before 2026-12-05 20:00 UTC): a variant timed right after a "
+            "long compile ran at a boosted clock for part of its window (the 8b eager coda variant: ~1 % fast).")
+
+
 def _over_coda(r: dict, row: dict):
     """A variant's forward+backward over CODA's faster launch (eager or graph) in the same run; computed here,
     since results before 2026-12-05 stored the ratio to the eager launch."""
@@ -213,7 +222,7 @@ def shape_table(r: dict) -> list[str]:
     env = r["environment"]
     lines = [f"### {r['shape']}: {r['preset']}, {r['n_layers']} layers, {r['batch']} x {r['seq']} tokens",
              "", f"`{r['command']}` on {env['gpu']}, {env['date']}{_code(env)}; bf16 GEMM peak measured in the same run: "
-             f"{r['gemm_peak_tflops']['peak']:.0f} TFLOP/s; " + STEP_TIMING[r.get("step_timing", "synced")], "",
+             f"{r['gemm_peak_tflops']['peak']:.0f} TFLOP/s; " + STEP_TIMING[r.get("step_timing", "synced")] + sustain_note(r), "",
              "| variant | fwd+bwd ms (median) | min | max | synced ms | full step ms | tokens/s | MFU (fwd+bwd) | peak GiB | above weights GiB | / coda (faster launch) | / floor | SM MHz (mean) | full step SM MHz | W (mean) | clock held by |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
