@@ -180,8 +180,9 @@ def model_config(shape: Shape):
 
 # Timed and profiled steps first run back to back for this long (bench.py --sustain-s): a power-capped GPU
 # that was idle before (a compile, a model's setup) boosts its clock for a second or so, and a variant timed
-# in that window reads fast (the 8b eager coda variant, timed right after its 60 s of kernel compiles, ran
-# at 1520 MHz mean where coda-graphs after it ran at 1440: 1.2 % faster in every such run to 2026-12-05).
+# in that window reads fast (the 8b eager coda variant, timed right after its 32-64 s of kernel compiles, ran at
+# 1482-1523 MHz mean where coda-graphs after it ran at 1422-1490: 0.4-2.0 % faster in the seven H200 runs of
+# 2026-12-02..05).
 SUSTAIN_S = 3.0
 
 
