@@ -52,7 +52,7 @@ import traceback
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -120,10 +120,10 @@ class GpuClocks:
     """Samples the GPU's SM clock, power draw and temperature (nvidia-smi, every 100 ms) while the
     block runs: a sustained step runs at the clock its power draw allows, so two timings are only
     comparable at similar clocks. Where nvidia-smi reports them, also the clock event reasons
-    (what holds the clock down), as the fraction of samples each was active in. `.result` is None
-    on CPU or without nvidia-smi."""
+    (what holds the clock down), as the fraction of samples each was active in. `.mark()` drops the
+    samples taken before it (a warm-up inside the block). `.result` is None on CPU or without nvidia-smi."""
 
-    FIELDS = "clocks.sm,power.draw,temperature.gpu"
+    FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu"
     REASONS = "clocks_event_reasons.active"
     # bits of clocks_event_reasons.active (nvidia-smi --help-query-gpu)
     REASON_BITS = {0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal", 0x40: "hw_thermal",
@@ -133,7 +133,7 @@ class GpuClocks:
         import shutil
         import subprocess
 
-        self.proc, self.result = None, None
+        self.proc, self.result, self.since = None, None, None
         if DEVICE.type == "cuda" and shutil.which("nvidia-smi"):
             uuid = getattr(torch.cuda.get_device_properties(DEVICE), "uuid", None)
             target = ["-i", f"GPU-{uuid}"] if uuid else []
@@ -146,27 +146,46 @@ class GpuClocks:
                                          text=True)
         return self
 
+    def mark(self) -> None:
+        """From now on: the samples before this call are not part of the result."""
+        self.since = datetime.now()
+
     def __exit__(self, *exc) -> None:
         if self.proc is None:
             return
         self.proc.terminate()
         out, _ = self.proc.communicate(timeout=10)
-        samples, reasons = [], []
+        self.result = self.summarize(out, self.with_reasons, self.since)
+
+    @classmethod
+    def summarize(cls, out: str, with_reasons: bool, since: Optional[datetime] = None) -> Optional[dict]:
+        """The result from nvidia-smi's csv lines (timestamp, SM MHz, W, C[, reasons]): the samples from
+        `since` on, or the last one where none is that late (a window shorter than the 100 ms period)."""
+        samples = []
         for line in out.splitlines():
             parts = [x.strip() for x in line.split(",")]
             try:
-                samples.append([float(x) for x in parts[:3]])
-                if self.with_reasons:
-                    reasons.append(int(parts[3], 16))
+                values = [float(x) for x in parts[1:4]]
+                reason = int(parts[4], 16) if with_reasons else None
             except (ValueError, IndexError):  # "[N/A]" fields, a partial last line
                 continue
-        if samples:
-            sm, power, temp = zip(*samples[:len(reasons)] if self.with_reasons else samples)
-            self.result = {"sm_mhz_mean": statistics.mean(sm), "sm_mhz_min": min(sm), "sm_mhz_max": max(sm),
-                           "power_w_mean": statistics.mean(power), "temp_c_max": max(temp), "samples": len(sm)}
-            if reasons:
-                self.result["clock_reasons"] = {name: sum(bool(r & bit) for r in reasons) / len(reasons)
-                                                for bit, name in self.REASON_BITS.items()}
+            try:
+                stamp = datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f")
+            except ValueError:  # another format: no sample is dropped
+                stamp = None
+            samples.append((stamp, values, reason))
+        if since is not None and samples and all(x[0] is not None for x in samples):
+            samples = [x for x in samples if x[0] >= since] or samples[-1:]
+        if not samples:
+            return None
+        sm, power, temp = zip(*(values for _, values, _ in samples))
+        result = {"sm_mhz_mean": statistics.mean(sm), "sm_mhz_min": min(sm), "sm_mhz_max": max(sm),
+                  "power_w_mean": statistics.mean(power), "temp_c_max": max(temp), "samples": len(sm)}
+        if with_reasons:
+            reasons = [r for _, _, r in samples]
+            result["clock_reasons"] = {name: sum(bool(r & bit) for r in reasons) / len(reasons)
+                                       for bit, name in cls.REASON_BITS.items()}
+        return result
 
 
 def model_config(shape: Shape):
@@ -178,11 +197,12 @@ def model_config(shape: Shape):
 
 # ---- timing primitives --------------------------------------------------------------------
 
-# Timed and profiled steps first run back to back for this long (bench.py --sustain-s): a power-capped GPU
+# Timed and profiled steps first run back to back for this long (bench.py --sustain-s; the per-kernel floor and
+# the GEMM peak, timed by do_bench, are not sustained): a power-capped GPU
 # that was idle before (a compile, a model's setup) boosts its clock for a second or so, and a variant timed
-# in that window reads fast (the 8b eager coda variant, timed right after its 32-64 s of kernel compiles, ran at
-# 1482-1523 MHz mean where coda-graphs after it ran at 1422-1490: 0.4-2.0 % faster in the seven H200 runs of
-# 2026-12-02..05).
+# in that window likely reads fast (the 8b eager coda variant, timed right after its 11-64 s of setup and kernel
+# compiles, read 0.4-2.0 % faster than coda-graphs timed after it in the seven H200 runs of 2026-12-02..05, in
+# six of them at a higher mean clock: 1482-1523 MHz against 1422-1490).
 SUSTAIN_S = 3.0
 
 
@@ -199,10 +219,11 @@ def sustain(fn: Callable[[], None], seconds: float) -> None:
 
 
 def step_times(fn: Callable[[], None], iters: int, warmup: int, sync_each: bool = False,
-               sustain_s: float = 0.0) -> list[float]:
+               sustain_s: float = 0.0, clocks: Optional[GpuClocks] = None) -> list[float]:
     """Milliseconds of each of `iters` calls of fn after `warmup` calls and, on a GPU, sustain_s of calls back to
     back (sustain: the clock a power-capped GPU holds in training, not the boost left by an idle compile or setup
-    just before): CUDA events on a GPU, the host clock on CPU (the smoke shape). Back to back with one device sync after the last, as
+    just before; `clocks`, sampling around this call, keeps only the timed calls' samples): CUDA events on a GPU,
+    the host clock on CPU (the smoke shape). Back to back with one device sync after the last, as
     train.py runs steps (it syncs on logging steps only), so the host's launch work overlaps the
     previous step unless the host is the slower side; `sync_each`: a sync after every step, the
     method of results without a step_timing field, whose steps also pay the host's latency to their first kernel."""
@@ -216,6 +237,8 @@ def step_times(fn: Callable[[], None], iters: int, warmup: int, sync_each: bool 
             times.append((time.perf_counter() - t0) * 1e3)
         return times
     sustain(fn, sustain_s)
+    if clocks is not None:
+        clocks.mark()
     torch.cuda.synchronize()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
     for start, end in events:
@@ -346,7 +369,7 @@ def bench_model(variant: str, cfg, state: dict, batch, iters: int, warmup: int, 
     setup_s = time.perf_counter() - t0
     reset_peak()
     with GpuClocks() as clocks:
-        fb = step_times(fwd_bwd, iters, warmup, sustain_s=sustain_s)
+        fb = step_times(fwd_bwd, iters, warmup, sustain_s=sustain_s, clocks=clocks)
     fb_synced = step_times(fwd_bwd, iters, 0, sync_each=True)  # the earlier method (results without step_timing), for comparison
     peak_fb = peak_memory() - base
 
@@ -364,7 +387,7 @@ def bench_model(variant: str, cfg, state: dict, batch, iters: int, warmup: int, 
 
     reset_peak()
     with GpuClocks() as step_clocks:  # the full step's own clock: the two phases may run at different ones
-        step = step_times(train_step, iters, warmup, sustain_s=sustain_s)
+        step = step_times(train_step, iters, warmup, sustain_s=sustain_s, clocks=step_clocks)
     peak_step = peak_memory() - base
     n_tokens = tokens.numel()
     result = {
@@ -430,11 +453,11 @@ def bench_floor(cfg, shape: Shape, iters: int, warmup: int, sustain_s: float, qu
     floor["clocks"] = clocks.result
     sequence = _floor_sequence(cfg, shape, floor)
     with GpuClocks() as clocks:
-        b2b = floor["back_to_back"] = summary(step_times(sequence.step, iters, warmup, sustain_s=sustain_s))
+        b2b = floor["back_to_back"] = summary(step_times(sequence.step, iters, warmup, sustain_s=sustain_s, clocks=clocks))
     b2b["clocks"], b2b["replay"] = clocks.result, sequence.replay
     if DEVICE.type == "cuda":  # right after the timed steps, at their clocks: the time of each item as a step runs it
         launches = timeline(_profiled(sequence.ranged, 1, sustain_s=0.0), 1, prefix="floor::")["launches_by_owner"]
-        replayed = kernel_sequence(_profiled(sequence.step, 2), 2)
+        replayed = kernel_sequence(_profiled(sequence.step, 2, sustain_s), 2)
         b2b["by_item_ms"] = items_from_sequence(replayed, sequence.names, launches)
     return floor
 
@@ -545,7 +568,7 @@ def items_from_sequence(sequence: list[dict], names: list[str], launches: dict[s
 PROFILE_VERSION = 2  # 1 counted the GPU-side copies of profiler ranges as kernels (double counting)
 
 
-def profile_coda(cfg, state: dict, batch, steps: int = 3) -> dict:
+def profile_coda(cfg, state: dict, batch, steps: int, sustain_s: float) -> dict:
     """Where a coda forward+backward step goes, from the profiler's kernel timeline, in three passes
     of `steps` back-to-back steps: the plain model gives launches per step and the GPU idle
     fraction; the same step replayed as a CUDA graph (coda-graphs) gives the idle time left with no
@@ -561,14 +584,14 @@ def profile_coda(cfg, state: dict, batch, steps: int = 3) -> dict:
         model.zero_grad(set_to_none=True)
         model(tokens, targets).backward()
 
-    plain = timeline(_profiled(fwd_bwd, steps), steps)
-    graph_prof = _profiled(fwd_bwd_fn(model, CUDA_GRAPH, tokens, targets), steps)
+    plain = timeline(_profiled(fwd_bwd, steps, sustain_s), steps)
+    graph_prof = _profiled(fwd_bwd_fn(model, CUDA_GRAPH, tokens, targets), steps, sustain_s)
     graphed = timeline(graph_prof, steps)
     plain["graph"] = {k: graphed[k] for k in ("kernel_ms_per_step", "busy_ms_per_step", "launches_per_step",
                                               "gpu_window_ms_per_step", "gpu_idle_fraction")}
     plain["graph"]["sequence"] = kernel_sequence(graph_prof, steps)
     model.ops = annotated(model.ops)
-    annotated_prof = _profiled(fwd_bwd, steps)
+    annotated_prof = _profiled(fwd_bwd, steps, sustain_s)
     by_op = timeline(annotated_prof, steps)
     plain["graph"].update(graph_by_owner(plain["graph"]["sequence"], owner_sequence(annotated_prof, steps)))
     return {"version": PROFILE_VERSION, **plain, "weights_recast_every_forward": not model.weight_updates_tracked,
@@ -605,7 +628,7 @@ def graph_by_owner(sequence: list[dict], owners: list[tuple[str, str]]) -> dict:
             "kernels_matched": matched, "kernels": len(names)}
 
 
-def _profiled(fn: Callable[[], None], steps: int, sustain_s: float = SUSTAIN_S):
+def _profiled(fn: Callable[[], None], steps: int, sustain_s: float):
     """The profiler over `steps` calls of fn, after at least two warm-up calls and sustain_s of them
     back to back on a GPU (0: the two only, e.g. where only launches are counted)."""
     from torch.profiler import ProfilerActivity, profile
@@ -784,7 +807,7 @@ def run(shape_name: str, variants: list[str], iters: int, warmup: int, profile_s
             torch.cuda.empty_cache()
     if profile_steps and "coda" in result["variants"] and DEVICE.type == "cuda":
         try:
-            result["coda_profile"] = profile_coda(cfg, state, batch, profile_steps)
+            result["coda_profile"] = profile_coda(cfg, state, batch, profile_steps, sustain_s)
         except Exception as e:
             result["failed"]["coda_profile"] = f"{type(e).__name__}: {e}"[:500]
             traceback.print_exc()
@@ -878,8 +901,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--sustain-s", type=float, default=SUSTAIN_S,
-                   help="seconds of steps back to back before each timing (after --warmup), so every variant is timed "
-                        "at the clock a power-capped GPU holds in training, whatever ran before it")
+                   help="seconds of steps back to back before each step timing and profile (after --warmup), so every "
+                        "variant is timed at the clock a power-capped GPU holds in training, whatever ran before it")
     p.add_argument("--profile-steps", type=int, default=3, help="profiled coda steps (0: no breakdown)")
     p.add_argument("--tag", default="", help="suffix of the JSON name (bench_<shape><tag>.json), e.g. for a profile-only run")
     p.add_argument("--out", type=Path, default=Path("runs/bench"))
@@ -889,6 +912,8 @@ def main() -> None:
     p.add_argument("--logits-chunk-mib", type=int, default=None,
                    help="bound on one chunk of CODA's LM-head exponentials, MiB (default coda.LOGITS_CHUNK_BYTES)")
     args = p.parse_args()
+    if args.sustain_s < 0:
+        p.error(f"--sustain-s must be >= 0 seconds, got {args.sustain_s}")
     variants = args.variants.split(",")
     unknown = [v for v in variants if v not in MODEL_VARIANTS and v != "floor"]
     if unknown:

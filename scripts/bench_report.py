@@ -86,10 +86,10 @@ def load(runs: list[dict]) -> list[dict]:
         by_shape.setdefault(r["shape"], []).append(r)
     results = []
     for runs in by_shape.values():
-        # runs with a floor and no opt-in peer first (the others are supplements: a profile-only run, a
-        # memory check, an opt-in peer's run); a --tag only names the file
+        # runs with a floor and no opt-in peer or floor first (the others are supplements: a profile-only run, a
+        # memory check, an opt-in peer's run, a --floor-quack-tuned run); a --tag only names the file
         main = max(runs, key=lambda r: ("floor" in r["variants"], not any(v in OPT_IN for v in r["variants"]),
-                                        r["environment"]["date"], len(r["variants"])))
+                                        not _quack_tuned(r), r["environment"]["date"], len(r["variants"])))
         profiled = [r for r in runs if r.get("coda_profile", {}).get("version", 1) >= PROFILE_VERSION]
         src = max(profiled, key=lambda r: r["environment"]["date"]) if profiled else None
         main["coda_profile"] = None if src is None else {
@@ -103,8 +103,14 @@ def load(runs: list[dict]) -> list[dict]:
                                       and r["environment"]["date"] > main["environment"]["date"]
                                       and r.get("memory_accounting") == "own"),
                                      key=lambda r: r["environment"]["date"])
+        main["tuned_floor_runs"] = [r for r in runs if r is not main and _quack_tuned(r)]
         results.append(main)
     return sorted(results, key=lambda r: SHAPE_ORDER.index(r["shape"]) if r["shape"] in SHAPE_ORDER else 99)
+
+
+def _quack_tuned(r: dict) -> bool:
+    """A run whose floor also tried quack's autotuned config per GEMM (bench.py --floor-quack-tuned, opt-in)."""
+    return bool(r["variants"].get("floor", {}).get("quack_tuned"))
 
 
 def _best_coda(r: dict) -> tuple[str | None, float | None]:
@@ -202,12 +208,14 @@ STEP_TIMING = {"synced": "each step timed with a device sync after it (its host 
 
 
 def sustain_note(r: dict) -> str:
-    """How long each timing ran its steps back to back first (bench.py --sustain-s, recorded since 2026-12-05 20:00 UTC)."""
-    if r.get("sustain_s"):
-        return (f" Each timing followed {r['sustain_s']:g} s of its steps back to back (the clock a power-capped GPU "
-                "holds in training).")
-    return (" No sustained steps before each timing (runs before 2026-12-05 20:00 UTC): a variant timed right after a "
-            "long compile ran at a boosted clock for part of its window (the 8b eager coda variant: ~1 % fast).")
+    """How long each step timing ran its steps back to back first (bench.py --sustain-s, recorded since b088bec)."""
+    if "sustain_s" not in r:
+        return (" No sustained steps before each timing (bench.py before b088bec): a variant timed right after a long "
+                "compile likely ran at a boosted clock for part of its window (the 8b eager coda variant read ~1 % fast).")
+    if not r["sustain_s"]:
+        return " No sustained steps before each timing (--sustain-s 0, or a CPU run)."
+    return (f" Each step timing followed {r['sustain_s']:g} s of its steps back to back (the clock a power-capped GPU "
+            "holds in training).")
 
 
 def _over_coda(r: dict, row: dict):
@@ -280,6 +288,16 @@ def shape_table(r: dict) -> list[str]:
             lines += ["", f"The same kernels back to back in a step's order{how}, timed as a step: {b2b['median_ms']:.2f} ms"
                       f"{clk(b2b.get('clocks'))}" + (f" (each alone{clk(floor['clocks'])})" if floor.get("clocks") else "")
                       + (f"; coda / that: {', '.join(ratios)}" if ratios else "") + "."]
+    for run in r.get("tuned_floor_runs", []):
+        tf = run["variants"]["floor"]
+        b2b = tf.get("back_to_back", {}).get("median_ms")
+        ratios = [f"{n} {row['fwd_bwd']['median_ms']:.2f} ms, / graph floor {row['over_floor_back_to_back']:.2f}"
+                  for n, row in run["variants"].items() if n.startswith("coda") and row.get("over_floor_back_to_back")]
+        lines += ["", f"The floor with quack's autotuned config as a third candidate per GEMM (`{run['command']}`, "
+                  f"{run['environment']['date']}{_code(run['environment'])}): GEMMs {tf['gemm_ms']:.2f} ms, "
+                  f"{sum(g['best'] == 'quack-tuned' for g in tf['gemms'])} of {len(tf['gemms'])} shapes on the autotuned "
+                  f"pick; floor {tf['fwd_bwd']['median_ms']:.2f} ms" + (f", back to back {b2b:.2f} ms" if b2b else "")
+                  + (f"; in that run {'; '.join(ratios)}" if ratios else "") + "."]
     prof = r.get("coda_profile")
     if prof:
         lines += ["", f"Where a coda step goes (`{prof['command']}`, {prof['date']}; coda {prof['coda_ms']:.2f} ms "

@@ -34,6 +34,7 @@ def test_bench_smoke_runs_every_cpu_variant(tmp_path):
     assert coda["over_floor_back_to_back"] == coda["fwd_bwd"]["median_ms"] / floor["back_to_back"]["median_ms"]
     assert "compile-max-autotune" in result["not_run"] and "coda_profile" not in result  # profile: GPU only
     assert "pending" not in result  # the run finished: nothing left that it did not reach
+    assert result["sustain_s"] == 0.0  # nothing sustained on CPU (the GPU default: bench.SUSTAIN_S)
     assert "smoke" in proc.stdout and "floor" in proc.stdout
 
 
@@ -65,6 +66,28 @@ def test_floor_gemms_take_the_fastest_backend_that_runs():
         assert g["best"] == "cublas" and g["best_ms"] == g["cublas_ms"] > 0, g
         assert "quack_error" in g and "quack_tuned_error" in g and "quack_ms" not in g
     assert abs(floor["gemm_ms"] - sum(g["count"] * g["best_ms"] for g in floor["gemms"])) < 1e-9
+
+
+def test_gpu_clocks_keep_the_timed_steps_samples_only():
+    """GpuClocks.mark() at the end of the sustained steps: the result is the timed steps' samples (the last one where
+    the window is shorter than nvidia-smi's 100 ms period); lines it cannot read are skipped, and a timestamp in
+    another format drops no sample."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from datetime import datetime
+
+    import bench
+
+    out = ("2026/12/05 20:00:00.000, 1980, 300, 50, 0x0\n2026/12/05 20:00:00.100, 1500, 650, 60, 0x4\n"
+           "2026/12/05 20:00:00.200, 1400, 700, 61, 0x4\n2026/12/05 20:00:00.300, [N/A], 700, 61, 0x4\n2026/12/0")
+    whole = bench.GpuClocks.summarize(out, with_reasons=True)
+    assert whole["samples"] == 3 and whole["sm_mhz_max"] == 1980 and abs(whole["clock_reasons"]["sw_power_cap"] - 2 / 3) < 1e-9
+    timed = bench.GpuClocks.summarize(out, True, since=datetime(2026, 12, 5, 20, 0, 0, 50000))
+    assert timed["samples"] == 2 and timed["sm_mhz_mean"] == 1450 and timed["clock_reasons"]["sw_power_cap"] == 1.0
+    late = bench.GpuClocks.summarize(out, True, since=datetime(2026, 12, 5, 20, 0, 1))
+    assert late["samples"] == 1 and late["sm_mhz_mean"] == 1400
+    other_format = out.replace("2026/12/05 ", "Sat Dec  5 ")
+    assert bench.GpuClocks.summarize(other_format, True, since=datetime(2026, 12, 5, 20, 0, 1))["samples"] == 3
+    assert bench.GpuClocks.summarize("", False) is None
 
 
 def test_kernel_sequence_lists_the_last_steps_kernels_with_the_gaps_before_them():

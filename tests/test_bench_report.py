@@ -158,6 +158,44 @@ def test_a_profile_whose_model_recast_its_weights_every_forward_says_so_under_it
     assert text.count(note) == 1 and text.index(note) > text.index("### 1b-4x4096")
 
 
+def test_each_run_says_how_its_steps_were_timed(tmp_path):
+    """bench.py since b088bec records --sustain-s; older results lack it and say so (their short timing windows
+    could fall on the boosted clock left by a compile); an explicit 0 is named as such."""
+    runs = {"125m": {}, "1b-4x4096": {"sustain_s": 0.0}, "8b-slice": {"sustain_s": 3.0}}
+    paths = []
+    for shape, extra in runs.items():
+        paths.append(tmp_path / f"bench_{shape}.json")
+        paths[-1].write_text(json.dumps({**_result(shape), **extra}))
+    md = tmp_path / "s.md"
+    _report(paths, md, tmp_path / "s.png", tmp_path)
+    sections = md.read_text().split("### ")
+    said = {shape: next(sec for sec in sections if sec.startswith(shape)) for shape in runs}
+    assert "No sustained steps before each timing (bench.py before b088bec)" in said["125m"]
+    assert "No sustained steps before each timing (--sustain-s 0, or a CPU run)" in said["1b-4x4096"]
+    assert "Each step timing followed 3 s of its steps back to back" in said["8b-slice"]
+
+
+def test_a_tuned_floor_run_supplements_the_main_run(tmp_path):
+    """A newer --floor-quack-tuned run (opt-in, often without peers) does not replace the shape's main run: it is
+    one line under the main floor, with its floor and its own CODA step's ratio to its graph floor."""
+    main, tuned = _result("125m"), _result("125m")
+    tuned["environment"] = dict(tuned["environment"], date="2026-12-05 19:41 UTC")
+    tuned["command"] = "scripts/bench.py --shape 125m --variants coda,floor --floor-quack-tuned"
+    tuned["variants"]["floor"] = dict(tuned["variants"]["floor"], quack_tuned=True, back_to_back={"median_ms": 26.0},
+                                      gemms=[dict(g, best="quack-tuned") for g in tuned["variants"]["floor"]["gemms"]])
+    tuned["variants"]["coda"] = dict(tuned["variants"]["coda"], over_floor_back_to_back=39.0 / 26.0,
+                                     fwd_bwd={"median_ms": 39.0})
+    for name, r in (("main.json", main), ("tuned.json", tuned)):
+        (tmp_path / name).write_text(json.dumps(r))
+    md = tmp_path / "t.md"
+    _report([tmp_path / "main.json", tmp_path / "tuned.json"], md, tmp_path / "t.png", tmp_path)
+    text = md.read_text()
+    assert "| 125m | coda | 40.00 | compile | 31.00 | 1.29 | 25.00 | 1.60 |" in text  # the main run's figures
+    assert ("The floor with quack's autotuned config as a third candidate per GEMM (`scripts/bench.py --shape 125m "
+            "--variants coda,floor --floor-quack-tuned`, 2026-12-05 19:41 UTC): GEMMs 20.00 ms, 2 of 2 shapes on the "
+            "autotuned pick; floor 25.00 ms, back to back 26.00 ms; in that run coda 39.00 ms, / graph floor 1.50.") in text
+
+
 def test_peers_from_separate_runs_compare_within_their_own_run(tmp_path):
     """A newer run with a floor is the shape's main run; a separate `--variants compile-max-autotune,coda`
     run (and an older full run with Liger) add their peers, each against the CODA step of its own run."""
