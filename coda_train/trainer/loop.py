@@ -175,12 +175,6 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
            world: World, parallel: str, cuda_graphs: bool, sweep_dir: Optional[Path]) -> Optional[dict[str, Any]]:
     t = cfg.trainer
     resume_from = find_resume_checkpoint(t.resume, run_dir)  # before data preparation, which can be long
-    config = OmegaConf.to_container(OmegaConf.structured(cfg))
-    config["trainer"]["run_dir"] = str(run_dir)  # this job's dir (a multirun gives each job its own)
-    # local paths absolute, so the tools that reopen the run's data find it from any directory
-    config["data"] = dataclasses.asdict(cfg.data.with_absolute_paths())
-    if cfg.model.init_from is not None:
-        config["model"]["init_from"] = recorded_init_from(cfg)
     # model.init_from moved or deleted since the run began (an HF cache cleaned): its checkpoint records the shape,
     # checked here before the data as train()'s early check does for any other run
     shape = init_from_shape(cfg, resume_from) if resume_from is not None and init_from_missing(cfg) else None
@@ -212,6 +206,12 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
             log.info("resumed from %s (step %d)", resume_from.path, state.step)
             for line in changes_since_checkpoint(resume_from.meta.get("config", {}), cfg, state.step):
                 log.warning("%s", line)
+    config = OmegaConf.to_container(OmegaConf.structured(cfg))
+    config["trainer"]["run_dir"] = str(run_dir)  # this job's dir (a multirun gives each job its own)
+    # local paths absolute, so the tools that reopen the run's data find it from any directory
+    config["data"] = dataclasses.asdict(cfg.data.with_absolute_paths())
+    if cfg.model.init_from is not None:
+        config["model"]["init_from"] = recorded_init_from(cfg)
     # the folder itself too: the tools reopen it also after the corpus has moved or changed
     meta = {"model": dataclasses.asdict(llama), "impl": cfg.model.impl, "config": config,
             "prepared_data": str(data.path.absolute())}
