@@ -451,7 +451,8 @@ def bench_floor(cfg, shape: Shape, iters: int, warmup: int, sustain_s: float, qu
         floor = _floor_per_kernel(cfg, shape, quack_tuned)
     floor["quack_tuned"] = quack_tuned
     floor["clocks"] = clocks.result
-    sequence = _floor_sequence(cfg, shape, floor)
+    picks = {g["gemm"]: g["best"] for g in floor["gemms"]}
+    sequence = _floor_sequence(cfg, shape, picks)
     with GpuClocks() as clocks:
         b2b = floor["back_to_back"] = summary(step_times(sequence.step, iters, warmup, sustain_s=sustain_s, clocks=clocks))
     b2b["clocks"], b2b["replay"] = clocks.result, sequence.replay
@@ -459,6 +460,18 @@ def bench_floor(cfg, shape: Shape, iters: int, warmup: int, sustain_s: float, qu
         launches = timeline(_profiled(sequence.ranged, 1, sustain_s=0.0), 1, prefix="floor::")["launches_by_owner"]
         replayed = kernel_sequence(_profiled(sequence.step, 2, sustain_s), 2)
         b2b["by_item_ms"] = items_from_sequence(replayed, sequence.names, launches)
+    del sequence  # its graph and operands, before the next one's
+    # quack's autotuner picks by a config's time over many calls back to back, the per-kernel floor times each call
+    # alone: the same sequence with quack's GEMMs at the autotuned pick tells which a step's order favours
+    autotuned = {g["gemm"]: "quack-tuned" if g["best"] == "quack" and "quack_tuned_ms" in g else g["best"]
+                 for g in floor["gemms"]}
+    if autotuned != picks:
+        sequence = _floor_sequence(cfg, shape, autotuned)
+        with GpuClocks() as clocks:
+            alt = floor["back_to_back_autotuned"] = summary(step_times(sequence.step, iters, warmup, sustain_s=sustain_s,
+                                                                       clocks=clocks))
+        alt["clocks"], alt["replay"] = clocks.result, sequence.replay
+        alt["gemms_autotuned"] = sorted(name for name in picks if autotuned[name] != picks[name])
     return floor
 
 
@@ -512,17 +525,16 @@ class FloorSequence:
     replay: str
 
 
-def _floor_sequence(cfg, shape: Shape, floor: dict) -> FloorSequence:
+def _floor_sequence(cfg, shape: Shape, picks: dict[str, str]) -> FloorSequence:
     """Every layer's forward GEMMs and attention, the LM head, every layer's backward in reverse,
-    each GEMM on the backend that won it alone. On a GPU the step is captured as one CUDA graph and
+    each GEMM on its backend in `picks` (GEMM name -> floor_gemm backend). On a GPU the step is captured as one CUDA graph and
     replayed, as coda-graphs runs: no host work (FA4's interface, quack's launch path) leaves the
     GPU idle between kernels, idle time that would let a power-capped GPU raise its clock."""
     M = shape.batch * shape.seq
-    best = {g["gemm"]: g["best"] for g in floor["gemms"]}
     gemms = {}
     for name, m, n, k, layout, _ in step_gemms(cfg, M):
         a, b = gemm_operands(m, n, k, layout)
-        gemms[name] = floor_gemm(best[name], a, b)
+        gemms[name] = floor_gemm(picks[name], a, b)
     gemms["attention fwd"], gemms["attention bwd"] = attention_calls(cfg, shape)
     forward = ["qkv fwd", "attention fwd", "o fwd", "gate_up fwd", "down fwd"]
     head = ["lm_head fwd", "lm_head dgrad", "lm_head wgrad"]
@@ -876,6 +888,10 @@ def print_table(result: dict) -> None:
               + (f" at {mhz:.0f} MHz" if mhz else "") + "; coda variants / that: "
               + ", ".join(f"{n} {r['over_floor_back_to_back']:.2f}" for n, r in result["variants"].items()
                           if n.startswith("coda") and r.get("over_floor_back_to_back")))
+    if floor and "back_to_back_autotuned" in floor:
+        alt = floor["back_to_back_autotuned"]
+        print(f"  the same with its quack GEMMs at quack's autotuned pick ({', '.join(alt['gemms_autotuned'])}): "
+              f"{alt['median_ms']:.2f} ms")
     for name, err in result["failed"].items():
         print(f"{name:22s}FAILED: {err[:150]}")
     prof = result.get("coda_profile")
@@ -908,7 +924,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("runs/bench"))
     p.add_argument("--floor-quack-tuned", action="store_true",
                    help="the floor's GEMMs also at quack's autotuned config (its first call per shape tries every "
-                        "SM90 config quack can run: minutes of device time)")
+                        "SM90 config quack can run: minutes of device time), and the graph floor timed again with "
+                        "every GEMM it runs at quack's default config at the autotuned pick")
     p.add_argument("--logits-chunk-mib", type=int, default=None,
                    help="bound on one chunk of CODA's LM-head exponentials, MiB (default coda.LOGITS_CHUNK_BYTES)")
     args = p.parse_args()

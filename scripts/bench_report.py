@@ -108,6 +108,17 @@ def load(runs: list[dict]) -> list[dict]:
     return sorted(results, key=lambda r: SHAPE_ORDER.index(r["shape"]) if r["shape"] in SHAPE_ORDER else 99)
 
 
+def _autotuned_sequence(floor: dict) -> str:
+    """The floor's back-to-back sequence again with the GEMMs it ran at quack's default config at quack's
+    autotuned pick (bench.py --floor-quack-tuned, since that sequence was added), as a sentence."""
+    alt = floor.get("back_to_back_autotuned")
+    if not alt:
+        return ""
+    n = len(alt["gemms_autotuned"])
+    return (f" The same sequence with its {n} GEMM shape{'s' if n > 1 else ''} on quack's default config at quack's "
+            f"autotuned pick instead: {alt['median_ms']:.2f} ms.")
+
+
 def _quack_tuned(r: dict) -> bool:
     """A run whose floor also tried quack's autotuned config per GEMM (bench.py --floor-quack-tuned, opt-in)."""
     return bool(r["variants"].get("floor", {}).get("quack_tuned"))
@@ -287,7 +298,7 @@ def shape_table(r: dict) -> list[str]:
             how = " (captured and replayed as one CUDA graph, as coda-graphs runs)" if b2b.get("replay") == "one CUDA graph" else ""
             lines += ["", f"The same kernels back to back in a step's order{how}, timed as a step: {b2b['median_ms']:.2f} ms"
                       f"{clk(b2b.get('clocks'))}" + (f" (each alone{clk(floor['clocks'])})" if floor.get("clocks") else "")
-                      + (f"; coda / that: {', '.join(ratios)}" if ratios else "") + "."]
+                      + (f"; coda / that: {', '.join(ratios)}" if ratios else "") + "." + _autotuned_sequence(floor)]
     for run in r.get("tuned_floor_runs", []):
         tf = run["variants"]["floor"]
         b2b = tf.get("back_to_back", {}).get("median_ms")
@@ -297,7 +308,7 @@ def shape_table(r: dict) -> list[str]:
                   f"{run['environment']['date']}{_code(run['environment'])}): GEMMs {tf['gemm_ms']:.2f} ms, "
                   f"{sum(g['best'] == 'quack-tuned' for g in tf['gemms'])} of {len(tf['gemms'])} shapes on the autotuned "
                   f"pick; floor {tf['fwd_bwd']['median_ms']:.2f} ms" + (f", back to back {b2b:.2f} ms" if b2b else "")
-                  + (f"; in that run {'; '.join(ratios)}" if ratios else "") + "."]
+                  + (f"; in that run {'; '.join(ratios)}" if ratios else "") + "." + _autotuned_sequence(tf)]
     prof = r.get("coda_profile")
     if prof:
         lines += ["", f"Where a coda step goes (`{prof['command']}`, {prof['date']}; coda {prof['coda_ms']:.2f} ms "

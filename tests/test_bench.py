@@ -2,11 +2,14 @@
 every model variant and the floor run and land in the JSON with their derived figures. Timings
 on CPU mean nothing; the GPU numbers come from the same code on the H200."""
 
+import functools
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,6 +34,7 @@ def test_bench_smoke_runs_every_cpu_variant(tmp_path):
     assert len(code["sources_sha256"]) == 16 and (code["git_commit"] is None or len(code["git_commit"]) == 40)
     # the same kernels back to back as a step, and coda's ratio to that
     assert floor["back_to_back"]["n"] >= 1 and floor["back_to_back"]["median_ms"] > 0
+    assert "back_to_back_autotuned" not in floor  # only with --floor-quack-tuned
     assert coda["over_floor_back_to_back"] == coda["fwd_bwd"]["median_ms"] / floor["back_to_back"]["median_ms"]
     assert "compile-max-autotune" in result["not_run"] and "coda_profile" not in result  # profile: GPU only
     assert "pending" not in result  # the run finished: nothing left that it did not reach
@@ -66,6 +70,50 @@ def test_floor_gemms_take_the_fastest_backend_that_runs():
         assert g["best"] == "cublas" and g["best_ms"] == g["cublas_ms"] > 0, g
         assert "quack_error" in g and "quack_tuned_error" in g and "quack_ms" not in g
     assert abs(floor["gemm_ms"] - sum(g["count"] * g["best_ms"] for g in floor["gemms"])) < 1e-9
+
+
+def test_tuned_floor_times_its_sequence_again_with_quack_at_the_autotuned_pick(monkeypatch):
+    """With quack_tuned, the back-to-back floor runs a second time with each GEMM the per-kernel floor put on quack's
+    default config at quack's autotuned pick instead (the autotuner picks by back-to-back calls, the per-kernel floor
+    times each call alone); cuBLAS's GEMMs stay. Here quack's default wins the forward GEMMs, cuBLAS the rest."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench
+
+    shape = bench.SHAPES["smoke"]
+    cfg = bench.model_config(shape)
+    names = {tuple(dims[:4]): name for name, *dims in bench.step_gemms(cfg, shape.batch * shape.seq)}
+    made = []  # (GEMM name, backend) of every floor_gemm, in order
+
+    def floor_gemm(backend, a, b):  # every backend runs on CPU here; the timing below decides which wins
+        gemm = functools.partial(torch.matmul, a, b)
+        gemm.made = (names[made_for[0]], backend)
+        made.append(gemm.made)
+        return gemm
+
+    made_for = [None]
+    real_operands = bench.gemm_operands
+
+    def gemm_operands(m, n, k, layout):
+        made_for[0] = (m, n, k, layout)
+        return real_operands(m, n, k, layout)
+
+    def do_bench_graph(fn):
+        name, backend = getattr(fn, "made", ("attention", "cublas"))
+        return 1.0 if backend == "quack" and name.endswith("fwd") else 2.0 if backend == "cublas" else 3.0
+
+    monkeypatch.setattr(bench, "floor_gemm", floor_gemm)
+    monkeypatch.setattr(bench, "gemm_operands", gemm_operands)
+    monkeypatch.setattr(bench, "do_bench_graph", do_bench_graph)
+    floor = bench.bench_floor(cfg, shape, iters=1, warmup=0, sustain_s=0.0, quack_tuned=True)
+    on_quack = sorted(g["gemm"] for g in floor["gemms"] if g["best"] == "quack")
+    assert on_quack == sorted(name for name in names.values() if name.endswith("fwd"))
+    assert all(g["best"] == "cublas" for g in floor["gemms"] if g["gemm"] not in on_quack)
+    alt = floor["back_to_back_autotuned"]
+    assert alt["gemms_autotuned"] == on_quack and alt["median_ms"] > 0 and alt["n"] == 1
+    # the two sequences built last: the per-kernel winners, then the same with quack's default at its autotuned pick
+    first, second = dict(made[-2 * len(names):-len(names)]), dict(made[-len(names):])
+    assert first == {g["gemm"]: g["best"] for g in floor["gemms"]}
+    assert second == {name: "quack-tuned" if backend == "quack" else backend for name, backend in first.items()}
 
 
 def test_gpu_clocks_keep_the_timed_steps_samples_only():

@@ -182,7 +182,9 @@ def test_a_tuned_floor_run_supplements_the_main_run(tmp_path):
     tuned["environment"] = dict(tuned["environment"], date="2026-12-05 19:41 UTC")
     tuned["command"] = "scripts/bench.py --shape 125m --variants coda,floor --floor-quack-tuned"
     tuned["variants"]["floor"] = dict(tuned["variants"]["floor"], quack_tuned=True, back_to_back={"median_ms": 26.0},
-                                      gemms=[dict(g, best="quack-tuned") for g in tuned["variants"]["floor"]["gemms"]])
+                                      back_to_back_autotuned={"median_ms": 25.5, "gemms_autotuned": ["o fwd"]},
+                                      gemms=[dict(g, best="quack-tuned" if g["best"] == "cublas" else g["best"])
+                                             for g in tuned["variants"]["floor"]["gemms"]])
     tuned["variants"]["coda"] = dict(tuned["variants"]["coda"], over_floor_back_to_back=39.0 / 26.0,
                                      fwd_bwd={"median_ms": 39.0})
     for name, r in (("main.json", main), ("tuned.json", tuned)):
@@ -192,8 +194,11 @@ def test_a_tuned_floor_run_supplements_the_main_run(tmp_path):
     text = md.read_text()
     assert "| 125m | coda | 40.00 | compile | 31.00 | 1.29 | 25.00 | 1.60 |" in text  # the main run's figures
     assert ("The floor with quack's autotuned config as a third candidate per GEMM (`scripts/bench.py --shape 125m "
-            "--variants coda,floor --floor-quack-tuned`, 2026-12-05 19:41 UTC): GEMMs 20.00 ms, 2 of 2 shapes on the "
-            "autotuned pick; floor 25.00 ms, back to back 26.00 ms; in that run coda 39.00 ms, / graph floor 1.50.") in text
+            "--variants coda,floor --floor-quack-tuned`, 2026-12-05 19:41 UTC): GEMMs 20.00 ms, 1 of 2 shapes on the "
+            "autotuned pick; floor 25.00 ms, back to back 26.00 ms; in that run coda 39.00 ms, / graph floor 1.50. "
+            "The same sequence with its 1 GEMM shape on quack's default config at quack's autotuned pick instead: "
+            "25.50 ms.") in text
+    assert text.count("autotuned pick instead") == 1  # the main run timed no such sequence
 
 
 def test_peers_from_separate_runs_compare_within_their_own_run(tmp_path):
