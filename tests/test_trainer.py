@@ -26,7 +26,7 @@ from coda_train.kernels import BackendError
 from coda_train.model import LlamaConfig
 from coda_train.trainer.build import build_loader, build_train_state, resolve_model
 from coda_train.trainer.checkpoint import (CheckpointError, check_same_model, find_resume_checkpoint, list_checkpoints,
-                                           load_state, verify_checkpoint)
+                                           load_state, resumes, verify_checkpoint)
 from coda_train.trainer.distributed import World
 from coda_train.trainer.loop import train
 from coda_train.trainer.metrics import metrics_line, mfu
@@ -469,6 +469,14 @@ def test_resume_with_another_vocabulary_names_the_tokenizer_not_the_model_settin
     assert "Run with its tokenizer (data.vocab_size=300): vocab_size follows the tokenizer's vocabulary" in message
     with pytest.raises(CheckpointError, match="Run with the checkpoint's model settings and its tokenizer"):
         check_same_model(checkpoint, dataclasses.replace(llama, vocab_size=512, dim=32))
+
+
+def test_resumes_tells_the_early_checks_whether_a_checkpoint_will_be_continued(tmp_path, straight_run):
+    """resumes() (train()'s checks before the run dir is held): a named checkpoint, or auto with checkpoints in the
+    run dir; find_resume_checkpoint then finds one there (or refuses), and finds none where resumes() says no."""
+    assert resumes("auto", straight_run) and find_resume_checkpoint("auto", straight_run) is not None
+    assert not resumes("auto", tmp_path / "new") and find_resume_checkpoint("auto", tmp_path / "new") is None
+    assert resumes(str(straight_run), tmp_path / "new") and not resumes("never", straight_run)
 
 
 def test_resume_never_refuses_a_dir_holding_a_run(tiny, straight_run):

@@ -425,6 +425,12 @@ def newest_good_checkpoint(root: Path) -> Optional[Checkpoint]:
     return None
 
 
+def resumes(resume: str, run_dir: Path) -> bool:
+    """Whether this run continues a checkpoint (or find_resume_checkpoint refuses it): trainer.resume names one,
+    or is auto and run_dir holds some. Cheap, verifies nothing: for the checks made before the run dir is held."""
+    return resume not in ("auto", "never") or (resume == "auto" and bool(list_checkpoints(Path(run_dir) / CHECKPOINTS_DIR)))
+
+
 def find_resume_checkpoint(resume: str, run_dir: Path) -> Optional[Checkpoint]:
     """The checkpoint this run continues, per trainer.resume: auto (the newest good one of run_dir,
     None in a new run), never (None; run_dir must hold no run), or a path (a checkpoint, a

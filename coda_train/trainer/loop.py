@@ -28,7 +28,7 @@ from .build import (build_loader, build_train_state, check_compute, check_model_
                     data_config, init_from_missing, init_from_shape, recorded_init_from, report_untuned_gemms,
                     resolve_model, tune_untuned_gemms)
 from .checkpoint import (CHECKPOINTS_DIR, CheckpointError, Checkpointer, check_ckpt_async, check_same_model,
-                         find_resume_checkpoint, list_checkpoints, restore, resumes_newest_good, set_aside_newer)
+                         find_resume_checkpoint, list_checkpoints, restore, resumes, resumes_newest_good, set_aside_newer)
 from .device import pick_compute_dtype, pick_device
 from .distributed import (World, any_rank, barrier, check_fsdp_options, close_world, data_parallel, from_main, init_world,
                           process_device, resolve_parallel)
@@ -137,9 +137,7 @@ def train(cfg: Config, run_dir: Path, sweep_dir: Optional[Path] = None) -> RunEn
             check_compute(cfg, backend, compute_dtype)
             # a resumed run takes its weights from its checkpoint (and its shape where model.init_from is gone):
             # model.init_from's are checked for a new run only
-            resuming = cfg.trainer.resume not in ("auto", "never") or (
-                cfg.trainer.resume == "auto" and bool(list_checkpoints(Path(run_dir) / CHECKPOINTS_DIR)))
-            check_model_before_data(cfg, backend, resuming)
+            check_model_before_data(cfg, backend, resumes(cfg.trainer.resume, run_dir))
             world = init_world(device.type)
             held.callback(close_world, world)
             parallel = resolve_parallel(cfg.trainer.parallel, world)
