@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,22 +86,37 @@ def find_checkpoint(path: str | Path) -> Checkpoint:
                           "pass the trainer.run_dir of a run that saved a checkpoint, or one of its checkpoints/step_* dirs")
 
 
+def _unverified_meta(path: Path) -> Optional[tuple[LlamaConfig, dict[str, Any]]]:
+    """The model and run config recorded by the checkpoint find_checkpoint takes unless it is damaged, read
+    without verifying it; None where that meta.json is missing or unusable (find_checkpoint then says why)."""
+    newest = [path] if (path / META_FILE).exists() else (list_checkpoints(path / CHECKPOINTS_DIR) or list_checkpoints(path))
+    try:
+        meta = json.loads((newest[0] / META_FILE).read_text())
+        model_config, run_config = saved_model(newest[0], meta), meta["config"]
+    except (IndexError, OSError, ValueError, TypeError, KeyError, CheckpointError):
+        return None
+    return (model_config, run_config) if isinstance(run_config, dict) else None
+
+
 def open_checkpoint(path: str | Path, tokenizer: Optional[str] = None,
                     check: Optional[Callable[[LlamaConfig, dict[str, Any]], None]] = None) -> TrainedCheckpoint:
     """The checkpoint at `path` (see find_checkpoint) with its tokenizer: the run's prepared data's
     (see run_prepared_data), or `tokenizer` (a tokenizer.json or HF directory). The
     tokenizer must be the one the model was trained with (same fingerprint, ids within the vocab).
     check(model_config, run_config), where given, refuses the caller's arguments that depend on the
-    checkpoint (ConfigError) before the weights are loaded and any data is prepared."""
+    checkpoint (ConfigError) before the weights are loaded and any data is prepared, and, where the checkpoint's
+    meta.json reads, before its weights are checksummed (minutes at 8B)."""
+    if tokenizer is not None:  # read before the checkpoint: a wrong path is refused at once
+        tok, config_eos = load_tokenizer(tokenizer, "--tokenizer", "leave it out to use the run's own")
+    if check is not None and (unverified := _unverified_meta(Path(path))) is not None:
+        check(*unverified)
     ckpt, meta = find_checkpoint(path)
     model_config = saved_model(ckpt, meta)
     if not isinstance(run_config := meta.get("config"), dict):
         raise CheckpointError(f"checkpoint {ckpt}: {META_FILE} lacks a usable run config; restore it, or choose "
                               "another checkpoint")
-    if check is not None:
+    if check is not None:  # again: the checkpoint found may be an older one (a newer one damaged)
         check(model_config, run_config)
-    if tokenizer is not None:  # read before the weights: a wrong path is refused at once
-        tok, config_eos = load_tokenizer(tokenizer, "--tokenizer", "leave it out to use the run's own")
     state = load_model_state(ckpt, meta)
     data = None
     if tokenizer is None:

@@ -570,6 +570,26 @@ def test_a_directory_without_a_checkpoint_is_a_clear_error(tmp_path):
         assert result.returncode == 1 and "neither a checkpoint" in result.stderr, (script, result.stderr[-2000:])
 
 
+def test_arguments_that_depend_on_the_checkpoint_are_refused_before_its_weights_are_checksummed(trained_run,
+                                                                                                   monkeypatch):
+    """open_checkpoint's check reads the newest checkpoint's meta.json unverified first: a bad argument is refused
+    without hashing the weights (minutes at 8B); the check runs again on the checkpoint found, once verified."""
+    import coda_train.trainer.checkpoint as checkpoint
+
+    hashed, seen = [], []
+    real_sha256 = checkpoint.sha256_file
+    monkeypatch.setattr(checkpoint, "sha256_file", lambda path: hashed.append(path) or real_sha256(path))
+
+    def refuse(model, run):
+        raise ConfigError(f"--max-new-tokens leaves no room in max_seq_len={model.max_seq_len}")
+
+    with pytest.raises(ConfigError, match="no room in max_seq_len=256"):
+        open_checkpoint(trained_run, check=refuse)
+    assert hashed == []
+    ckpt = open_checkpoint(trained_run, check=lambda model, run: seen.append((model.max_seq_len, run["trainer"]["run_dir"])))
+    assert len(hashed) >= 1 and seen == [(256, str(trained_run))] * 2 and ckpt.model_config.max_seq_len == 256
+
+
 def test_a_tokenizer_that_does_not_match_the_model_is_refused(trained_run, tmp_path):
     other = tokenizer_file(tmp_path, 280)
     with pytest.raises(ConfigError, match="not the one checkpoint .* was trained with"):
