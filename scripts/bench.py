@@ -477,12 +477,15 @@ def bench_floor(cfg, shape: Shape, iters: int, warmup: int, sustain_s: float, qu
 
 def floor_gemm(backend: str, a, b) -> Callable[[], torch.Tensor]:
     """a @ b on one of the floor's GEMM backends: "cublas" (torch.matmul), "quack" (quack's default
-    config) or "quack-tuned" (quack's autotuner: its first call tries every SM90 config it can run)."""
+    config) or "quack-tuned" (quack's autotuner: its first call tries every SM90 config it can run, and split-K
+    factors where the output has fewer tiles than the GPU has SMs, as cuBLAS may split the wgrads' long K)."""
     if backend == "cublas":
         return functools.partial(torch.matmul, a, b)
     from quack.gemm_interface import gemm as quack_gemm
 
-    return functools.partial(quack_gemm, a, b, tuned=backend == "quack-tuned")
+    if backend == "quack":
+        return functools.partial(quack_gemm, a, b, tuned=False)
+    return functools.partial(quack_gemm, a, b, tuned=True, split_k=None)
 
 
 def _floor_per_kernel(cfg, shape: Shape, quack_tuned: bool = False) -> dict:
