@@ -72,45 +72,45 @@ class PreparedData:
         expected_tokenizer is the fingerprint the caller will train with. fix: what the errors advise, where
         the caller cannot prepare the folder again (by default: delete it and prepare again)."""
         path = Path(path)
-        caller_fix, fix = fix, fix or f"delete {path} and run prepare again"
+        advice = fix or f"delete {path} and run prepare again"  # _verify_shards has its own default, so it gets fix
         try:
             manifest = json.loads((path / MANIFEST).read_text())
             tokenizer_info, splits = manifest["tokenizer"], manifest["splits"]
             dtype = np.dtype(manifest["dtype"])
         except FileNotFoundError as e:
-            raise DataError(f"{path} has no {MANIFEST}: it is not a finished prepared folder; {fix}") from e
+            raise DataError(f"{path} has no {MANIFEST}: it is not a finished prepared folder; {advice}") from e
         except (ValueError, KeyError, TypeError) as e:
-            raise DataError(f"the manifest {path / MANIFEST} is truncated or corrupt ({e!r}); {fix}") from e
+            raise DataError(f"the manifest {path / MANIFEST} is truncated or corrupt ({e!r}); {advice}") from e
         if manifest.get("format_version") != FORMAT_VERSION:
             version = manifest.get("format_version")
-            raise DataError(f"{path} was prepared by format version {version}, this code reads {FORMAT_VERSION}; {fix}")
+            raise DataError(f"{path} was prepared by format version {version}, this code reads {FORMAT_VERSION}; {advice}")
         try:
             expected_sizes = {path / shard["file"]: shard["num_tokens"] * dtype.itemsize
                               for split in SPLITS for shard in splits[split]["shards"]}
         except (KeyError, TypeError) as e:
-            raise DataError(f"the manifest {path / MANIFEST} is truncated or corrupt ({e!r}); {fix}") from e
+            raise DataError(f"the manifest {path / MANIFEST} is truncated or corrupt ({e!r}); {advice}") from e
         for file, expected in expected_sizes.items():
             actual = file.stat().st_size if file.is_file() else None
             if actual != expected:
-                raise DataError(f"shard {file} is truncated or missing ({actual} bytes, manifest says {expected}); {fix}")
+                raise DataError(f"shard {file} is truncated or missing ({actual} bytes, manifest says {expected}); {advice}")
         try:
             tokenizer = Tokenizer.from_file(str(path / TOKENIZER_FILE))
         except Exception as e:  # missing or malformed file; the Rust parser raises a bare Exception
-            raise DataError(f"cannot read {path / TOKENIZER_FILE} ({e}); {fix}") from e
+            raise DataError(f"cannot read {path / TOKENIZER_FILE} ({e}); {advice}") from e
         if fingerprint(tokenizer) != tokenizer_info["fingerprint"]:
-            raise DataError(f"{path / TOKENIZER_FILE} does not match the fingerprint in its manifest (edited or damaged); {fix}")
+            raise DataError(f"{path / TOKENIZER_FILE} does not match the fingerprint in its manifest (edited or damaged); {advice}")
         if expected_tokenizer is not None and expected_tokenizer != tokenizer_info["fingerprint"]:
             raise DataError(
                 f"{path} holds shards from another tokenizer (fingerprint {tokenizer_info['fingerprint'][:12]}) than "
                 f"data.tokenizer now points at ({expected_tokenizer[:12]}); the tokenizer file changed after preparation. "
-                f"Restore it, or {fix}"
+                f"Restore it, or {advice}"
             )
         data = cls(path, manifest, tokenizer)
         if verify != "never":
             try:
-                data._verify_shards(remember=verify == "first_use", fix=caller_fix)
+                data._verify_shards(remember=verify == "first_use", fix=fix)
             except (KeyError, TypeError) as e:  # a shard entry without its sha256
-                raise DataError(f"the manifest {path / MANIFEST} is truncated or corrupt ({e!r}); {fix}") from e
+                raise DataError(f"the manifest {path / MANIFEST} is truncated or corrupt ({e!r}); {advice}") from e
         return data
 
     def num_tokens(self, split: str) -> int:
