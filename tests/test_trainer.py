@@ -249,6 +249,22 @@ def test_a_stop_signal_ends_a_multirun_sweep_too(tiny, tmp_path):
     assert not (tmp_path / "1").exists()
 
 
+def test_a_stop_signal_during_a_jobs_last_step_ends_the_sweep_too(tiny, tmp_path):
+    """The signal arrives as job 0 finishes (its last step, eval or save): job 0 is complete and saved, and the sweep
+    stops before job 1 all the same; running the sweep again goes on with job 1."""
+    command = ("-m", *tiny, "model.impl=eager,coda", "trainer.max_steps=3", f"trainer.run_dir={tmp_path}")
+    result = run_train(*command, "debug.sigterm_after_step=3")
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "received SIGTERM during the last step: this run is complete (step 3) and saved; stopped before the " \
+           f"sweep's next job; to continue, run the same multirun command with trainer.run_dir={tmp_path.resolve()}" in out
+    assert [p.name for p in list_checkpoints(tmp_path / "0" / "checkpoints")] == ["step_00000003"]
+    assert not (tmp_path / "1").exists()
+    again = run_train(*command)
+    assert again.returncode == 0, again.stderr
+    assert [m["step"] for m in metrics(tmp_path / "1")][-1] == 3 and "nothing to do" in again.stdout + again.stderr
+
+
 def test_resuming_with_another_global_batch_names_the_saved_one(tiny, tmp_path):
     """A loader that cannot continue the checkpoint's data order is a config change, not a bad file:
     the error names the saved value and does not send the user to another checkpoint."""

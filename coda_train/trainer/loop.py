@@ -113,7 +113,8 @@ class StopSignal:
 @dataclasses.dataclass(frozen=True)
 class RunEnd:
     """How a train() call ended: its last metrics line (None if nothing was logged) and, when a
-    SIGTERM/SIGINT stopped it before trainer.max_steps (after saving a checkpoint), that signal's name."""
+    SIGTERM/SIGINT stopped it (after saving a checkpoint; also one received during the last step, so that a
+    multirun sweep stops before its next job), that signal's name."""
     metrics: Optional[dict[str, Any]]
     stopped_by: Optional[str] = None
 
@@ -237,14 +238,16 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
     train_step = TrainStep(state, data_parallel(state.model, parallel, device), world, device, t.grad_accum_steps,
                            cfg.optim.grad_clip, cuda_graphs)
     hint = functools.partial(continue_hint, run_dir, t.resume, sweep_dir)
-    return _loop(cfg, llama, state, train_step, val_loader, checkpointer, metrics_logger, world, device, hint)
+    return _loop(cfg, llama, state, train_step, val_loader, checkpointer, metrics_logger, world, device, hint,
+                 sweep_dir is not None)
 
 
 def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, train_step: TrainStep, val_loader: Optional[TokenLoader],
           checkpointer: Checkpointer, metrics_logger: Optional[MetricsLogger], world: World,
-          device: torch.device, hint: Callable[..., str]) -> RunEnd:
+          device: torch.device, hint: Callable[..., str], in_sweep: bool) -> RunEnd:
     """Steps until trainer.max_steps or a stop signal; logs, evaluates and checkpoints on schedule; hint: how to
-    continue the run (rundir.continue_hint; saved=False when this run has no checkpoint of its own), for the stop messages.
+    continue the run (rundir.continue_hint; saved=False when this run has no checkpoint of its own), for the stop
+    messages; in_sweep: this run is a multirun job.
     Only those steps read the device (TrainStep.read/check), so the host runs ahead of the GPU between them."""
     t, debug = cfg.trainer, cfg.debug
     flops_per_token = llama.flops_per_token(t.seq_len)
@@ -294,6 +297,12 @@ def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, train_step: TrainS
             if world.is_main:
                 log.info("received %s: saved %s and stopped; %s", stopped_by, path, hint())
         _finish(checkpointer, world)  # the last step's checkpoint, written in the background
+        # a signal during the last step (its eval, its save): the run is complete, but a multirun sweep stops too
+        if stopped_by is None and any_rank(stop.received is not None, world):
+            stopped_by = signal.Signals(stop.received).name if stop.received else "a stop signal"  # another rank's
+            if world.is_main:
+                log.info("received %s during the last step: this run is complete (step %d) and saved; stopped%s",
+                         stopped_by, state.step, f" before the sweep's next job; {hint()}" if in_sweep else "")
     except NonFiniteError as e:
         exit_code = EXIT_NON_FINITE
         _finish(checkpointer, world)  # a save in flight holds a finite state (each save reads its step first)
