@@ -314,6 +314,27 @@ def test_nan_loss_stops_without_checkpointing_it(tiny, tmp_path):
     assert metrics(tmp_path)[-1]["step"] == 7
 
 
+def test_resuming_with_a_lower_lr_after_a_nan_keeps_the_diverged_runs_metrics_aside(tiny, tmp_path):
+    """The fix a NaN stop names (resume with a lower optim.lr) redoes the steps after the checkpoint on another
+    trajectory: the diverged run's lines of those steps, the ones leading to the NaN, are moved aside, not
+    overwritten. A resume that changes only what is logged or saved (trainer.log_every) redoes the same steps: its
+    rewritten lines are dropped as before."""
+    command = (*tiny, "trainer.max_steps=12", "trainer.ckpt_every=5", "trainer.log_every=1")
+    with pytest.raises(NonFiniteError):
+        train_in_process(tmp_path, *command, "debug.nan_loss_at_step=8")
+    diverged = metrics(tmp_path)
+    assert [m["step"] for m in diverged] == list(range(1, 8))
+    train_in_process(tmp_path, *command, "optim.lr=1e-4", "trainer.max_steps=7")
+    (aside,) = tmp_path.glob("metrics.replaced-step_00000005-*.jsonl")
+    assert [json.loads(line) for line in aside.read_text().splitlines()] == diverged[5:]
+    assert [m["step"] for m in metrics(tmp_path)] == list(range(1, 8)) and metrics(tmp_path)[5] != diverged[5]
+    redone = metrics(tmp_path)
+    shutil.rmtree(tmp_path / "checkpoints" / "step_00000007")  # from step 5 again, logging every other step
+    train_in_process(tmp_path, *command, "optim.lr=1e-4", "trainer.max_steps=7", "trainer.log_every=2")
+    assert len(list(tmp_path.glob("metrics.replaced-*"))) == 1
+    assert without_timing(metrics(tmp_path)) == without_timing(redone)  # steps 6 and 7 redone alike
+
+
 def test_a_run_started_from_another_runs_checkpoint_is_told_to_start_from_it_again(tiny, straight_run, tmp_path):
     """It stops on a NaN before saving a checkpoint of its own: trainer.resume=auto would start from random weights,
     so the message names the checkpoint it started from; following it continues from there."""

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+import yaml
 from omegaconf import OmegaConf
 
 from coda_train.config import Config, check_config
@@ -58,10 +59,15 @@ def exit_code(error: Exception) -> int:
     return EXIT_RUN_DIR if isinstance(error, RunDirError) else EXIT_BAD_INPUT
 
 
+CONFIG_FILE = "config.yaml"  # the run's settings, written at every start
 # what a resumed run may change and is told about: the model's shape is checked against the checkpoint instead
 _RESUME_ANNOUNCED = ("optim", "trainer", "kernels", "model.impl")
 # settings that differ between a checkpoint and the run that resumes it without affecting the trajectory
 _RESUME_IGNORED = {"trainer.run_dir", "trainer.resume", "trainer.progress_bar"}
+# settings announced when changed that decide only what is logged, evaluated and saved, not the steps (evaluation
+# reads no training state): a resumed run that changes only these redoes the same steps
+_SAME_STEPS = {"trainer.log_every", "trainer.eval_every", "trainer.eval_batches", "trainer.ckpt_every", "trainer.keep_last",
+               "trainer.ckpt_async", "trainer.peak_flops"}
 
 
 def _announced_settings(config: dict[str, Any]) -> dict[str, Any]:
@@ -73,12 +79,28 @@ def _announced_settings(config: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
+def _changed_settings(saved: dict[str, Any], cfg: Config) -> dict[str, tuple[Any, Any]]:
+    """The optim.*, trainer.*, kernels.* and model.impl values of cfg that differ from `saved` (a run's config)."""
+    before, now = _announced_settings(saved), _announced_settings(OmegaConf.to_container(OmegaConf.structured(cfg)))
+    return {k: (before[k], v) for k, v in now.items() if k in before and before[k] != v and k not in _RESUME_IGNORED}
+
+
+def logged_under_other_settings(run_dir: Path, cfg: Config) -> bool:
+    """Whether the run that last wrote run_dir's metrics took other steps than cfg does, by its settings (its
+    config.yaml, written at every start; unreadable counts as other): the lines a resumed run redoes are then
+    another trajectory's."""
+    try:
+        previous = OmegaConf.to_container(OmegaConf.load(run_dir / CONFIG_FILE))
+    except (OSError, yaml.YAMLError):
+        return True
+    return not isinstance(previous, dict) or bool(set(_changed_settings(previous, cfg)) - _SAME_STEPS)
+
+
 def changes_since_checkpoint(saved: dict[str, Any], cfg: Config, step: int) -> list[str]:
     """What the resumed run does differently from the run that saved the checkpoint at `step` (its config), as log
     lines: the optim.*, trainer.*, kernels.* and model.impl values that changed, and what a longer max_steps does
     (another global batch is the loader's to say: its state holds the saved layout, TokenLoader.load_state_dict)."""
-    before, now = _announced_settings(saved), _announced_settings(OmegaConf.to_container(OmegaConf.structured(cfg)))
-    changed = {k: (before[k], v) for k, v in now.items() if k in before and before[k] != v and k not in _RESUME_IGNORED}
+    changed = _changed_settings(saved, cfg)
     if not changed:
         return []
     settings = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items())
@@ -222,10 +244,12 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
         with writing("the run's config.yaml and metrics.jsonl", run_dir, run_dir):
             if resume_from is not None:
                 set_aside_newer(checkpointer.root, resume_from.step, damaged=resumes_newest_good(t.resume))
-            # an explicitly named older checkpoint starts another trajectory: the abandoned one's metrics are kept aside
-            rewind_metrics(run_dir / METRICS_FILE, state.step,
-                           keep_dropped=resume_from is not None and not resumes_newest_good(t.resume))
-            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml({**config, "resolved_model": meta["model"]}))
+            # the lines after the checkpoint are redone; where they are another trajectory's (an explicitly named older
+            # checkpoint, or settings changed since the run that logged them, e.g. a lower lr after a divergence)
+            # they are kept aside
+            rewind_metrics(run_dir / METRICS_FILE, state.step, keep_dropped=resume_from is not None and (
+                not resumes_newest_good(t.resume) or logged_under_other_settings(run_dir, cfg)))
+            (run_dir / CONFIG_FILE).write_text(OmegaConf.to_yaml({**config, "resolved_model": meta["model"]}))
             if cfg.model.impl == "coda" and backend == "cute":  # the cute backend means a Hopper GPU here
                 report_untuned_gemms(llama, t, gpu_key(torch.cuda.get_device_name(device)), run_dir)
             metrics_logger = MetricsLogger(run_dir, cfg.logger, config, resume_from is not None,
