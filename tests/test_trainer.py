@@ -335,6 +335,19 @@ def test_resuming_with_a_lower_lr_after_a_nan_keeps_the_diverged_runs_metrics_as
     assert without_timing(metrics(tmp_path)) == without_timing(redone)  # steps 6 and 7 redone alike
 
 
+def test_starting_again_with_a_lower_lr_after_a_nan_before_any_checkpoint_keeps_the_diverged_metrics(tiny, tmp_path):
+    """No checkpoint yet: the NaN stop says to start again with a lower optim.lr in the same run dir; that run
+    redoes every step, and the diverged run's lines are kept aside, not deleted."""
+    command = (*tiny, "trainer.max_steps=8", "trainer.ckpt_every=0", "trainer.log_every=1")
+    with pytest.raises(NonFiniteError):
+        train_in_process(tmp_path, *command, "debug.nan_loss_at_step=6")
+    diverged = metrics(tmp_path)
+    train_in_process(tmp_path, *command, "optim.lr=1e-4")
+    (aside,) = tmp_path.glob("metrics.replaced-step_00000000-*.jsonl")
+    assert [json.loads(line) for line in aside.read_text().splitlines()] == diverged and len(diverged) == 5
+    assert [m["step"] for m in metrics(tmp_path)] == list(range(1, 9))
+
+
 def test_a_run_started_from_another_runs_checkpoint_is_told_to_start_from_it_again(tiny, straight_run, tmp_path):
     """It stops on a NaN before saving a checkpoint of its own: trainer.resume=auto would start from random weights,
     so the message names the checkpoint it started from; following it continues from there."""

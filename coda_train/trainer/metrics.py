@@ -71,8 +71,8 @@ def metrics_line(result: StepResult, tokens: int, tokens_per_s: float, elapsed_s
 
 def rewind_metrics(path: Path, step: int, keep_dropped: bool = False) -> None:
     """Drop lines logged after `step` (by the interrupted run whose last steps the resumed run redoes),
-    so metrics.jsonl reads as one uninterrupted run. Rewritten atomically. keep_dropped (a run resumed from an
-    older checkpoint, abandoning a trajectory): the dropped lines go to metrics.replaced-step_<step>-<pid>.jsonl."""
+    so metrics.jsonl reads as one uninterrupted run. Rewritten atomically. keep_dropped (the dropped lines are another
+    trajectory's: an older checkpoint resumed, or other settings): they go to metrics.replaced-step_<step>-<n>.jsonl."""
     if not path.exists():
         return
     lines = path.read_text().splitlines(keepends=True)
