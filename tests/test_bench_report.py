@@ -365,3 +365,21 @@ def test_the_documented_report_commands_run(tmp_path):
         command = command.replace("python", f"'{sys.executable}'", 1) + f" --md {tmp_path}/{i}.md --png {tmp_path}/{i}.png"
         run = subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, text=True)
         assert run.returncode == 0, (command, run.stderr[-2000:])
+
+
+def test_a_report_of_another_gpu_is_not_overwritten_and_the_chart_follows_the_report(tmp_path):
+    """Results of one GPU written over another GPU's report (the default --md is the H200's) are refused, nothing
+    written; without --png the chart goes beside the report, not over docs/benchmarks.png."""
+    h200, h100 = _result("125m"), _result("125m")
+    h100["environment"] = dict(h100["environment"], gpu="NVIDIA H100 80GB HBM3")
+    (tmp_path / "h200.json").write_text(json.dumps(h200))
+    (tmp_path / "h100.json").write_text(json.dumps(h100))
+    md = tmp_path / "report.md"
+    subprocess.run([sys.executable, str(ROOT / "scripts/bench_report.py"), str(tmp_path / "h200.json"), "--md", str(md)],
+                   check=True, cwd=tmp_path)
+    assert (tmp_path / "report.png").is_file() and "![forward+backward time per variant, floor as a line](report.png)" in md.read_text()
+    before = md.read_text()
+    refused = subprocess.run([sys.executable, str(ROOT / "scripts/bench_report.py"), str(tmp_path / "h100.json"), "--md",
+                              str(md)], cwd=tmp_path, capture_output=True, text=True)
+    assert refused.returncode == 2 and "is the report of another GPU (NVIDIA H200)" in refused.stderr
+    assert md.read_text() == before
