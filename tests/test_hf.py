@@ -653,6 +653,8 @@ def run_without_its_data(trained_run: Path, tmp_path: Path, **data) -> tuple[Pat
 @pytest.mark.parametrize("script, args, named", [
     ("export_hf.py", ["--out", "RUN", "--max-shard-size", "5GB"], "exists and is not an empty directory"),
     ("export_hf.py", ["--out", "NEW", "--max-shard-size", "5XB"], "--max-shard-size='5XB' is not a size"),
+    ("export_hf.py", ["--out", "NEW", "--max-shard-size", "0GB"], "--max-shard-size='0GB' is not a size"),
+    ("export_hf.py", ["--out", "FILE/sub"], "is a file, not a directory; choose an --out under a directory"),
     ("eval.py", ["--batch-size", "0"], "need --batch-size >= 1"),
     ("eval.py", ["--text", "NEW"], "cannot read --text"),
     ("eval.py", ["--seq-len", "5000"], "--seq-len=5000 exceeds the model's max_seq_len=256"),
@@ -665,7 +667,9 @@ def test_tools_refuse_arguments_before_preparing_data(trained_run, tmp_path, scr
     """Arguments that need no checkpoint, and those checked against its model config, are refused before the run's
     data is prepared again (its folder is gone here) and before anything is printed."""
     run, cache = run_without_its_data(trained_run, tmp_path)
+    (tmp_path / "file").write_text("not a directory")
     args = [str(run) if a == "RUN" else str(tmp_path / "new") if a == "NEW" else a for a in args]
+    args = [str(tmp_path / "file" / "sub") if a == "FILE/sub" else a for a in args]
     result = run_script(script, str(run), *args)
     assert result.returncode == 1 and named in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr and result.stdout == ""

@@ -223,7 +223,11 @@ def check_export(out_dir: str | Path, max_shard_size: int | str) -> Path:
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} exists and is not an empty directory; choose a new --out (nothing was written)")
-    if isinstance(max_shard_size, str) and not re.fullmatch(r"\s*\d+(\.\d+)?\s*[KMGT]B\s*", max_shard_size, re.IGNORECASE):
+    above = next(p for p in out.absolute().parents if p.exists())  # where the export's folders would be made
+    if not above.is_dir():
+        raise ConfigError(f"--out={out}: {above} is a file, not a directory; choose an --out under a directory")
+    if isinstance(max_shard_size, str) and (not re.fullmatch(r"\s*\d+(\.\d+)?\s*[KMGT]B\s*", max_shard_size, re.IGNORECASE)
+                                            or float(re.sub(r"[^\d.]", "", max_shard_size)) <= 0):
         raise ConfigError(f"--max-shard-size={max_shard_size!r} is not a size such as 5GB or 500MB (units KB, MB, GB, TB)")
     return out
 
