@@ -348,6 +348,10 @@ def test_loader_refuses_incompatible_state_and_tiny_splits(prepared):
         TokenLoader(prepared, "train", batch_size=4, seq_len=16, seed=0).load_state_dict(loader.state_dict())
     with pytest.raises(DataError, match="fewer than one batch"):
         TokenLoader(prepared, "val", batch_size=64, seq_len=64, seed=0)
+    # a larger val split shrinks the train split: each split's message moves data.val_fraction its own way
+    with pytest.raises(DataError, match=r"train split .* trainer.grad_accum_steps, fewer processes, more data or a smaller "
+                                        r"data.val_fraction$"):
+        TokenLoader(prepared, "train", batch_size=10**6, seq_len=16, seed=0, rank=0, world_size=2)
 
 
 # --- bad input ---------------------------------------------------------------------------------------------------

@@ -461,7 +461,8 @@ def test_a_split_too_small_for_one_batch_stops_before_the_model_is_built(tiny, t
         raise AssertionError("the model was built before the loaders' checks")
 
     monkeypatch.setattr("coda_train.trainer.build.build_model", no_model)
-    with pytest.raises(DataError, match="the val split has .* fewer than one batch of 512"):
+    with pytest.raises(DataError, match=r"the val split has .* fewer than one batch of 512.*a larger data.val_fraction, "
+                                         r"or trainer.eval_every=0 \(no validation\)$"):
         train_in_process(tmp_path / "run", *tiny, "trainer.max_steps=2", "trainer.batch_size=512")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 

@@ -44,10 +44,14 @@ class TokenLoader:
         # its permutation, the same for every layout of one optimizer batch (and no step straddles two epochs)
         self.steps_per_epoch = self.windows_per_rank // (batch_size * accum_steps) * accum_steps
         if self.steps_per_epoch == 0:
+            # a larger val split is taken from the train split: the fraction moves opposite ways for the two
+            more = ("more data or a smaller data.val_fraction" if split == "train" else
+                    "a larger data.val_fraction, or trainer.eval_every=0 (no validation)")
             raise DataError(
                 f"the {split} split has {data.num_tokens(split)} tokens = {self.num_windows} windows of {seq_len}+1, fewer than "
                 f"one batch of {batch_size} x {accum_steps} micro-batches per rank x {world_size} ranks; use a smaller "
-                f"batch_size/seq_len/grad_accum_steps, more data, or a larger val_fraction"
+                f"trainer.batch_size, trainer.seq_len or trainer.grad_accum_steps{', fewer processes' if world_size > 1 else ''}"
+                f", {more}"
             )
         self.epoch, self.step = 0, 0
         self._order_epoch: Optional[int] = None
