@@ -224,6 +224,9 @@ def test_shape_errors_fail_before_data_preparation(tiny, tmp_path):
         train_in_process(tmp_path / "run", *fresh_data, "model.max_seq_len=32", "trainer.seq_len=64")
     with pytest.raises(ConfigError, match="n_heads=3 must divide dim=64"):
         train_in_process(tmp_path / "run", *fresh_data, "model.n_heads=3")
+    # a vocabulary below the BPE this run would train (tiny: data.vocab_size=300)
+    with pytest.raises(ConfigError, match=r"model.vocab_size=290 is smaller than the tokenizer's vocabulary \(300 tokens\)"):
+        train_in_process(tmp_path / "run", *fresh_data, "model.vocab_size=290")
     assert not cache.exists() and not (tmp_path / "run").exists()
     # the cute kernels' limits, checked on CPU: every dim but a vocabulary that follows the tokenizer
     cute_ok = [*tiny, "model.n_heads=2"]  # head_dim 32: the tiny model's 16 is below the RoPE epilogue's subtile
@@ -362,3 +365,21 @@ def test_a_checkpoints_model_fields_this_code_cannot_build_are_a_checkpoint_erro
         meta = {} if model is None else {"model": model}
         with pytest.raises(CheckpointError, match=f"checkpoint {tmp_path}: meta.json lacks a usable model config"):
             saved_model(tmp_path, meta)
+
+
+def test_a_run_dir_holding_other_files_is_refused_before_anything_is_written(tiny, tmp_path):
+    """trainer.run_dir naming a folder of the user's (e.g. `.` in a project folder): a run would overwrite its
+    config.yaml and metrics.jsonl, so it is refused (exit 1) with the files named, nothing touched; an empty folder
+    or an earlier run's dir is taken."""
+    own = tmp_path / "project"
+    own.mkdir()
+    (own / "config.yaml").write_text("mine: true\n")
+    before = snapshot(own)
+    result = run_train(*tiny, f"trainer.run_dir={own}", "trainer.max_steps=1")
+    assert result.returncode == 1, result.stderr
+    assert f"trainer.run_dir={own} holds files that are not a training run's (config.yaml)" in result.stdout + result.stderr
+    assert snapshot(own) == before and sorted(p.name for p in own.iterdir()) == ["config.yaml"]
+    (tmp_path / "empty").mkdir()
+    train_in_process(tmp_path / "empty", *tiny, "trainer.max_steps=1", "trainer.eval_every=0")
+    train_in_process(tmp_path / "empty", *tiny, "trainer.max_steps=2", "trainer.eval_every=0")  # an earlier run's dir
+    assert steps_logged(tmp_path / "empty") == [1, 2]

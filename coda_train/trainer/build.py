@@ -112,14 +112,18 @@ def check_model_before_data(cfg: Config, backend: str, resuming: bool = False,
                             init_from_shape: Optional[LlamaConfig] = None) -> None:
     """The model checks that need no tokenizer, before data preparation (which can take long): every
     model field, trainer.seq_len against max_seq_len, and the kernels' shape limits, all but the
-    vocabulary's when it follows the tokenizer (model.vocab_size null), and that model.init_from has weights
-    (a new run's; a resumed one takes them from its checkpoint).
+    vocabulary's when it follows the tokenizer (model.vocab_size null), a set model.vocab_size against the BPE
+    trained here (data.vocab_size tokens), and that model.init_from has weights (a new run's; a resumed one takes
+    them from its checkpoint).
     resolve_model repeats the shape checks. Where model.init_from's tokenizer is the data's (no data.tokenizer),
     it is read here: an error names model.init_from. A resumed run whose model.init_from holds no config.json
     (init_from_missing) is checked once its checkpoint is found, against the shape it records (init_from_shape)."""
     if resuming and init_from_shape is None and init_from_missing(cfg):
         return
-    vocab = 1 if cfg.model.vocab_size is None else cfg.model.vocab_size  # any vocabulary passes; 0 or less is refused
+    if cfg.data.tokenizer is None and cfg.model.init_from is None:  # a BPE trained here: data.vocab_size tokens
+        vocab = cfg.data.vocab_size
+    else:  # read with the data: any vocabulary passes; 0 or less is refused
+        vocab = 1 if cfg.model.vocab_size is None else cfg.model.vocab_size
     llama = resolve_model_config(cfg.model, vocab, cfg.trainer.seq_len, init_from_shape)
     errors = _shape_errors(cfg, llama, backend)
     if cfg.model.vocab_size is None and cfg.model.init_from is None:  # the vocabulary follows the tokenizer (not yet read)
