@@ -21,6 +21,7 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import yaml
@@ -290,12 +291,26 @@ def plot(runs: list[Run], window: int, x_axis: str, out: Path) -> None:
     plt.close(fig)
 
 
+def not_a_comparison(out: Path) -> Optional[Path]:
+    """The first of out (.png) and its .md and .json that exists though they are not an earlier comparison's (its
+    .json, this command's, is missing or another file): overwriting it would destroy the user's file. None: free."""
+    files = [out, out.with_suffix(".md"), out.with_suffix(".json")]
+    try:
+        earlier = json.loads(files[2].read_text())
+    except (OSError, ValueError):
+        earlier = None
+    if isinstance(earlier, dict) and {"smooth_window", "runs"} <= set(earlier):
+        return None
+    return next((f for f in files if f.exists()), None)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", type=Path, help="run directories (the first is the reference)")
     p.add_argument("--out", type=Path, default=None,
                    help="the plot's path, ending in .png; the table is written beside it as .md and .json (same name) "
-                        "(default: compare.png beside the first run)")
+                        "(default: compare.png beside the first run); files of those names are overwritten only if they "
+                        "are an earlier comparison's")
     p.add_argument("--smooth", type=int, default=0, help="moving-average window in logged steps (default: 2%% of the run, at least 1)")
     p.add_argument("--x", choices=["step", "tokens", "time"], default="step", help="x axis of the plot")
     args = p.parse_args(argv)
@@ -313,16 +328,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
             run.name = run.name.replace(f"({run_dir.name})", f"({run_dir.parent.name}/{run_dir.name})")
     window = args.smooth or max(1, len(runs[0].steps) // 50)
     out = args.out or args.runs[0].parent / "compare.png"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if (foreign := not_a_comparison(out)) is not None:
+        p.error(f"{foreign} exists and is not an earlier comparison's output (this command writes {out.name} and the "
+                f"{out.stem}.md and {out.stem}.json beside it); choose another --out")
     table = compare(runs, window)
-    plot(runs, window, args.x, out)
     md = markdown(table, window)
     result = {"smooth_window": window, "runs": table}
     if len(runs) >= 3:
         result["pairs"] = pairs(runs, window)
         md += "\n\nEvery pair:\n\n" + pairs_markdown(result["pairs"])
-    out.with_suffix(".md").write_text(md + "\n")
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        plot(runs, window, args.x, out)
+        out.with_suffix(".md").write_text(md + "\n")
+        out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    except OSError as e:
+        p.error(f"cannot write the comparison to {e.filename or out}: {e.strerror or e}; choose another --out")
     print(md)
     print(f"\nwrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.json')}")
     return table

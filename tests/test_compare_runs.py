@@ -139,6 +139,18 @@ def test_bad_out_paths_and_metrics_lines_are_clear_errors(tmp_path, capsys):
             compare_runs.main([str(run), "--out", str(out)])
         assert named in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    # files of the user's where the outputs would go are refused, untouched; an earlier comparison is overwritten
+    (tmp_path / "notes.md").write_text("my notes\n")
+    (tmp_path / "file").write_text("not a directory")
+    for out, named in ((tmp_path / "notes.png", f"{tmp_path / 'notes.md'} exists and is not an earlier comparison's"),
+                       (tmp_path / "file" / "c.png", f"cannot write the comparison to {tmp_path / 'file'}")):
+        with pytest.raises(SystemExit):
+            compare_runs.main([str(run), "--out", str(out)])
+        assert named in capsys.readouterr().err
+    assert (tmp_path / "notes.md").read_text() == "my notes\n" and not (tmp_path / "notes.png").exists()
+    compare_runs.main([str(run), "--out", str(tmp_path / "c.png")])
+    compare_runs.main([str(run), "--out", str(tmp_path / "c.png")])  # its own earlier output: written again
+    assert {"c.png", "c.md", "c.json"} <= {p.name for p in tmp_path.iterdir()}
     good = (run / "metrics.jsonl").read_text()
     for line, named in (("5", "a JSON int, not an object"), ('{"loss": 1.0}', "loss without an integer step"),
                         ('{"step": 11, "loss": "low"}', "loss='low' is not a number")):
