@@ -224,12 +224,15 @@ def pairs_markdown(rows: list[dict]) -> str:
     lines += [f"| {r['a']} | {r['b']} | {_same(r)} | "
               f"{r['mean_abs_dloss_smoothed_last10pct']:.5f} | {r['max_abs_dloss_smoothed_last10pct']:.5f} |"
               for r in rows if r["mean_abs_dloss_smoothed_last10pct"] is not None]
-    for same, what in ((True, "same model (run-to-run noise)"), (False, "across models")):
-        m = [r["mean_abs_dloss_smoothed_last10pct"] for r in rows
-             if r["same_model"] == same and r["mean_abs_dloss_smoothed_last10pct"] is not None]
+    # pairs run with other settings measure those too: left out of both summaries
+    for same, what in ((True, "same model (run-to-run noise)"), (False, "across models, same settings")):
+        m = [r["mean_abs_dloss_smoothed_last10pct"] for r in rows if r["same_model"] == same
+             and not r.get("settings_differ") and r["mean_abs_dloss_smoothed_last10pct"] is not None]
         if m:
             lines.append(f"\n{what}: {len(m)} pair{'s' * (len(m) != 1)}, mean |Δ| smoothed over the last 10% "
                          f"{min(m):.5f} to {max(m):.5f} (average {sum(m) / len(m):.5f})")
+    if n := sum(bool(r.get("settings_differ")) for r in rows):
+        lines.append(f"\n{n} pair{'s' * (n != 1)} run with other settings (in the table above, in neither summary)")
     return "\n".join(lines)
 
 
@@ -337,6 +340,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if len(runs) >= 3:
         result["pairs"] = pairs(runs, window)
         md += "\n\nEvery pair:\n\n" + pairs_markdown(result["pairs"])
+    elif differ := settings_differ(*runs[:2]) if len(runs) == 2 else []:
+        result["settings_differ"] = differ
+        md += (f"\n\nThe two runs were run with other settings ({', '.join(differ)}): |Δ| measures those too, "
+               "not the model alone.")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         plot(runs, window, args.x, out)

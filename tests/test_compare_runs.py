@@ -81,7 +81,7 @@ def test_three_runs_or_more_add_every_pair_split_by_model(tmp_path):
         want = abs(offsets[a[a.index("(") + 1:-1]][1] - offsets[b[b.index("(") + 1:-1]][1])
         assert same == (a.split()[0] == b.split()[0]) and mean == pytest.approx(want, abs=1e-12), (a, b, mean)
     md = out.with_suffix(".md").read_text()
-    assert "same model (run-to-run noise): 1 pair," in md and "across models: 2 pairs" in md
+    assert "same model (run-to-run noise): 1 pair," in md and "across models, same settings: 2 pairs" in md
     # coda on another kernel backend is another implementation, not the same model run again
     (tmp_path / "c0" / "config.yaml").write_text("model: {impl: coda}\nkernels: {backend: reference}\n")
     c1 = tmp_path / "c1"
@@ -124,7 +124,15 @@ def test_runs_logged_at_other_intervals_and_runs_of_other_settings_are_told_apar
     assert by_pair[("eager (a/0)", "eager (b/0)")]["same_model"]  # another seed: the same setting
     lr_pair = by_pair[("eager (a/0)", "eager (c/0)")]
     assert not lr_pair["same_model"] and lr_pair["settings_differ"] == ["optim.lr"]
-    assert "| eager (a/0) | eager (c/0) | no (optim.lr) |" in out.with_suffix(".md").read_text()
+    md = out.with_suffix(".md").read_text()
+    assert "| eager (a/0) | eager (c/0) | no (optim.lr) |" in md
+    # the other-lr pairs are in neither summary: not noise, and not a model difference alone
+    assert "same model (run-to-run noise): 1 pair," in md and "across models" not in md
+    assert "2 pairs run with other settings (in the table above, in neither summary)" in md
+    compare_runs.main([dirs[0], dirs[2], "--out", str(tmp_path / "two.png")])  # two runs: said under the table
+    assert ("The two runs were run with other settings (optim.lr): |Δ| measures those too, not the model alone."
+            in (tmp_path / "two.md").read_text())
+    assert json.loads((tmp_path / "two.json").read_text())["settings_differ"] == ["optim.lr"]
 
 
 def test_bad_out_paths_and_metrics_lines_are_clear_errors(tmp_path, capsys):
