@@ -383,3 +383,23 @@ def test_a_run_dir_holding_other_files_is_refused_before_anything_is_written(tin
     train_in_process(tmp_path / "empty", *tiny, "trainer.max_steps=1", "trainer.eval_every=0")
     train_in_process(tmp_path / "empty", *tiny, "trainer.max_steps=2", "trainer.eval_every=0")  # an earlier run's dir
     assert steps_logged(tmp_path / "empty") == [1, 2]
+
+
+def test_a_resume_its_checkpoint_would_refuse_stops_before_the_data_is_prepared(tiny, tmp_path, monkeypatch):
+    """Data settings that give other shards or another BPE, another trainer.seq_len or seed, another model shape: the
+    checkpoint's meta.json says so before any preparation (hours for a large corpus), naming the saved values."""
+    train_in_process(tmp_path / "run", *tiny, "trainer.max_steps=2", "trainer.eval_every=0")
+
+    def no_preparation(*args, **kwargs):
+        raise AssertionError("the data was prepared before the resume was refused")
+
+    monkeypatch.setattr("coda_train.trainer.loop.prepare", no_preparation)
+    for change, named in (("data.max_documents=50", "data.max_documents: saved None vs now 50"),
+                          ("data.vocab_size=400", "data.vocab_size: saved 300 vs now 400"),
+                          ("trainer.seq_len=16", "trainer.seq_len: saved 32 vs now 16"),
+                          ("model.dim=32", "dim: checkpoint 64 vs this run 32")):
+        with pytest.raises(CheckpointError, match=named):
+            train_in_process(tmp_path / "run", *tiny, "trainer.max_steps=4", change)
+    with pytest.raises(CheckpointError, match=r"resume with trainer.seq_len=32, data.max_documents=None, or choose a new"):
+        train_in_process(tmp_path / "run", *tiny, "trainer.max_steps=4", "data.max_documents=50", "trainer.seq_len=16")
+    assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step_00000002"]

@@ -22,7 +22,7 @@ from coda_train.data.tokenizer import load_tokenizer
 from coda_train.errors import ConfigError
 from coda_train.model import LlamaConfig, build_model, kernel_shape_errors
 
-from .checkpoint import Checkpoint, recorded_prepared_data, saved_model
+from .checkpoint import Checkpoint, CheckpointError, check_same_model, recorded_prepared_data, saved_model
 from .distributed import World, barrier, from_main, shard_model
 from .optim import build_optimizer, build_scheduler
 from .state import TrainState, seed_all
@@ -98,6 +98,35 @@ def checkpoint_data(checkpoint: Checkpoint, data: DataConfig) -> PreparedData:
                         f"model.init_from's tokenizer the data cannot be prepared again. Resume with the checkpoint's "
                         f"data settings; or: {fix}")
     return prepared
+
+
+# the data settings whose change gives other shards (or another BPE, data.vocab_size), so that a resumed run's loader
+# refuses the checkpoint's data order, but only once the data is prepared; a moved data.source or data.tokenizer, and
+# split and text_field (read by some formats only), may prepare the same and are left to that check
+_RESUME_DATA = ("eos_token", "val_fraction", "max_documents", "tokens_per_shard", "decode_errors")
+
+
+def check_resume_before_data(cfg: Config, checkpoint: Checkpoint, init_from_shape: Optional[LlamaConfig] = None) -> None:
+    """What a resumed run would otherwise refuse only after preparing its data (hours for a large corpus), read from
+    the checkpoint's meta.json: the data settings that decide other shards, trainer.seq_len (other windows) and the
+    model's shape. CheckpointError naming the checkpoint's values; nothing is prepared or written."""
+    saved = checkpoint.meta.get("config") or {}
+    saved_trainer, saved_data, data = saved.get("trainer") or {}, saved.get("data") or {}, data_config(cfg)
+    changed = {f"trainer.{k}": (saved_trainer[k], getattr(cfg.trainer, k)) for k in ("seed", "seq_len")
+               if k in saved_trainer and saved_trainer[k] != getattr(cfg.trainer, k)}  # the windows and their order
+    keys = [*_RESUME_DATA, *(["vocab_size"] if data.tokenizer is None and saved_data.get("tokenizer") is None else [])]
+    changed.update({f"data.{k}": (saved_data[k], getattr(data, k)) for k in keys
+                    if k in saved_data and saved_data[k] != getattr(data, k)})
+    if changed:
+        detail = ", ".join(f"{k}: saved {a} vs now {b}" for k, (a, b) in changed.items())
+        fix = ", ".join(f"{k}={a}" for k, (a, _) in changed.items())
+        raise CheckpointError(f"checkpoint {checkpoint.path} was saved with other settings ({detail}), with which this "
+                              f"run's windows would not continue its data order; resume with {fix}, or choose a new "
+                              "trainer.run_dir (or trainer.resume=never in an empty dir) to start fresh; nothing was "
+                              "prepared or deleted")
+    # a vocabulary that follows the tokenizer is checked with the data (the tokenizer is read there); any other field now
+    vocab = checkpoint.meta["model"].get("vocab_size", 1) if cfg.model.vocab_size is None else 1
+    check_same_model(checkpoint, resolve_model_config(cfg.model, vocab, cfg.trainer.seq_len, init_from_shape))
 
 
 def _shape_errors(cfg: Config, llama: LlamaConfig, backend: str) -> list[str]:

@@ -25,9 +25,9 @@ from coda_train.kernels.tile_configs import gpu_key
 from coda_train.model import LlamaConfig
 from coda_train.model.liger import require_liger
 
-from .build import (build_loader, build_train_state, check_compute, check_model_before_data, checkpoint_data,
-                    data_config, init_from_missing, init_from_shape, recorded_init_from, report_untuned_gemms,
-                    resolve_model, tune_untuned_gemms)
+from .build import (build_loader, build_train_state, check_compute, check_model_before_data, check_resume_before_data,
+                    checkpoint_data, data_config, init_from_missing, init_from_shape, recorded_init_from,
+                    report_untuned_gemms, resolve_model, tune_untuned_gemms)
 from .checkpoint import (CHECKPOINTS_DIR, CheckpointError, Checkpointer, check_ckpt_async, check_same_model,
                          find_resume_checkpoint, list_checkpoints, restore, resumes, resumes_newest_good, set_aside_newer)
 from .device import pick_compute_dtype, pick_device
@@ -206,6 +206,8 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
             log.warning("model.init_from=%s holds no config.json any more: this resumed run takes the model's shape%s "
                         "from its checkpoint %s", cfg.model.init_from,
                         " and its prepared data" if data_from_checkpoint else "", resume_from.path)
+    if resume_from is not None:  # what the checkpoint would refuse once the data is prepared, refused before
+        check_resume_before_data(cfg, resume_from, shape)
     # every rank, no collective around it: the cache folder's lock lets one process prepare while the others wait
     # as long as it takes (a barrier would time out under NCCL after 10 minutes; a first preparation can take longer)
     data = checkpoint_data(resume_from, data_config(cfg)) if data_from_checkpoint else prepare(data_config(cfg))

@@ -22,6 +22,7 @@ from coda_train.errors import ConfigError
 
 from .checkpoint import CHECKPOINTS_DIR, list_checkpoints, remove_partial_writes
 from .distributed import World, from_main
+from .metrics import METRICS_FILE
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,17 @@ def check_run_dir_not_empty(value: Optional[str]) -> None:
         raise ConfigError(f"trainer.run_dir={value!r} is empty, which would make the current directory ({Path.cwd()}) "
                           "the run dir and overwrite its files: name a directory (e.g. trainer.run_dir=runs/x), or leave "
                           "trainer.run_dir unset for a fresh timestamped one")
+
+
+def check_run_dir_is_a_runs(run_dir: Path) -> None:
+    """An existing run dir must be empty or a run's (it holds train.log, metrics.jsonl or checkpoints/): a run writes
+    config.yaml, metrics.jsonl and train.log there, over any of the user's files of those names. ConfigError."""
+    entries = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
+    if entries and not {LOG_FILE, METRICS_FILE, CHECKPOINTS_DIR} & set(entries):
+        shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+        raise ConfigError(f"trainer.run_dir={run_dir} holds files that are not a training run's ({shown}); a run writes "
+                          "config.yaml, metrics.jsonl and train.log there and would overwrite files of those names: name "
+                          "a new or empty directory, or the run dir of an earlier run")
 
 
 def check_run_dir_path(value: str) -> None:
@@ -166,6 +178,7 @@ def hold_run_dir(run_dir: Path, world: World) -> Iterator[None]:
         error: Optional[Exception] = None
         if world.is_main:
             try:
+                check_run_dir_is_a_runs(run_dir)
                 with writing("the run lock", run_dir / LOCK_FILE, run_dir):
                     run_dir.mkdir(parents=True, exist_ok=True)
                     held.enter_context(exclusive_lock(run_dir / LOCK_FILE, wait=False))
@@ -176,7 +189,7 @@ def hold_run_dir(run_dir: Path, world: World) -> Iterator[None]:
                                  "run dir would overwrite each other's checkpoints and metrics, so this one stops "
                                  "before touching it. Wait for that run to end (or stop it with SIGTERM, which saves a "
                                  "checkpoint), or choose another trainer.run_dir")
-            except RunDirError as e:
+            except (RunDirError, ConfigError) as e:
                 error = e
         error = from_main(error, world)  # every rank stops together
         if error is not None:
