@@ -9,16 +9,19 @@ Exit codes: 0 finished, or stopped by SIGTERM/SIGINT after saving a checkpoint, 
 data, backend, checkpoint, or the run dir in use by another run; nothing trained); 3 the loss or gradient norm
 became non-finite (that state is not saved); 4 a file of the run dir could not be written, or the run dir cannot
 be made (disk full, read-only, permissions; the newest checkpoint is intact: fix the cause and run again to
-continue). In a multirun, a job stopping with 1 or 3 does not stop the sweep: the other jobs run, and train.py
-then names each failed job and exits with the first one's code.
+continue). In a multirun, every job's config is checked before the first job runs (a bad value stops the sweep
+with 1); past that, a job stopping with 1 or 3 does not stop the sweep: the other jobs run, and train.py then names
+each failed job and exits with the first one's code.
 """
 
+import itertools
 import logging
 import os
 import sys
 from pathlib import Path
 
 import hydra
+from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import QuotedString
@@ -26,13 +29,16 @@ from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from coda_train.config import register_configs, to_dataclass
+from coda_train.config import check_config, register_configs, to_dataclass
+from coda_train.data import DataError
 from coda_train.errors import ConfigError
 from coda_train.trainer.loop import EXIT_BAD_INPUT, EXIT_NON_FINITE, STOP_ERRORS, exit_code, train
 from coda_train.trainer.rundir import check_run_dir_path
 
 log = logging.getLogger("train")
 register_configs()
+# hydra's flags that choose another config than configs/config.yaml
+CONFIG_FLAGS = ("--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd")
 
 
 # multirun jobs that stopped on their own input or diverged, as (job number, its run dir, exit code): the sweep
@@ -89,6 +95,27 @@ def check_run_dirs(argv: list[str]) -> None:
             sys.exit(exit_code(e))
 
 
+def check_sweep_configs(argv: list[str]) -> None:
+    """Every job of a multirun composed and its config checked before the first job runs: a bad value in a sweep's
+    last job (optim.lr=1e-3,-1) would otherwise stop that job only after every job before it has trained. Command
+    lines that name another config (--config-name, ...) are left to each job's own check."""
+    if not {"-m", "--multirun"} & set(argv) or any(a.split("=")[0] in CONFIG_FLAGS for a in argv):
+        return
+    try:
+        parsed = OverridesParser.create().parse_overrides([a for a in argv if not a.startswith("-")])
+        values = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
+                  else [o.input_line] for o in parsed if not o.get_key_element().lstrip("+~").startswith("hydra")]
+        with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent / "configs"), version_base="1.3"):
+            for job, overrides in enumerate(itertools.product(*values)):
+                try:
+                    check_config(to_dataclass(compose("config", overrides=list(overrides))))
+                except (ConfigError, DataError) as e:
+                    print(f"multirun job #{job} ({' '.join(overrides)}): {e}; no job of the sweep ran", file=sys.stderr)
+                    sys.exit(EXIT_BAD_INPUT)
+    except HydraException:  # a syntax error, or an interval sweep: hydra's own message or sweeper follows
+        return
+
+
 def refuse_a_sweep_under_torchrun(argv: list[str]) -> None:
     """A multirun's second job would set up the process group again inside the same torchrun workers, which
     hangs in its first collective: one torchrun per job instead."""
@@ -101,6 +128,7 @@ def refuse_a_sweep_under_torchrun(argv: list[str]) -> None:
 if __name__ == "__main__":
     refuse_a_sweep_under_torchrun(sys.argv[1:])
     check_run_dirs(sys.argv[1:])
+    check_sweep_configs(sys.argv[1:])
     try:
         main()
     finally:  # also when a later job's stop signal or unwritable run dir ends the sweep (sys.exit)
