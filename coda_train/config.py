@@ -199,9 +199,9 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
     if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
         raise ConfigError(f"optim.betas={list(o.betas)} must be two numbers in [0, 1), e.g. optim.betas=[0.9,0.95]")
-    if o.warmup_steps < 0 or o.weight_decay < 0 or o.grad_clip < 0:
-        raise ConfigError("optim.warmup_steps, optim.weight_decay and optim.grad_clip must be >= 0 "
-                          "(optim.grad_clip=0 disables clipping)")
+    for key, value in (("warmup_steps", o.warmup_steps), ("weight_decay", o.weight_decay), ("grad_clip", o.grad_clip)):
+        if value < 0:
+            raise ConfigError(f"optim.{key}={value} must be >= 0" + (" (0 disables clipping)" if key == "grad_clip" else ""))
     if not o.eps > 0:  # 0: a weight whose gradient is 0 (an unseen token's embedding row) is updated by 0/0 = NaN
         raise ConfigError(f"optim.eps={o.eps} must be > 0, e.g. optim.eps=1e-8")
     if not 0.0 < o.decay_fraction <= 1.0:

@@ -113,6 +113,9 @@ def test_keys_appended_with_plus_are_not_silently_dropped():
     ("optim.eps=-1e-8", r"optim.eps=-1e-08 must be > 0"),
     ("optim.eps=0", r"optim.eps=0.0 must be > 0, e.g. optim.eps=1e-8"),
     ("trainer.eval_batches=0", "or trainer.eval_every=0"),
+    ("optim.weight_decay=-1", r"optim.weight_decay=-1.0 must be >= 0$"),
+    ("optim.grad_clip=-1", r"optim.grad_clip=-1.0 must be >= 0 \(0 disables clipping\)"),
+    ("optim.warmup_steps=-1", r"optim.warmup_steps=-1 must be >= 0$"),
 ])
 def test_out_of_range_values_fail_the_cross_field_check(override, message):
     with pytest.raises(ConfigError, match=message):
