@@ -57,7 +57,7 @@ def check_run_dir_not_empty(value: Optional[str]) -> None:
                           "trainer.run_dir unset for a fresh timestamped one")
 
 
-def check_run_dir_is_a_runs(run_dir: Path) -> None:
+def check_run_dir_is_empty_or_a_run(run_dir: Path) -> None:
     """An existing run dir must be empty or a run's (it holds train.log, metrics.jsonl or checkpoints/): a run writes
     config.yaml, metrics.jsonl and train.log there, over any of the user's files of those names. ConfigError."""
     entries = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
@@ -178,7 +178,7 @@ def hold_run_dir(run_dir: Path, world: World) -> Iterator[None]:
         error: Optional[Exception] = None
         if world.is_main:
             try:
-                check_run_dir_is_a_runs(run_dir)
+                check_run_dir_is_empty_or_a_run(run_dir)
                 with writing("the run lock", run_dir / LOCK_FILE, run_dir):
                     run_dir.mkdir(parents=True, exist_ok=True)
                     held.enter_context(exclusive_lock(run_dir / LOCK_FILE, wait=False))
