@@ -58,10 +58,11 @@ def check_run_dir_not_empty(value: Optional[str]) -> None:
 
 
 def check_run_dir_is_empty_or_a_run(run_dir: Path) -> None:
-    """An existing run dir must be empty or a run's (it holds train.log, metrics.jsonl or checkpoints/): a run writes
-    config.yaml, metrics.jsonl and train.log there, over any of the user's files of those names. ConfigError."""
+    """An existing run dir must be empty or a run's (it holds train.log, metrics.jsonl, checkpoints/, or the lock of
+    a run killed as it began): a run writes config.yaml, metrics.jsonl and train.log there, over any of the user's
+    files of those names. ConfigError."""
     entries = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
-    if entries and not {LOG_FILE, METRICS_FILE, CHECKPOINTS_DIR} & set(entries):
+    if entries and not {LOG_FILE, METRICS_FILE, CHECKPOINTS_DIR, LOCK_FILE} & set(entries):
         shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
         raise ConfigError(f"trainer.run_dir={run_dir} holds files that are not a training run's ({shown}); a run writes "
                           "config.yaml, metrics.jsonl and train.log there and would overwrite files of those names: name "
