@@ -149,7 +149,8 @@ def check_model_before_data(cfg: Config, backend: str, resuming: bool = False,
     (init_from_missing) is checked once its checkpoint is found, against the shape it records (init_from_shape)."""
     if resuming and init_from_shape is None and init_from_missing(cfg):
         return
-    if cfg.data.tokenizer is None and cfg.model.init_from is None:  # a BPE trained here: data.vocab_size tokens
+    # a BPE trained here has data.vocab_size tokens (a model.vocab_size of 0 or less is left to its own message)
+    if cfg.data.tokenizer is None and cfg.model.init_from is None and (cfg.model.vocab_size is None or cfg.model.vocab_size > 0):
         vocab = cfg.data.vocab_size
     else:  # read with the data: any vocabulary passes; 0 or less is refused
         vocab = 1 if cfg.model.vocab_size is None else cfg.model.vocab_size

@@ -206,7 +206,8 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
             log.warning("model.init_from=%s holds no config.json any more: this resumed run takes the model's shape%s "
                         "from its checkpoint %s", cfg.model.init_from,
                         " and its prepared data" if data_from_checkpoint else "", resume_from.path)
-    if resume_from is not None:  # what the checkpoint would refuse once the data is prepared, refused before
+    # what the checkpoint would refuse once the data is prepared, refused before (checkpoint_data compares its own)
+    if resume_from is not None and not data_from_checkpoint:
         check_resume_before_data(cfg, resume_from, shape)
     # every rank, no collective around it: the cache folder's lock lets one process prepare while the others wait
     # as long as it takes (a barrier would time out under NCCL after 10 minutes; a first preparation can take longer)
