@@ -76,24 +76,29 @@ def find_checkpoint(path: str | Path) -> Checkpoint:
         raise CheckpointError(f"{path} does not exist; pass a run dir (trainer.run_dir) or a checkpoint dir")
     if (path / META_FILE).exists():
         return Checkpoint(path, verify_checkpoint(path))
-    for root in (path / CHECKPOINTS_DIR, path):
-        if list_checkpoints(root):
-            found = newest_good_checkpoint(root)
-            if found is None:
-                raise CheckpointError(f"every checkpoint in {root} is damaged (see the warnings above); pass another one")
-            return found
+    if (root := _checkpoints_root(path)) is not None:
+        found = newest_good_checkpoint(root)
+        if found is None:
+            raise CheckpointError(f"every checkpoint in {root} is damaged (see the warnings above); pass another one")
+        return found
     raise CheckpointError(f"{path} is neither a checkpoint (no {META_FILE}) nor a run dir with checkpoints/step_*; "
                           "pass the trainer.run_dir of a run that saved a checkpoint, or one of its checkpoints/step_* dirs")
+
+
+def _checkpoints_root(path: Path) -> Optional[Path]:
+    """Where find_checkpoint looks for a run's checkpoints: its checkpoints/ dir, or path itself (a checkpoints dir)."""
+    return next((root for root in (path / CHECKPOINTS_DIR, path) if list_checkpoints(root)), None)
 
 
 def _unverified_meta(path: Path) -> Optional[tuple[LlamaConfig, dict[str, Any]]]:
     """The model and run config recorded by the checkpoint find_checkpoint takes unless it is damaged, read
     without verifying it; None where that meta.json is missing or unusable (find_checkpoint then says why)."""
-    newest = [path] if (path / META_FILE).exists() else (list_checkpoints(path / CHECKPOINTS_DIR) or list_checkpoints(path))
+    root = None if (path / META_FILE).exists() else _checkpoints_root(path)
+    newest = path if root is None else list_checkpoints(root)[0]
     try:
-        meta = json.loads((newest[0] / META_FILE).read_text())
-        model_config, run_config = saved_model(newest[0], meta), meta["config"]
-    except (IndexError, OSError, ValueError, TypeError, KeyError, CheckpointError):
+        meta = json.loads((newest / META_FILE).read_text())
+        model_config, run_config = saved_model(newest, meta), meta["config"]
+    except (OSError, ValueError, TypeError, KeyError, CheckpointError):
         return None
     return (model_config, run_config) if isinstance(run_config, dict) else None
 

@@ -453,9 +453,7 @@ def bench_floor(cfg, shape: Shape, iters: int, warmup: int, sustain_s: float, qu
     floor["clocks"] = clocks.result
     picks = {g["gemm"]: g["best"] for g in floor["gemms"]}
     sequence = _floor_sequence(cfg, shape, picks)
-    with GpuClocks() as clocks:
-        b2b = floor["back_to_back"] = summary(step_times(sequence.step, iters, warmup, sustain_s=sustain_s, clocks=clocks))
-    b2b["clocks"], b2b["replay"] = clocks.result, sequence.replay
+    b2b = floor["back_to_back"] = _time_sequence(sequence, iters, warmup, sustain_s)
     if DEVICE.type == "cuda":  # right after the timed steps, at their clocks: the time of each item as a step runs it
         launches = timeline(_profiled(sequence.ranged, 1, sustain_s=0.0), 1, prefix="floor::")["launches_by_owner"]
         replayed = kernel_sequence(_profiled(sequence.step, 2, sustain_s), 2)
@@ -466,13 +464,18 @@ def bench_floor(cfg, shape: Shape, iters: int, warmup: int, sustain_s: float, qu
     autotuned = {g["gemm"]: "quack-tuned" if g["best"] == "quack" and "quack_tuned_ms" in g else g["best"]
                  for g in floor["gemms"]}
     if autotuned != picks:
-        sequence = _floor_sequence(cfg, shape, autotuned)
-        with GpuClocks() as clocks:
-            alt = floor["back_to_back_autotuned"] = summary(step_times(sequence.step, iters, warmup, sustain_s=sustain_s,
-                                                                       clocks=clocks))
-        alt["clocks"], alt["replay"] = clocks.result, sequence.replay
+        alt = floor["back_to_back_autotuned"] = _time_sequence(_floor_sequence(cfg, shape, autotuned), iters, warmup,
+                                                               sustain_s)
         alt["gemms_autotuned"] = sorted(name for name in picks if autotuned[name] != picks[name])
     return floor
+
+
+def _time_sequence(sequence: "FloorSequence", iters: int, warmup: int, sustain_s: float) -> dict:
+    """One floor sequence timed as a model variant's step is, with its clocks and how it was replayed."""
+    with GpuClocks() as clocks:
+        timed = summary(step_times(sequence.step, iters, warmup, sustain_s=sustain_s, clocks=clocks))
+    timed["clocks"], timed["replay"] = clocks.result, sequence.replay
+    return timed
 
 
 def floor_gemm(backend: str, a, b) -> Callable[[], torch.Tensor]:

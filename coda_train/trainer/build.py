@@ -102,8 +102,9 @@ def checkpoint_data(checkpoint: Checkpoint, data: DataConfig) -> PreparedData:
 
 # the data settings whose change gives other shards (or another BPE, data.vocab_size), so that a resumed run's loader
 # refuses the checkpoint's data order, but only once the data is prepared; a moved data.source or data.tokenizer, and
-# split and text_field (read by some formats only), may prepare the same and are left to that check
-_RESUME_DATA = ("eos_token", "val_fraction", "max_documents", "tokens_per_shard", "decode_errors")
+# split and text_field (read by some formats only: the checkpoint's config records them all the same), may prepare
+# the same and are left to that check
+_RESUME_DATA = tuple(k for k in _PREPARED_BY if k not in ("split", "text_field"))
 
 
 def check_resume_before_data(cfg: Config, checkpoint: Checkpoint, init_from_shape: Optional[LlamaConfig] = None) -> None:
