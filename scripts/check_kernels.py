@@ -77,7 +77,9 @@ def main():
     ap.add_argument("--models", default=",".join(MODEL_CASES), help="whole-model checks ('' for none)")
     ap.add_argument("--repeat", type=int, default=0, help="also call each op case N more times: outputs not bitwise equal")
     args = ap.parse_args()
-    assert torch.cuda.is_available(), "needs a CUDA GPU (Hopper)"
+    if not torch.cuda.is_available():
+        ap.error("check_kernels.py compares the cute kernels with the reference on a Hopper GPU; run it on the GPU "
+                 "machine (on CPU, `pytest tests` compiles every kernel GPU-blind)")
     cute = op_set("cute")
     ops = [o for o in args.ops.split(",") if o] or None
     os.makedirs(args.out, exist_ok=True)

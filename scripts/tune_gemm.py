@@ -340,6 +340,8 @@ def main() -> int:
         ap.error(f"unknown ops {sorted(set(ops) - known)}; the model's GEMM ops are {sorted(known)}")
     if args.launches and not Path(args.launches).is_file():
         ap.error(f"--launches {args.launches}: no such file (train.py writes untuned_gemms.json into the run dir)")
+    if not (args.compile_only or args.compile_worker or torch.cuda.is_available()):  # before minutes of compiles
+        ap.error("tune_gemm.py times GEMMs on a Hopper GPU; run it on the GPU machine (--compile-only runs on CPU)")
     todo = launches(shapes, ops or None, args.launches or None)
     if args.compile_worker:
         shard, n = map(int, args.compile_worker.split("/"))
@@ -360,7 +362,6 @@ def tune(todo: list[dict], args, t_start: float, deadline: float) -> int:
 
     from coda_train.kernels import op_set
 
-    assert torch.cuda.is_available(), "tune_gemm.py times GEMMs on a Hopper GPU (--compile-only runs on CPU)"
     op_set("cute")  # loads the cute implementations (and checks the GPU)
     gpu = gpu_key(torch.cuda.get_device_name())
     if args.sustained_s:  # each candidate timed after seconds of itself back to back: at the clock it sustains

@@ -309,6 +309,18 @@ def test_tuner_compiles_candidates_gpu_blind(stack, tmp_path):
     assert len(compiled) == len(tune.candidates("gemm_dswiglu_rowscale_stat")) == 12, run.stdout
 
 
+@pytest.mark.parametrize("script", ["tune_gemm.py", "check_kernels.py"])
+def test_gpu_scripts_refuse_a_machine_without_one_before_any_work(script):
+    """On CPU the tuner (without --compile-only) and the kernel check stop at once with a usage error
+    that names the GPU machine, not after minutes of compiles or with a bare AssertionError."""
+    env = {k: v for k, v in ENV.items() if k not in ("QUACK_ARCH", "CUTE_DSL_ARCH")}
+    run = subprocess.run([sys.executable, f"scripts/{script}"], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "run it on the GPU machine" in run.stderr and "Traceback" not in run.stderr, run.stderr
+    assert "compile workers" not in run.stdout, run.stdout
+
+
 @pytest.mark.gpu
 def test_table_configs_pass_the_accuracy_check():
     """Every config this GPU's table lists, forced on its op's example cases at the 1B widths with
