@@ -402,4 +402,12 @@ def test_a_resume_its_checkpoint_would_refuse_stops_before_the_data_is_prepared(
             train_in_process(tmp_path / "run", *tiny, "trainer.max_steps=4", change)
     with pytest.raises(CheckpointError, match=r"resume with trainer.seq_len=32, data.max_documents=None, or choose a new"):
         train_in_process(tmp_path / "run", *tiny, "trainer.max_steps=4", "data.max_documents=50", "trainer.seq_len=16")
+    # another global batch on another micro-batch: the loader would refuse it after preparation; the fix names the
+    # accumulation that restores the saved global batch of 4 x 1 x 1 windows
+    with pytest.raises(CheckpointError, match=r"global batch \(trainer.batch_size x processes x trainer.grad_accum_steps\)"
+                       r": saved 4 x 1 x 1 = 4 vs now 2 x 1 x 1 = 2.*resume with a global batch of 4 windows "
+                       r"\(trainer.grad_accum_steps=2 on 1 process\)"):
+        train_in_process(tmp_path / "run", *tiny, "trainer.max_steps=4", "trainer.batch_size=2")
     assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step_00000002"]
+    monkeypatch.undo()  # the same global batch on another layout resumes (the loader's rule)
+    train_in_process(tmp_path / "run", *tiny, "trainer.max_steps=4", "trainer.batch_size=2", "trainer.grad_accum_steps=2")

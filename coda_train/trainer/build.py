@@ -107,10 +107,12 @@ def checkpoint_data(checkpoint: Checkpoint, data: DataConfig) -> PreparedData:
 _RESUME_DATA = tuple(k for k in _PREPARED_BY if k not in ("split", "text_field"))
 
 
-def check_resume_before_data(cfg: Config, checkpoint: Checkpoint, init_from_shape: Optional[LlamaConfig] = None) -> None:
+def check_resume_before_data(cfg: Config, checkpoint: Checkpoint, world_size: int,
+                             init_from_shape: Optional[LlamaConfig] = None) -> None:
     """What a resumed run would otherwise refuse only after preparing its data (hours for a large corpus), read from
-    the checkpoint's meta.json: the data settings that decide other shards, trainer.seq_len (other windows) and the
-    model's shape. CheckpointError naming the checkpoint's values; nothing is prepared or written."""
+    the checkpoint's meta.json: the data settings that decide other shards, trainer.seq_len (other windows), another
+    global batch on another micro-batch layout (TokenLoader.load_state_dict's rule) and the model's shape.
+    CheckpointError naming the checkpoint's values; nothing is prepared or written."""
     saved = checkpoint.meta.get("config") or {}
     saved_trainer, saved_data, data = saved.get("trainer") or {}, saved.get("data") or {}, data_config(cfg)
     changed = {f"trainer.{k}": (saved_trainer[k], getattr(cfg.trainer, k)) for k in ("seed", "seq_len")
@@ -118,9 +120,21 @@ def check_resume_before_data(cfg: Config, checkpoint: Checkpoint, init_from_shap
     keys = [*_RESUME_DATA, *(["vocab_size"] if data.tokenizer is None and saved_data.get("tokenizer") is None else [])]
     changed.update({f"data.{k}": (saved_data[k], getattr(data, k)) for k in keys
                     if k in saved_data and saved_data[k] != getattr(data, k)})
+    fixes = [f"{k}={a}" for k, (a, _) in changed.items()]
+    saved_processes, t = checkpoint.meta.get("processes"), cfg.trainer  # in meta.json since 2026-12-05 (sharded: always)
+    if saved_processes and {"batch_size", "grad_accum_steps"} <= saved_trainer.keys():
+        saved_micro, micro = saved_trainer["batch_size"] * saved_processes, t.batch_size * world_size
+        saved_global, now_global = saved_micro * saved_trainer["grad_accum_steps"], micro * t.grad_accum_steps
+        if saved_micro != micro and saved_global != now_global:  # another accumulation alone resumes (with a warning)
+            changed["global batch (trainer.batch_size x processes x trainer.grad_accum_steps)"] = (
+                f"{saved_trainer['batch_size']} x {saved_processes} x {saved_trainer['grad_accum_steps']} = {saved_global}",
+                f"{t.batch_size} x {world_size} x {t.grad_accum_steps} = {now_global}")
+            fixes.append(f"a global batch of {saved_global} windows" + (
+                f" (trainer.grad_accum_steps={saved_global // micro} on {world_size} process{'es' * (world_size > 1)})"
+                if saved_global % micro == 0 else ""))
     if changed:
         detail = ", ".join(f"{k}: saved {a} vs now {b}" for k, (a, b) in changed.items())
-        fix = ", ".join(f"{k}={a}" for k, (a, _) in changed.items())
+        fix = ", ".join(fixes)
         raise CheckpointError(f"checkpoint {checkpoint.path} was saved with other settings ({detail}), with which this "
                               f"run's windows would not continue its data order; resume with {fix}, or choose a new "
                               "trainer.run_dir (or trainer.resume=never in an empty dir) to start fresh; nothing was "

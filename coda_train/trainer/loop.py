@@ -208,7 +208,7 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
                         " and its prepared data" if data_from_checkpoint else "", resume_from.path)
     # what the checkpoint would refuse once the data is prepared, refused before (checkpoint_data compares its own)
     if resume_from is not None and not data_from_checkpoint:
-        check_resume_before_data(cfg, resume_from, shape)
+        check_resume_before_data(cfg, resume_from, world.world_size, shape)
     # every rank, no collective around it: the cache folder's lock lets one process prepare while the others wait
     # as long as it takes (a barrier would time out under NCCL after 10 minutes; a first preparation can take longer)
     data = checkpoint_data(resume_from, data_config(cfg)) if data_from_checkpoint else prepare(data_config(cfg))
@@ -238,7 +238,7 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
         config["model"]["init_from"] = recorded_init_from(cfg)
     # the folder itself too: the tools reopen it also after the corpus has moved or changed
     meta = {"model": dataclasses.asdict(llama), "impl": cfg.model.impl, "config": config,
-            "prepared_data": str(data.path.absolute())}
+            "prepared_data": str(data.path.absolute()), "processes": world.world_size}  # the global batch: config x this
     checkpointer = Checkpointer(run_dir / CHECKPOINTS_DIR, t.keep_last, meta, resume_from,
                                 cfg.debug.sigkill_in_checkpoint_at_step, cfg.debug.disk_full_in_checkpoint_at_step,
                                 t.ckpt_async)
