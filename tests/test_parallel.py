@@ -446,15 +446,18 @@ def test_overlap_summary_counts_nccl_time_under_compute():
                                              "overlapped_fraction": 0.45})
 
 
-def test_fsdp_only_options_are_refused_under_ddp():
+def test_fsdp_only_options_are_refused_under_ddp(caplog):
     from coda_train.errors import ConfigError
     from coda_train.trainer.distributed import check_fsdp_options
 
     with pytest.raises(ConfigError, match="trainer.fsdp_reshard_after_forward=true applies to FSDP2 only.*"
                                           "set trainer.parallel=fsdp, or trainer.fsdp_reshard_after_forward=false"):
         check_fsdp_options("ddp", True)
-    for parallel, reshard in (("fsdp", True), ("ddp", False), ("none", True)):  # one process: nothing to shard
+    for parallel, reshard in (("fsdp", True), ("ddp", False), ("none", False)):
         check_fsdp_options(parallel, reshard)
+    assert not caplog.records
+    check_fsdp_options("none", True)  # one process: nothing to shard, said and not refused (one config, any size)
+    assert "has no effect in a run of one process" in caplog.text
 
 
 def _stop_check_worker(rank: int, store: str, out: str) -> None:

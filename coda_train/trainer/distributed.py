@@ -5,6 +5,7 @@ export NCCL_NVLS_ENABLE=0 (NVLink SHARP multicast off; README, Multi-GPU)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -17,6 +18,8 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from coda_train.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 PARALLEL = ("auto", "none", "ddp", "fsdp")  # auto: none for one process, fsdp under torchrun
 
@@ -73,10 +76,14 @@ def resolve_parallel(name: str, world: World) -> str:
 
 
 def check_fsdp_options(parallel: str, reshard_after_forward: bool) -> None:
-    """trainer.fsdp_* keys act under FSDP2 only; under DDP they would be silently ignored."""
+    """trainer.fsdp_* keys act under FSDP2 only; under DDP they would be silently ignored. One process shards
+    nothing: said, not refused, so one config serves a run on one GPU and on several."""
     if reshard_after_forward and parallel == "ddp":
         raise ConfigError("trainer.fsdp_reshard_after_forward=true applies to FSDP2 only, and this run uses "
                           "trainer.parallel=ddp: set trainer.parallel=fsdp, or trainer.fsdp_reshard_after_forward=false")
+    if reshard_after_forward and parallel == "none":
+        log.warning("trainer.fsdp_reshard_after_forward=true has no effect in a run of one process (nothing is "
+                    "sharded); it applies under torchrun with several processes and trainer.parallel=fsdp")
 
 
 def shard_model(model: nn.Module, compute_dtype: torch.dtype, reshard_after_forward: bool = False) -> None:
