@@ -90,17 +90,23 @@ def _checkpoints_root(path: Path) -> Optional[Path]:
     return next((root for root in (path / CHECKPOINTS_DIR, path) if list_checkpoints(root)), None)
 
 
-def _unverified_meta(path: Path) -> Optional[tuple[LlamaConfig, dict[str, Any]]]:
-    """The model and run config recorded by the checkpoint find_checkpoint takes unless it is damaged, read
-    without verifying it; None where that meta.json is missing or unusable (find_checkpoint then says why)."""
+def _unverified_meta(path: Path) -> Optional[tuple[Path, dict[str, Any], LlamaConfig]]:
+    """The checkpoint find_checkpoint takes unless it is damaged, its meta.json and recorded model, read without
+    verifying it; None where that meta.json is missing or unusable (find_checkpoint then says why)."""
     root = None if (path / META_FILE).exists() else _checkpoints_root(path)
     newest = path if root is None else list_checkpoints(root)[0]
     try:
         meta = json.loads((newest / META_FILE).read_text())
-        model_config, run_config = saved_model(newest, meta), meta["config"]
+        model_config = saved_model(newest, meta)
     except (OSError, ValueError, TypeError, KeyError, CheckpointError):
         return None
-    return (model_config, run_config) if isinstance(run_config, dict) else None
+    return (newest, meta, model_config) if isinstance(meta.get("config"), dict) else None
+
+
+def _check_trained_tokenizer(tok: Tokenizer, tokenizer_file: Path, trained_with: Optional[str], ckpt: Path) -> None:
+    if trained_with is not None and trained_with != fingerprint(tok):
+        raise ConfigError(f"the tokenizer {tokenizer_file} (fingerprint {fingerprint(tok)[:12]}) is not the one checkpoint "
+                          f"{ckpt} was trained with ({trained_with[:12]}); pass the run's own tokenizer.json")
 
 
 def open_checkpoint(path: str | Path, tokenizer: Optional[str] = None,
@@ -110,11 +116,18 @@ def open_checkpoint(path: str | Path, tokenizer: Optional[str] = None,
     tokenizer must be the one the model was trained with (same fingerprint, ids within the vocab).
     check(model_config, run_config), where given, refuses the caller's arguments that depend on the
     checkpoint (ConfigError) before the weights are loaded and any data is prepared, and, where the checkpoint's
-    meta.json reads, before its weights are checksummed (minutes at 8B)."""
+    meta.json reads, before its weights are checksummed (minutes at 8B); so is another tokenizer, where meta.json
+    records the run's (since 2026-12-05; before, the loader state says so once the weights are loaded)."""
+    tokenizer_file = None
     if tokenizer is not None:  # read before the checkpoint: a wrong path is refused at once
         tok, config_eos = load_tokenizer(tokenizer, "--tokenizer", "leave it out to use the run's own")
-    if check is not None and (unverified := _unverified_meta(Path(path))) is not None:
-        check(*unverified)
+        tokenizer_file = Path(tokenizer) / TOKENIZER_FILE if Path(tokenizer).is_dir() else Path(tokenizer)
+    if (check is not None or tokenizer is not None) and (unverified := _unverified_meta(Path(path))) is not None:
+        newest, unverified_meta, unverified_model = unverified
+        if check is not None:
+            check(unverified_model, unverified_meta["config"])
+        if tokenizer is not None:
+            _check_trained_tokenizer(tok, tokenizer_file, unverified_meta.get("tokenizer"), newest)
     ckpt, meta = find_checkpoint(path)
     model_config = saved_model(ckpt, meta)
     if not isinstance(run_config := meta.get("config"), dict):
@@ -129,12 +142,9 @@ def open_checkpoint(path: str | Path, tokenizer: Optional[str] = None,
         tok, tokenizer_file = data.tokenizer, data.path / TOKENIZER_FILE
         eos_token, eos_id = data.manifest["tokenizer"]["eos_token"], data.eos_id
     else:
-        tokenizer_file = Path(tokenizer) / TOKENIZER_FILE if Path(tokenizer).is_dir() else Path(tokenizer)
         eos_token, eos_id = find_eos(tok, run_config.get("data", {}).get("eos_token"), config_eos)
-    trained_with = state.get("train_loader", {}).get("tokenizer")
-    if trained_with is not None and trained_with != fingerprint(tok):
-        raise ConfigError(f"the tokenizer {tokenizer_file} (fingerprint {fingerprint(tok)[:12]}) is not the one checkpoint "
-                          f"{ckpt} was trained with ({trained_with[:12]}); pass the run's own tokenizer.json")
+    _check_trained_tokenizer(tok, tokenizer_file, state.get("train_loader", {}).get("tokenizer") or meta.get("tokenizer"),
+                             ckpt)
     check_tokenizer_fits(tok, model_config, str(tokenizer_file))
     return TrainedCheckpoint(ckpt, meta, model_config, state["model"], tok, tokenizer_file, eos_token, eos_id, data)
 

@@ -590,10 +590,22 @@ def test_arguments_that_depend_on_the_checkpoint_are_refused_before_its_weights_
     assert len(hashed) >= 1 and seen == [(256, str(trained_run))] * 2 and ckpt.model_config.max_seq_len == 256
 
 
-def test_a_tokenizer_that_does_not_match_the_model_is_refused(trained_run, tmp_path):
+def test_a_tokenizer_that_does_not_match_the_model_is_refused(trained_run, tmp_path, monkeypatch):
+    """From meta.json's fingerprint, before the weights are checksummed or loaded; a checkpoint whose meta.json
+    records none (written before 2026-12-05) is refused from its loader state once loaded."""
+    import coda_train.trainer.checkpoint as checkpoint
+
     other = tokenizer_file(tmp_path, 280)
+    hashed = []
+    real_sha256 = checkpoint.sha256_file
+    monkeypatch.setattr(checkpoint, "sha256_file", lambda path: hashed.append(path) or real_sha256(path))
     with pytest.raises(ConfigError, match="not the one checkpoint .* was trained with"):
         open_checkpoint(trained_run, tokenizer=str(other))
+    assert hashed == []
+    monkeypatch.setattr("coda_train.inference._unverified_meta", lambda path: None)  # as if meta.json recorded none
+    with pytest.raises(ConfigError, match="not the one checkpoint .* was trained with"):
+        open_checkpoint(trained_run, tokenizer=str(other))
+    assert hashed
     big = tokenizer_file(tmp_path, 400)  # more ids than the model's 320 embedding rows
     cfg, model = tiny_model()
     with pytest.raises(ConfigError, match="400 tokens but the model's vocab_size is 320"):

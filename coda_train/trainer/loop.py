@@ -238,7 +238,8 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
         config["model"]["init_from"] = recorded_init_from(cfg)
     # the folder itself too: the tools reopen it also after the corpus has moved or changed
     meta = {"model": dataclasses.asdict(llama), "impl": cfg.model.impl, "config": config,
-            "prepared_data": str(data.path.absolute()), "processes": world.world_size}  # the global batch: config x this
+            "prepared_data": str(data.path.absolute()), "processes": world.world_size,  # the global batch: config x this
+            "tokenizer": data.manifest["tokenizer"]["fingerprint"]}  # eval/sample/export's --tokenizer, checked before the weights
     checkpointer = Checkpointer(run_dir / CHECKPOINTS_DIR, t.keep_last, meta, resume_from,
                                 cfg.debug.sigkill_in_checkpoint_at_step, cfg.debug.disk_full_in_checkpoint_at_step,
                                 t.ckpt_async)
