@@ -125,10 +125,27 @@ def refuse_a_sweep_under_torchrun(argv: list[str]) -> None:
         sys.exit(EXIT_BAD_INPUT)
 
 
-if __name__ == "__main__":
-    refuse_a_sweep_under_torchrun(sys.argv[1:])
-    check_run_dirs(sys.argv[1:])
-    check_sweep_configs(sys.argv[1:])
+def end_worker(code: object) -> None:
+    """End a torchrun worker with `code` (a SystemExit code) without finalizing the interpreter. gloo's worker
+    threads outlive destroy_process_group (the process group stays referenced, and gloo has no shutdown), and
+    one that drops the last reference to a finished collective's tensor after its Python object died (the
+    main thread moved on) takes the GIL to free it: once finalization has begun, CPython ends that thread
+    inside a noexcept destructor and the process aborts (SIGABRT, "terminate called without an active
+    exception"). By now train() has closed everything of the run (files, wandb, the process group)."""
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)  # as the interpreter does for sys.exit("message")
+        code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
+def launch(argv: list[str]) -> None:
+    """The checks of the whole command line, then the run or sweep; a sweep's failed jobs set the exit code."""
+    refuse_a_sweep_under_torchrun(argv)
+    check_run_dirs(argv)
+    check_sweep_configs(argv)
     try:
         main()
     finally:  # also when a later job's stop signal or unwritable run dir ends the sweep (sys.exit)
@@ -137,3 +154,14 @@ if __name__ == "__main__":
                   file=sys.stderr)
     if failed_jobs:
         sys.exit(failed_jobs[0][2])
+
+
+if __name__ == "__main__":
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        launch(sys.argv[1:])
+    else:  # a torchrun worker (hydra turns every error into a SystemExit)
+        try:
+            launch(sys.argv[1:])
+        except SystemExit as e:
+            end_worker(e.code)
+        end_worker(0)
