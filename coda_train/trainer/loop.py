@@ -107,11 +107,18 @@ def changes_since_checkpoint(saved: dict[str, Any], cfg: Config, step: int) -> l
     lines = [f"settings changed since the checkpoint apply from step {step + 1} on: {settings}"]
     if "trainer.max_steps" in changed and cfg.optim.schedule != "constant":
         old_max, new_max = changed["trainer.max_steps"]
-        old_lr, new_lr = (cfg.optim.lr * lr_multiplier(step, cfg.optim, m) for m in (old_max, new_max))
-        if old_lr != new_lr:  # the schedule is laid out over max_steps (DESIGN: cosine / WSD)
-            lines.append(f"the {cfg.optim.schedule} schedule now spans {new_max} steps, not {old_max}: the learning rate at "
-                         f"step {step + 1} is {new_lr:.3g} where the saved run's would be {old_lr:.3g}; keep "
-                         f"trainer.max_steps={old_max} to continue its schedule")
+        # the schedule is laid out over max_steps (DESIGN: cosine / WSD): the first resumed step where the two part,
+        # which may lie past the first (a resume inside warmup, or in WSD's stable phase)
+        lrs = ((s, *(cfg.optim.lr * lr_multiplier(s, cfg.optim, m) for m in (old_max, new_max)))
+               for s in range(step, max(old_max, new_max)))
+        parted = next(((s, old_lr, new_lr) for s, old_lr, new_lr in lrs if old_lr != new_lr), None)
+        if parted is not None:
+            s, old_lr, new_lr = parted
+            where = (f"the learning rate at step {s + 1} is" if s == step else
+                     f"the learning rate follows the saved run's until step {s}, and at step {s + 1} it is")
+            lines.append(f"the {cfg.optim.schedule} schedule now spans {new_max} steps, not {old_max}: {where} "
+                         f"{new_lr:.3g} where the saved run's would be {old_lr:.3g}; keep trainer.max_steps={old_max} "
+                         "to continue its schedule")
     return lines
 
 
