@@ -14,6 +14,7 @@ with 1); past that, a job stopping with 1 or 3 does not stop the sweep: the othe
 each failed job and exits with the first one's code.
 """
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -21,18 +22,20 @@ import sys
 from pathlib import Path
 
 import hydra
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import QuotedString
 from hydra.errors import HydraException
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from coda_train.config import check_config, register_configs, to_dataclass
+from coda_train.config import Config, check_config, register_configs, to_dataclass
 from coda_train.data import DataError
 from coda_train.errors import ConfigError
-from coda_train.trainer.loop import EXIT_BAD_INPUT, EXIT_NON_FINITE, STOP_ERRORS, exit_code, train
+from coda_train.trainer.checkpoint import resumes
+from coda_train.trainer.loop import CONFIG_FILE, EXIT_BAD_INPUT, EXIT_NON_FINITE, STOP_ERRORS, exit_code, train
 from coda_train.trainer.rundir import check_run_dir_path
 
 log = logging.getLogger("train")
@@ -105,15 +108,41 @@ def check_sweep_configs(argv: list[str]) -> None:
         parsed = OverridesParser.create().parse_overrides([a for a in argv if not a.startswith("-")])
         values = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
                   else [o.input_line] for o in parsed if not o.get_key_element().lstrip("+~").startswith("hydra")]
+        swept = [o.get_key_element().lstrip("+~") for o in parsed if o.is_sweep_override()]
         with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent / "configs"), version_base="1.3"):
             for job, overrides in enumerate(itertools.product(*values)):
                 try:
-                    check_config(to_dataclass(compose("config", overrides=list(overrides))))
+                    cfg = to_dataclass(compose("config", overrides=list(overrides)))
+                    check_config(cfg)
+                    check_job_dir_is_this_jobs(cfg, job, swept)
                 except (ConfigError, DataError) as e:
                     print(f"multirun job #{job} ({' '.join(overrides)}): {e}; no job of the sweep ran", file=sys.stderr)
                     sys.exit(EXIT_BAD_INPUT)
     except HydraException:  # a syntax error, or an interval sweep: hydra's own message or sweeper follows
         return
+
+
+def check_job_dir_is_this_jobs(cfg: Config, job: int, swept: list[str]) -> None:
+    """A sweep into a trainer.run_dir that an earlier sweep used resumes each job dir's run (trainer.resume=auto):
+    job #i's dir must hold a run of job #i's swept values, not another sweep's job #i (an eager run continued as coda,
+    and compared as coda). Its config.yaml says which values it ran with."""
+    if cfg.trainer.run_dir is None or cfg.trainer.resume != "auto":
+        return
+    job_dir = Path(cfg.trainer.run_dir).expanduser() / str(job)
+    if not resumes("auto", job_dir) or not (job_dir / CONFIG_FILE).is_file():
+        return
+    try:
+        previous = OmegaConf.load(job_dir / CONFIG_FILE)
+    except (OSError, yaml.YAMLError):  # the job's own resume check reads what it can
+        return
+    now = OmegaConf.create({**OmegaConf.to_container(OmegaConf.structured(cfg)),
+                            "data": dataclasses.asdict(cfg.data.with_absolute_paths())})  # as config.yaml records them
+    keys = [k for k in swept if k not in ("trainer.run_dir", "model.init_from")]  # recorded in another form
+    other = {k: OmegaConf.select(previous, k) for k in keys if OmegaConf.select(previous, k) != OmegaConf.select(now, k)}
+    if other:
+        raise ConfigError(f"its dir {job_dir} holds a run of {', '.join(f'{k}={v}' for k, v in other.items())}, which "
+                          "this job would resume as its own; sweep into a new trainer.run_dir, or sweep the values "
+                          "that run used")
 
 
 def refuse_a_sweep_under_torchrun(argv: list[str]) -> None:

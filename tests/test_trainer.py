@@ -258,6 +258,22 @@ def test_a_bad_value_in_a_sweeps_later_job_stops_the_sweep_before_its_first_job(
     assert not (tmp_path / "sweep").exists()
 
 
+def test_a_sweep_into_an_earlier_sweeps_dir_resumes_only_runs_of_its_own_values(tiny, tmp_path):
+    """Job #i resumes the run in <run_dir>/i: where that run has other values of the swept keys (another sweep's job
+    #i), the sweep stops before its first job, naming them; the same sweep again continues its runs."""
+    sweep = ("-m", *tiny, "trainer.eval_every=0", f"trainer.run_dir={tmp_path}")
+    first = run_train(*sweep, "trainer.max_steps=2", "model.impl=eager,coda", timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    swapped = run_train(*sweep, "trainer.max_steps=3", "model.impl=coda,eager")
+    assert swapped.returncode == 1, swapped.stderr[-3000:]
+    assert ("multirun job #0 (" in swapped.stderr and f"its dir {tmp_path / '0'} holds a run of model.impl=eager, which "
+            "this job would resume as its own; sweep into a new trainer.run_dir" in swapped.stderr), swapped.stderr
+    assert [len(metrics(tmp_path / job)) for job in "01"] == [2, 2]
+    again = run_train(*sweep, "trainer.max_steps=3", "model.impl=eager,coda", timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert [len(metrics(tmp_path / job)) for job in "01"] == [3, 3]
+
+
 def test_a_stop_signal_during_a_jobs_last_step_ends_the_sweep_too(tiny, tmp_path):
     """The signal arrives as job 0 finishes (its last step, eval or save): job 0 is complete and saved, and the sweep
     stops before job 1 all the same; running the sweep again goes on with job 1."""
