@@ -385,6 +385,30 @@ def test_a_run_dir_holding_other_files_is_refused_before_anything_is_written(tin
     assert steps_logged(tmp_path / "empty") == [1, 2]
 
 
+def test_a_resume_after_its_corpus_changed_continues_on_the_data_it_prepared(tiny, tmp_path, monkeypatch, caplog):
+    """A document appended to the corpus (or the corpus gone): the resumed run takes the folder it prepared, where its
+    data order's windows are, instead of preparing the changed corpus (hours) for the loader to refuse."""
+    corpus = tmp_path / "corpus.jsonl"
+    shutil.copy(next(a for a in tiny if a.startswith("data.source=")).split("=", 1)[1], corpus)
+    run = (*tiny, f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}", "trainer.eval_every=0")
+    train_in_process(tmp_path / "run", *run, "trainer.max_steps=2")
+    with open(corpus, "a") as f:
+        f.write(json.dumps({"text": "one more document"}) + "\n")
+
+    def no_preparation(*args, **kwargs):
+        raise AssertionError("the changed corpus was prepared")
+
+    monkeypatch.setattr("coda_train.trainer.loop.prepare", no_preparation)
+    train_in_process(tmp_path / "run", *run, "trainer.max_steps=3")
+    assert [m["step"] for m in metrics(tmp_path / "run")] == [1, 2, 3]
+    assert "its files changed since the run prepared them; this resumed run continues on the data it prepared" in caplog.text
+    corpus.unlink()
+    train_in_process(tmp_path / "run", *run, "trainer.max_steps=4")
+    assert [m["step"] for m in metrics(tmp_path / "run")] == [1, 2, 3, 4]
+    assert "it cannot be read now; this resumed run continues on the data it prepared" in caplog.text
+    assert len(list((tmp_path / "cache").iterdir())) == 1  # the one folder the run prepared
+
+
 def test_a_resume_its_checkpoint_would_refuse_stops_before_the_data_is_prepared(tiny, tmp_path, monkeypatch):
     """Data settings that give other shards or another BPE, another trainer.seq_len or seed, another model shape: the
     checkpoint's meta.json says so before any preparation (hours for a large corpus), naming the saved values."""

@@ -2,6 +2,6 @@
 
 from .config import DataConfig, DataError
 from .loader import TokenLoader
-from .shards import PreparationInterrupted, PreparedData, prepare
+from .shards import PreparationInterrupted, PreparedData, prepare, prepared_folder
 
-__all__ = ["DataConfig", "DataError", "PreparationInterrupted", "PreparedData", "TokenLoader", "prepare"]
+__all__ = ["DataConfig", "DataError", "PreparationInterrupted", "PreparedData", "TokenLoader", "prepare", "prepared_folder"]

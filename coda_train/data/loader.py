@@ -110,7 +110,8 @@ class TokenLoader:
         step = state.get("step", 0)
         fixes = [f"trainer.{k}={differing[k][0]}" for k in ("seed", "seq_len") if k in differing]
         if {"num_windows", "tokenizer", "split"} & differing.keys():
-            fixes.append("the run's data settings")
+            fixes.append("the run's data settings and its corpus as the run prepared it (another corpus, or other data "
+                         "settings, prepare other windows)")
         if saved_micro != micro:  # (the same G with another A: the same micro-steps, as a batch-size schedule makes)
             if saved_micro * saved_accum == micro * self.accum_steps and (step * saved_micro) % micro == 0:
                 step = step * saved_micro // micro  # the same windows consumed, counted in this layout's micro-steps

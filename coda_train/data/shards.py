@@ -193,13 +193,9 @@ def prepare(cfg: DataConfig) -> PreparedData:
     """
     if not isinstance(cfg, DataConfig):  # a hydra DictConfig or a plain dict with the same keys
         cfg = DataConfig(**cfg)
-    cfg.validate()
-    source = resolve_source(cfg)
+    source, inputs, final = _prepared_at(cfg)
     requested, config_eos = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else (None, None)
-    inputs = _inputs(cfg, source)
-    key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
-    cache_dir = Path(cfg.cache_dir)
-    final = cache_dir / f"{source.name}-{key}"
+    cache_dir = final.parent
     expected_tokenizer = fingerprint(requested) if requested else None
     if final.exists():
         log.info("reusing prepared data %s", final)
@@ -218,6 +214,20 @@ def prepare(cfg: DataConfig) -> PreparedData:
             _remove_dead_temp_folders(cache_dir, final.name)
             _build_atomically(cfg, source, requested, config_eos, inputs, final, stop)
     return PreparedData.open(final, expected_tokenizer, cfg.verify_shards)
+
+
+def prepared_folder(cfg: DataConfig) -> Path:
+    """Where prepare(cfg) keeps the data (prepared or not yet): cheap, the corpus files are only stat'ed."""
+    return _prepared_at(cfg)[2]
+
+
+def _prepared_at(cfg: DataConfig) -> tuple[Source, dict, Path]:
+    """cfg's source, the inputs that decide the prepared bytes, and the folder their hash names."""
+    cfg.validate()
+    source = resolve_source(cfg)
+    inputs = _inputs(cfg, source)
+    key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
+    return source, inputs, Path(cfg.cache_dir) / f"{source.name}-{key}"
 
 
 def _build_atomically(

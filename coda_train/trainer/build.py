@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from coda_train.config import Config, TrainerConfig, resolve_model_config
-from coda_train.data import DataConfig, DataError, PreparedData, TokenLoader
+from coda_train.data import DataConfig, DataError, PreparedData, TokenLoader, prepared_folder
 from coda_train.data.tokenizer import load_tokenizer
 from coda_train.errors import ConfigError
 from coda_train.model import LlamaConfig, build_model, kernel_shape_errors
@@ -97,6 +97,31 @@ def checkpoint_data(checkpoint: Checkpoint, data: DataConfig) -> PreparedData:
         raise DataError(f"this run's data settings differ from the checkpoint's ({', '.join(changed)}), and without "
                         f"model.init_from's tokenizer the data cannot be prepared again. Resume with the checkpoint's "
                         f"data settings; or: {fix}")
+    return prepared
+
+
+def data_of_changed_corpus(checkpoint: Checkpoint, data: DataConfig) -> Optional[PreparedData]:
+    """A resumed run's data (its settings compared with the checkpoint's before: check_resume_before_data) where
+    data.source's files changed since the run prepared them (sizes or mtimes, files added or removed, moved) or are
+    gone: the folder the run prepared, while it reads, with a warning. Its windows are the ones the run's data order
+    indexes; the changed corpus would be prepared first (hours for a large one), then refused by the loader. None
+    where the corpus is as the run prepared it, or its folder is gone or unreadable: prepare(data) then."""
+    recorded = checkpoint.meta.get("prepared_data")
+    if recorded is None:
+        return None
+    try:
+        if prepared_folder(data).name == Path(recorded).name:
+            return None
+        why = "its files changed since the run prepared them"
+    except DataError:  # the corpus is gone or unreadable
+        why = "it cannot be read now"
+    try:
+        prepared = recorded_prepared_data(checkpoint.meta, data.verify_shards)
+    except DataError:  # damaged, or of another format: preparing again says what is wrong
+        return None
+    if prepared is not None:
+        log.warning("data.source=%s: %s; this resumed run continues on the data it prepared, %s (start a new run to "
+                    "train on the corpus as it is now)", data.source, why, recorded)
     return prepared
 
 

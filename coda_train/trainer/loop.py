@@ -26,8 +26,8 @@ from coda_train.model import LlamaConfig
 from coda_train.model.liger import require_liger
 
 from .build import (build_loader, build_train_state, check_compute, check_model_before_data, check_resume_before_data,
-                    checkpoint_data, data_config, init_from_missing, init_from_shape, recorded_init_from,
-                    report_untuned_gemms, resolve_model, tune_untuned_gemms)
+                    checkpoint_data, data_config, data_of_changed_corpus, init_from_missing, init_from_shape,
+                    recorded_init_from, report_untuned_gemms, resolve_model, tune_untuned_gemms)
 from .checkpoint import (CHECKPOINTS_DIR, CheckpointError, Checkpointer, check_ckpt_async, check_same_model,
                          find_resume_checkpoint, list_checkpoints, restore, resumes, resumes_newest_good, set_aside_newer)
 from .device import pick_compute_dtype, pick_device
@@ -218,7 +218,10 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
         check_resume_before_data(cfg, resume_from, world.world_size, shape)
     # every rank, no collective around it: the cache folder's lock lets one process prepare while the others wait
     # as long as it takes (a barrier would time out under NCCL after 10 minutes; a first preparation can take longer)
-    data = checkpoint_data(resume_from, data_config(cfg)) if data_from_checkpoint else prepare(data_config(cfg))
+    if data_from_checkpoint:
+        data = checkpoint_data(resume_from, data_config(cfg))
+    else:  # a resumed run whose corpus changed continues on the data it prepared
+        data = (resume_from is not None and data_of_changed_corpus(resume_from, data_config(cfg))) or prepare(data_config(cfg))
     # both loaders before the model: a split too small for one batch stops the run before any GPU work
     train_loader = build_loader(data, "train", t, world)
     val_loader = build_loader(data, "val", t, world) if t.eval_every else None
