@@ -385,6 +385,18 @@ def test_a_run_dir_holding_other_files_is_refused_before_anything_is_written(tin
     assert steps_logged(tmp_path / "empty") == [1, 2]
 
 
+def test_a_resume_with_nothing_to_do_leaves_the_run_as_it_was(tiny, tmp_path):
+    """trainer.max_steps at the checkpoint's step: no step runs, so config.yaml keeps the settings the steps were
+    taken with (not this invocation's), and the metrics and checkpoints stay as they are."""
+    run_dir = tmp_path / "run"
+    train_in_process(run_dir, *tiny, "trainer.max_steps=2", "trainer.eval_every=0")
+    before = {name: (run_dir / name).read_bytes() for name in ("config.yaml", "metrics.jsonl")}
+    train_in_process(run_dir, *tiny, "trainer.max_steps=2", "trainer.eval_every=0", "trainer.batch_size=2",
+                     "trainer.grad_accum_steps=2")
+    assert {name: (run_dir / name).read_bytes() for name in before} == before
+    assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == ["step_00000002"]
+
+
 def test_a_resume_after_its_corpus_changed_continues_on_the_data_it_prepared(tiny, tmp_path, monkeypatch, caplog):
     """A document appended to the corpus (or the corpus gone): the resumed run takes the folder it prepared, where its
     data order's windows are, instead of preparing the changed corpus (hours) for the loader to refuse."""

@@ -256,14 +256,15 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
     metrics_logger = None
     if world.is_main:  # the first writes, after every check
         with writing("the run's config.yaml and metrics.jsonl", run_dir, run_dir):
-            if resume_from is not None:
-                set_aside_newer(checkpointer.root, resume_from.step, damaged=resumes_newest_good(t.resume))
-            # the lines after the checkpoint (all of them without one) are redone; where they are another trajectory's
-            # (an explicitly named older checkpoint, or settings changed since the run that logged them, e.g. a lower
-            # lr after a divergence) they are kept aside
-            rewind_metrics(run_dir / METRICS_FILE, state.step, keep_dropped=(
-                resume_from is not None and not resumes_newest_good(t.resume)) or logged_under_other_settings(run_dir, cfg))
-            (run_dir / CONFIG_FILE).write_text(OmegaConf.to_yaml({**config, "resolved_model": meta["model"]}))
+            if state.step < t.max_steps:  # else nothing to do: the files stay as the run that took the steps left them
+                if resume_from is not None:
+                    set_aside_newer(checkpointer.root, resume_from.step, damaged=resumes_newest_good(t.resume))
+                # the lines after the checkpoint (all of them without one) are redone; where they are another
+                # trajectory's (an explicitly named older checkpoint, or settings changed since the run that logged
+                # them, e.g. a lower lr after a divergence) they are kept aside
+                rewind_metrics(run_dir / METRICS_FILE, state.step, keep_dropped=(
+                    resume_from is not None and not resumes_newest_good(t.resume)) or logged_under_other_settings(run_dir, cfg))
+                (run_dir / CONFIG_FILE).write_text(OmegaConf.to_yaml({**config, "resolved_model": meta["model"]}))
             if cfg.model.impl == "coda" and backend == "cute":  # the cute backend means a Hopper GPU here
                 report_untuned_gemms(llama, t, gpu_key(torch.cuda.get_device_name(device)), run_dir)
             metrics_logger = MetricsLogger(run_dir, cfg.logger, config, resume_from is not None,
