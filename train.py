@@ -47,6 +47,8 @@ CONFIG_FLAGS = ("--config-name", "-cn", "--config-path", "-cp", "--config-dir", 
 # multirun jobs that stopped on their own input or diverged, as (job number, its run dir, exit code): the sweep
 # goes on with its other jobs (e.g. an lr sweep whose largest lr diverges) and train.py exits with the first code
 failed_jobs: list[tuple[int, str, int]] = []
+# the trainer.run_dir values of the command line that existed before hydra made the rest
+existing_run_dirs: set[Path] = set()
 
 
 @hydra.main(config_path="configs", config_name="config", version_base="1.3")
@@ -62,6 +64,7 @@ def main(cfg: DictConfig) -> None:
         end = train(config, Path(hydra_config.runtime.output_dir), sweep_dir)
     except STOP_ERRORS as e:  # train() logged it; kernels.BackendError is a ConfigError
         code = exit_code(e)
+        remove_if_made_here_and_empty(Path(hydra_config.runtime.output_dir))
         if sweep_dir is None or code not in (EXIT_BAD_INPUT, EXIT_NON_FINITE):  # a stop signal or a full disk ends a sweep
             sys.exit(code)
         failed_jobs.append((hydra_config.job.num, hydra_config.runtime.output_dir, code))
@@ -69,6 +72,12 @@ def main(cfg: DictConfig) -> None:
         return
     if end.stopped_by:  # saved and stopped: exit now, so a multirun sweep stops too instead of starting its next job
         sys.exit(0)
+
+
+def remove_if_made_here_and_empty(run_dir: Path) -> None:
+    """A start refused before it wrote anything leaves no dir behind that hydra made for it (one that existed stays)."""
+    if run_dir.absolute() not in existing_run_dirs and run_dir.is_dir() and not any(run_dir.iterdir()):
+        run_dir.rmdir()
 
 
 def run_dir_values(argv: list[str]) -> list[str]:
@@ -174,6 +183,7 @@ def launch(argv: list[str]) -> None:
     """The checks of the whole command line, then the run or sweep; a sweep's failed jobs set the exit code."""
     refuse_a_sweep_under_torchrun(argv)
     check_run_dirs(argv)
+    existing_run_dirs.update(Path(v).expanduser().absolute() for v in run_dir_values(argv) if Path(v).expanduser().is_dir())
     check_sweep_configs(argv)
     try:
         main()

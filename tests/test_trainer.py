@@ -294,12 +294,12 @@ def test_resuming_with_another_global_batch_names_the_saved_one(tiny, tmp_path):
     """A loader that cannot continue the checkpoint's data order is a config change, not a bad file:
     the error names the saved value and does not send the user to another checkpoint."""
     train_in_process(tmp_path, *tiny, "trainer.max_steps=4", "trainer.ckpt_every=2")
-    with pytest.raises(CheckpointError, match=r"saved 4 x 1 x 1 = 4 vs now 8 x 1 x 1 = 8\); resume with a global batch of 4") as error:
+    with pytest.raises(CheckpointError, match=r"saved 4 x 1 x 1 = 4 vs now 8 x 1 x 1 = 8\).*resume with a global batch of 4") as error:
         train_in_process(tmp_path, *tiny, "trainer.max_steps=6", "trainer.batch_size=8")
     with pytest.raises(CheckpointError, match=r"trainer.seed: saved 1337 vs now 7, trainer.seq_len: saved 32 vs now 16.*"
                                               r"resume with trainer.seed=1337, trainer.seq_len=32"):
         train_in_process(tmp_path, *tiny, "trainer.max_steps=6", "trainer.seed=7", "trainer.seq_len=16")
-    assert "another trainer.run_dir" in str(error.value) and "choose another checkpoint" not in str(error.value)
+    assert "a new trainer.run_dir" in str(error.value) and "choose another checkpoint" not in str(error.value)
     assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000004", "step_00000002"]
 
 
@@ -398,6 +398,17 @@ def test_cli_rejects_unknown_and_ill_typed_keys_before_training(tmp_path):
         a_file = run_train("trainer.max_steps=3", f"trainer.run_dir={run_dir}")
         assert a_file.returncode == 1 and "is a file, not a directory" in a_file.stderr and "Traceback" not in a_file.stderr
     assert (tmp_path / "a_file").read_text() == "kept"
+
+
+def test_a_refused_start_leaves_no_dir_it_made(tiny, tmp_path):
+    """A bad value (exit 1, README's table: nothing changed) removes the run dir hydra made for it; a dir that
+    existed before stays."""
+    made, existing = tmp_path / "new", tmp_path / "existing"
+    existing.mkdir()
+    for run_dir in (made, existing):
+        result = run_train(*tiny, "optim.lr=-1", f"trainer.run_dir={run_dir}")
+        assert result.returncode == 1 and "optim.lr=-1.0 must be > 0" in result.stdout + result.stderr, result.stderr[-2000:]
+    assert not made.exists() and existing.is_dir()
 
 
 def test_an_empty_run_dir_is_refused_before_the_current_directory_is_touched(tiny, tmp_path):
