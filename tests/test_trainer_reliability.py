@@ -385,6 +385,11 @@ def test_a_run_dir_holding_other_files_is_refused_before_anything_is_written(tin
     assert steps_logged(tmp_path / "empty") == [1, 2]
 
 
+def test_a_warmup_as_long_as_the_run_is_said(tiny, tmp_path, caplog):
+    train_in_process(tmp_path / "run", *tiny, "trainer.max_steps=2", "trainer.eval_every=0", "optim.warmup_steps=500")
+    assert "optim.warmup_steps=500 >= trainer.max_steps=2: the learning rate never reaches optim.lr" in caplog.text
+
+
 def test_a_resume_with_nothing_to_do_leaves_the_run_as_it_was(tiny, tmp_path):
     """trainer.max_steps at the checkpoint's step: no step runs, so config.yaml keeps the settings the steps were
     taken with (not this invocation's), and the metrics and checkpoints stay as they are."""

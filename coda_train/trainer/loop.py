@@ -202,6 +202,9 @@ def train(cfg: Config, run_dir: Path, sweep_dir: Optional[Path] = None) -> RunEn
 def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compute_dtype: torch.dtype,
            world: World, parallel: str, cuda_graphs: bool, sweep_dir: Optional[Path]) -> Optional[dict[str, Any]]:
     t = cfg.trainer
+    if cfg.optim.warmup_steps >= t.max_steps and world.is_main:  # allowed (a short test run), but likely a slip
+        log.warning("optim.warmup_steps=%d >= trainer.max_steps=%d: the learning rate never reaches optim.lr=%g",
+                    cfg.optim.warmup_steps, t.max_steps, cfg.optim.lr)
     resume_from = find_resume_checkpoint(t.resume, run_dir)  # before data preparation, which can be long
     # model.init_from moved or deleted since the run began (an HF cache cleaned): its checkpoint records the shape,
     # checked here before the data as train()'s early check does for any other run
