@@ -33,9 +33,10 @@ os.environ.update(QUACK_ARCH="90", CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", 
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tune_gemm import candidates, compile_launch, launches  # noqa: E402
+from tune_gemm import SHAPES, candidates, compile_launch, launches, shape_dims  # noqa: E402
 
-from coda_train.kernels.tile_configs import lookup  # noqa: E402
+from coda_train.kernels.tile_configs import lookup, tables  # noqa: E402
+from coda_train.model.coda import step_gemm_shapes  # noqa: E402
 
 _PTXAS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads.*?Used (\d+) registers",
                     re.S)
@@ -78,11 +79,23 @@ def main() -> None:
     p.add_argument("--ops", default="", help="comma-separated op names (default: all)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/register_audit")))
     args = p.parse_args()
+    # a wrong name would audit nothing and report "0 of 0 kernels spill": a false all-clear
+    shapes, ops = [s for s in args.shapes.split(",") if s], [o for o in args.ops.split(",") if o]
+    if not shapes or set(shapes) - set(SHAPES):
+        p.error(f"--shapes {args.shapes}: unknown shapes {sorted(set(shapes) - set(SHAPES))}; choose from {sorted(SHAPES)}")
+    known = {op for name in SHAPES for op, _ in step_gemm_shapes(shape_dims(name))}
+    if set(ops) - known:
+        p.error(f"unknown ops {sorted(set(ops) - known)}; the model's GEMM ops are {sorted(known)}")
+    if args.gpu not in tables():
+        p.error(f"--gpu {args.gpu}: the tile table has no such GPU; choose from {sorted(tables())}")
+    todo = launches(shapes, ops or None)
+    if not todo:
+        p.error(f"shapes {shapes} launch none of the ops {ops}; pick other --shapes or --ops")
     if shutil.which("ptxas") is None:
         sys.exit("register_audit.py needs ptxas (CUDA 12.8 or newer) on PATH")
 
     rows, seen = [], {}
-    for launch in launches(args.shapes.split(","), [o for o in args.ops.split(",") if o] or None):
+    for launch in todo:
         op, (m, n, k) = launch["op"], (launch["m"], launch["n"], launch["k"])
         cfgs = candidates(op) if args.configs == "candidates" else [lookup(op, m, n, k, args.gpu)]
         for cfg in cfgs:

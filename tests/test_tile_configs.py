@@ -321,6 +321,22 @@ def test_gpu_scripts_refuse_a_machine_without_one_before_any_work(script):
     assert "compile workers" not in run.stdout, run.stdout
 
 
+@pytest.mark.parametrize("args, names", [
+    (["--ops", "gemm_swiglu"], ["gemm_swiglu", "gemm_rowscale_swiglu"]),
+    (["--shapes", "125M"], ["125M", "125m"]),
+    (["--gpu", "B200"], ["B200", "H200"]),
+    (["--shapes", "125m", "--ops", "matmul_tn_exp_add"], ["125m", "matmul_tn_exp_add"]),
+])
+def test_register_audit_refuses_unknown_names_before_any_compile(args, names):
+    """A wrong op, shape or GPU name is a usage error naming the valid choices, not a false
+    "0 of 0 (op, config) kernels spill" all-clear or a bare KeyError."""
+    run = subprocess.run([sys.executable, "scripts/register_audit.py", *args], env=ENV, cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
+    assert all(n in run.stderr for n in names) and "Traceback" not in run.stderr, run.stderr
+    assert run.stdout == "", run.stdout
+
+
 @pytest.mark.gpu
 def test_table_configs_pass_the_accuracy_check():
     """Every config this GPU's table lists, forced on its op's example cases at the 1B widths with
