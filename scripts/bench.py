@@ -89,6 +89,7 @@ MODEL_VARIANTS = {  # variant -> (model impl, torch.compile mode, CUDA_GRAPH, or
     "coda-graphs": ("coda", CUDA_GRAPH),
 }
 DEFAULT_VARIANTS = "eager,compile,compile-graphs,compile-fa4,compile-graphs-fa4,liger,coda,coda-graphs,floor"
+CUDA_ONLY = {"liger": "Liger's Triton kernels need a CUDA GPU", "coda-graphs": "CUDA graphs need a CUDA device"}
 
 
 # bf16 on the GPU; the CPU smoke run checks the harness in fp32 (CPU bf16 GEMMs are slow and odd)
@@ -842,11 +843,12 @@ def add_ratios(result: dict) -> None:
     coda = min((v[n]["fwd_bwd"]["median_ms"] for n in ("coda", "coda-graphs") if n in v), default=None)
     floor = v.get("floor", {}).get("fwd_bwd", {}).get("median_ms")
     floor_b2b = v.get("floor", {}).get("back_to_back", {}).get("median_ms")
+    on_gpu = DEVICE.type == "cuda"  # against a CPU's GEMM rate an MFU means nothing: None, as train.py logs it
     for row in v.values():
         ms = row["fwd_bwd"]["median_ms"]
-        row["mfu_fwd_bwd"] = result["flops_per_step"] / (ms * 1e-3) / (peak * 1e12)
+        row["mfu_fwd_bwd"] = result["flops_per_step"] / (ms * 1e-3) / (peak * 1e12) if on_gpu else None
         if "step" in row:
-            row["mfu_step"] = result["flops_per_step"] / (row["step"]["median_ms"] * 1e-3) / (peak * 1e12)
+            row["mfu_step"] = result["flops_per_step"] / (row["step"]["median_ms"] * 1e-3) / (peak * 1e12) if on_gpu else None
         row["over_coda"] = ms / coda if coda else None
         row["over_floor"] = ms / floor if floor else None
         row["over_floor_back_to_back"] = ms / floor_b2b if floor_b2b else None
@@ -878,7 +880,7 @@ def print_table(result: dict) -> None:
                  f"{r['fwd_bwd_synced']['median_ms']:8.2f}" if "fwd_bwd_synced" in r else f"{'-':>8s}",
                  f"{st['median_ms']:9.2f}" if st else f"{'-':>9s}",
                  f"{r['tokens_per_s']:10.0f}" if "tokens_per_s" in r else f"{'-':>10s}",
-                 f"{100 * r['mfu_fwd_bwd']:5.1f}%",
+                 f"{100 * r['mfu_fwd_bwd']:5.1f}%" if r["mfu_fwd_bwd"] is not None else f"{'-':>6s}",
                  f"{r['peak_fwd_bwd_gib']:9.1f}" if r.get("peak_fwd_bwd_gib") else f"{'-':>9s}",
                  f"{r['over_coda']:7.2f}" if r["over_coda"] else f"{'-':>7s}",
                  f"{r['over_floor']:7.2f}" if r["over_floor"] else f"{'-':>7s}",
@@ -918,8 +920,9 @@ def print_table(result: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", required=True, choices=sorted(SHAPES))
-    p.add_argument("--variants", default=DEFAULT_VARIANTS,
-                   help=f"comma list of {sorted([*MODEL_VARIANTS, 'floor'])}")
+    p.add_argument("--variants", default=None,
+                   help=f"comma list of {sorted([*MODEL_VARIANTS, 'floor'])} (default {DEFAULT_VARIANTS}; "
+                        f"on CPU without {', '.join(CUDA_ONLY)})")
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--sustain-s", type=float, default=SUSTAIN_S,
@@ -937,12 +940,18 @@ def main() -> None:
     args = p.parse_args()
     if args.sustain_s < 0:
         p.error(f"--sustain-s must be >= 0 seconds, got {args.sustain_s}")
-    variants = args.variants.split(",")
+    variants = (args.variants or DEFAULT_VARIANTS).split(",")
     unknown = [v for v in variants if v not in MODEL_VARIANTS and v != "floor"]
     if unknown:
         p.error(f"unknown variants {unknown}")
     if not torch.cuda.is_available() and args.shape != "smoke":
         p.error("bench.py times GPU steps; run it on the GPU machine (only --shape smoke runs on CPU)")
+    if not torch.cuda.is_available() and args.variants is None:  # the defaults that can run here, not tracebacks
+        variants = [v for v in variants if v not in CUDA_ONLY]
+        print(f"no CUDA device: leaving out {', '.join(CUDA_ONLY)} (they need one)", flush=True)
+    elif not torch.cuda.is_available() and set(variants) & set(CUDA_ONLY):
+        p.error("; ".join(f"--variants {v}: {CUDA_ONLY[v]}" for v in variants if v in CUDA_ONLY)
+                + "; run it on the GPU machine or leave it out")
     from coda_train.model import coda
 
     if args.logits_chunk_mib is not None:

@@ -249,7 +249,7 @@ def shape_table(r: dict) -> list[str]:
         fb = row["fwd_bwd"]
         lines.append(f"| {name} | {fb['median_ms']:.2f} | {fmt(fb.get('min_ms'), '.2f')} | {fmt(fb.get('max_ms'), '.2f')} | "
                      f"{fmt(_ms(row, 'fwd_bwd_synced'), '.2f')} | {fmt(_ms(row, 'step'), '.2f')} | {fmt(row.get('tokens_per_s'), ',.0f')} | "
-                     f"{100 * row['mfu_fwd_bwd']:.1f}% | {fmt(_peak(r, name, 'peak_fwd_bwd_gib'), '.1f')} | "
+                     f"{fmt(row.get('mfu_fwd_bwd'), '.1%')} | {fmt(_peak(r, name, 'peak_fwd_bwd_gib'), '.1f')} | "
                      f"{fmt(_peak(r, name), '.1f')} | {fmt(_over_coda(r, row), '.2f')} | "
                      f"{fmt(row.get('over_floor'), '.2f')} | {fmt((row.get('clocks') or {}).get('sm_mhz_mean'), '.0f')} | "
                      f"{fmt((row.get('step_clocks') or {}).get('sm_mhz_mean'), '.0f')} | "

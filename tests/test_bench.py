@@ -9,20 +9,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_bench_smoke_runs_every_cpu_variant(tmp_path):
-    proc = subprocess.run([sys.executable, "scripts/bench.py", "--shape", "smoke", "--variants", "eager,coda,floor,coda-graphs",
+    proc = subprocess.run([sys.executable, "scripts/bench.py", "--shape", "smoke", "--variants", "eager,coda,floor",
                            "--iters", "2", "--warmup", "1", "--logits-chunk-mib", "1", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})  # this checkout's coda_train
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "bench_smoke.json").read_text())
     assert set(result["variants"]) == {"eager", "coda", "floor"}
     assert result["logits_chunk_mib"] == 1  # CODA's LM head in chunks of at most 1 MiB of logits here
-    assert "CUDA graphs need a CUDA device" in result["failed"]["coda-graphs"]  # reported with its reason, not dropped
+    assert result["failed"] == {}
     coda, floor = result["variants"]["coda"], result["variants"]["floor"]
     eager, ms = result["variants"]["eager"], lambda v: v["fwd_bwd"]["median_ms"]
     assert eager["over_coda"] == ms(eager) / ms(coda) and coda["over_floor"] == ms(coda) / ms(floor)
@@ -40,6 +41,36 @@ def test_bench_smoke_runs_every_cpu_variant(tmp_path):
     assert "pending" not in result  # the run finished: nothing left that it did not reach
     assert result["sustain_s"] == 0.0  # nothing sustained on CPU (the GPU default: bench.SUSTAIN_S)
     assert "smoke" in proc.stdout and "floor" in proc.stdout
+    # no MFU against a CPU's GEMM rate: None in the JSON, "-" in the table
+    assert all(r["mfu_fwd_bwd"] is None and r.get("mfu_step") is None for r in result["variants"].values())
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("coda "))
+    assert "%" not in row, row
+
+
+def test_bench_on_cpu_leaves_out_the_cuda_only_variants_and_refuses_them_when_asked(monkeypatch, capsys):
+    """Without CUDA the default variants skip liger and coda-graphs (saying so) instead of each failing
+    with a traceback; naming one is a usage error (exit 2) that says why, before any work."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU behaviour")
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench
+
+    class Ran(Exception):
+        pass
+
+    def run(shape, variants, *args):
+        raise Ran(variants)
+
+    monkeypatch.setattr(bench, "run", run)
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--shape", "smoke"])
+    with pytest.raises(Ran) as ran:
+        bench.main()
+    assert ran.value.args[0] == [v for v in bench.DEFAULT_VARIANTS.split(",") if v not in ("liger", "coda-graphs")]
+    assert "leaving out liger, coda-graphs" in capsys.readouterr().out
+    proc = subprocess.run([sys.executable, "scripts/bench.py", "--shape", "smoke", "--variants", "eager,coda-graphs,liger"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    assert "coda-graphs: CUDA graphs need a CUDA device" in proc.stderr and "liger: Liger's Triton" in proc.stderr, proc.stderr
 
 
 def test_bench_saves_what_it_measured_after_each_variant():
