@@ -197,6 +197,25 @@ def test_command_line(tmp_path, docs):
     assert missing.returncode == 2 and "no files match" in missing.stderr
 
 
+def test_command_line_errors_name_its_own_flags(tmp_path):
+    """The command line's errors name its flags (--decode-errors, --format), not the data.<key>= overrides of
+    train.py that the same DataError names for a run; a key without a flag here stays as written."""
+    source = tmp_path / "corpus.jsonl"
+    source.write_bytes(b'{"text": "caf\xe9 latin-1 bytes"}\n')
+    command = [sys.executable, "-m", "coda_train.data.prepare", "--cache-dir", str(tmp_path / "cache"), "--num-proc", "1"]
+    strict = subprocess.run([*command, "--source", str(source), "--decode-errors", "strict"], capture_output=True,
+                            text=True, timeout=120)
+    assert strict.returncode == 2 and "set --decode-errors replace" in strict.stderr, strict.stderr
+    assert "data.decode_errors" not in strict.stderr, strict.stderr
+    missing = subprocess.run([*command, "--source", str(tmp_path / "nope.jsonl")], capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and f"no files match --source '{tmp_path / 'nope.jsonl'}'" in missing.stderr, missing.stderr
+    assert "pass --format hub" in missing.stderr and "data.format" not in missing.stderr, missing.stderr
+    with pytest.raises(DataError, match="set data.decode_errors=replace"):  # train.py's message keeps its keys
+        prepare(config(source, tmp_path / "cache", decode_errors="strict"))
+    from coda_train.data.prepare import cli_message
+    assert cli_message("data.path of data.streaming=false, data.vocab_size=9") == "data.path of --no-streaming, --vocab-size 9"
+
+
 # --- loader ------------------------------------------------------------------------------------------------------
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import re
 import sys
 import time
 from typing import Optional
@@ -35,6 +36,23 @@ def _parser_type(annotation):
         return annotation
     base = next(a for a in annotation.__args__ if a is not type(None))  # Optional[X]: "none" means None
     return lambda text: None if text.lower() == "none" else base(text)
+
+
+_HYDRA_KEY = re.compile(r"(?<![\w./-])data\.(\w+)(?:=(true|false)\b|(=))?")
+_FIELDS = {field.name: field for field in dataclasses.fields(DataConfig)}
+
+
+def cli_message(text: str) -> str:
+    """A DataError's message, written for train.py's data.<key>=<value> overrides, in this command's --<key> flags."""
+    def flag(m: re.Match) -> str:
+        field = _FIELDS.get(m[1])
+        if field is None:  # no flag of that name here: leave it as written
+            return m[0]
+        name = "--" + field.name.replace("_", "-")
+        if m[2] and field.type is bool:  # a BooleanOptionalAction: --streaming / --no-streaming
+            return name if m[2] == "true" else "--no-" + name[2:]
+        return name + (" " + m[2] if m[2] else " " if m[3] else "")
+    return _HYDRA_KEY.sub(flag, text)
 
 
 def summary(data: PreparedData) -> str:
@@ -72,7 +90,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"stopped: {e}", file=sys.stderr)
         return 128 + e.signum
     except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {cli_message(str(e))}", file=sys.stderr)
         return 2
     print(summary(data))
     print(f"done in {time.perf_counter() - start:.1f} s")
