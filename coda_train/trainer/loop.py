@@ -224,7 +224,8 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
     if data_from_checkpoint:
         data = checkpoint_data(resume_from, data_config(cfg))
     else:  # a resumed run whose corpus changed continues on the data it prepared
-        data = (resume_from is not None and data_of_changed_corpus(resume_from, data_config(cfg))) or prepare(data_config(cfg))
+        prepared = data_of_changed_corpus(resume_from, data_config(cfg)) if resume_from is not None else None
+        data = prepared or prepare(data_config(cfg))
     # both loaders before the model: a split too small for one batch stops the run before any GPU work
     train_loader = build_loader(data, "train", t, world)
     val_loader = build_loader(data, "val", t, world) if t.eval_every else None
@@ -251,8 +252,9 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
         config["model"]["init_from"] = recorded_init_from(cfg)
     # the folder itself too: the tools reopen it also after the corpus has moved or changed
     meta = {"model": dataclasses.asdict(llama), "impl": cfg.model.impl, "config": config,
-            "prepared_data": str(data.path.absolute()), "processes": world.world_size,  # the global batch: config x this
-            "tokenizer": data.manifest["tokenizer"]["fingerprint"]}  # eval/sample/export's --tokenizer, checked before the weights
+            "prepared_data": str(data.path.absolute()),
+            "processes": world.world_size,  # the global batch is the config's batch_size x grad_accum_steps x this
+            "tokenizer": data.manifest["tokenizer"]["fingerprint"]}  # eval/sample/export check --tokenizer by it early
     checkpointer = Checkpointer(run_dir / CHECKPOINTS_DIR, t.keep_last, meta, resume_from,
                                 cfg.debug.sigkill_in_checkpoint_at_step, cfg.debug.disk_full_in_checkpoint_at_step,
                                 t.ckpt_async)
