@@ -14,7 +14,6 @@ with 1); past that, a job stopping with 1 or 3 does not stop the sweep: the othe
 each failed job and exits with the first one's code.
 """
 
-import dataclasses
 import itertools
 import logging
 import os
@@ -35,7 +34,8 @@ from coda_train.config import Config, check_config, register_configs, to_datacla
 from coda_train.data import DataError
 from coda_train.errors import ConfigError
 from coda_train.trainer.checkpoint import resumes
-from coda_train.trainer.loop import CONFIG_FILE, EXIT_BAD_INPUT, EXIT_NON_FINITE, STOP_ERRORS, exit_code, train
+from coda_train.trainer.loop import (CONFIG_FILE, EXIT_BAD_INPUT, EXIT_NON_FINITE, STOP_ERRORS, exit_code,
+                                     recorded_config, train)
 from coda_train.trainer.rundir import check_run_dir_path
 
 log = logging.getLogger("train")
@@ -144,9 +144,8 @@ def check_job_dir_is_this_jobs(cfg: Config, job: int, swept: list[str]) -> None:
         previous = OmegaConf.load(job_dir / CONFIG_FILE)
     except (OSError, yaml.YAMLError):  # the job's own resume check reads what it can
         return
-    now = OmegaConf.create({**OmegaConf.to_container(OmegaConf.structured(cfg)),
-                            "data": dataclasses.asdict(cfg.data.with_absolute_paths())})  # as config.yaml records them
-    keys = [k for k in swept if k not in ("trainer.run_dir", "model.init_from")]  # recorded in another form
+    now = OmegaConf.create(recorded_config(cfg, job_dir))
+    keys = [k for k in swept if k != "trainer.run_dir"]  # the job's dir, as hydra made it for the earlier run
     other = {k: OmegaConf.select(previous, k) for k in keys if OmegaConf.select(previous, k) != OmegaConf.select(now, k)}
     if other:
         raise ConfigError(f"its dir {job_dir} holds a run of {', '.join(f'{k}={v}' for k, v in other.items())}, which "

@@ -85,6 +85,17 @@ def _changed_settings(saved: dict[str, Any], cfg: Config) -> dict[str, tuple[Any
     return {k: (before[k], v) for k, v in now.items() if k in before and before[k] != v and k not in _RESUME_IGNORED}
 
 
+def recorded_config(cfg: Config, run_dir: Path) -> dict[str, Any]:
+    """cfg as the run's config.yaml and its checkpoints' meta.json record it: trainer.run_dir this job's dir (a multirun
+    gives each job its own), local paths absolute so the tools that reopen the run's data find it from any directory."""
+    config = OmegaConf.to_container(OmegaConf.structured(cfg))
+    config["trainer"]["run_dir"] = str(run_dir)
+    config["data"] = dataclasses.asdict(cfg.data.with_absolute_paths())
+    if cfg.model.init_from is not None:
+        config["model"]["init_from"] = recorded_init_from(cfg)
+    return config
+
+
 def logged_under_other_settings(run_dir: Path, cfg: Config) -> bool:
     """Whether the run that last wrote run_dir's metrics took other steps than cfg does, by its settings (its
     config.yaml, written at every start; unreadable counts as other): the lines a resumed run redoes are then
@@ -244,12 +255,7 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
             log.info("resumed from %s (step %d)", resume_from.path, state.step)
             for line in changes_since_checkpoint(resume_from.meta.get("config", {}), cfg, state.step):
                 log.warning("%s", line)
-    config = OmegaConf.to_container(OmegaConf.structured(cfg))
-    config["trainer"]["run_dir"] = str(run_dir)  # this job's dir (a multirun gives each job its own)
-    # local paths absolute, so the tools that reopen the run's data find it from any directory
-    config["data"] = dataclasses.asdict(cfg.data.with_absolute_paths())
-    if cfg.model.init_from is not None:
-        config["model"]["init_from"] = recorded_init_from(cfg)
+    config = recorded_config(cfg, run_dir)
     # the folder itself too: the tools reopen it also after the corpus has moved or changed
     meta = {"model": dataclasses.asdict(llama), "impl": cfg.model.impl, "config": config,
             "prepared_data": str(data.path.absolute()),
