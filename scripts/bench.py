@@ -843,12 +843,14 @@ def add_ratios(result: dict) -> None:
     coda = min((v[n]["fwd_bwd"]["median_ms"] for n in ("coda", "coda-graphs") if n in v), default=None)
     floor = v.get("floor", {}).get("fwd_bwd", {}).get("median_ms")
     floor_b2b = v.get("floor", {}).get("back_to_back", {}).get("median_ms")
-    on_gpu = DEVICE.type == "cuda"  # against a CPU's GEMM rate an MFU means nothing: None, as train.py logs it
+    def mfu(ms: float) -> Optional[float]:  # against a CPU's GEMM rate an MFU means nothing: None, as train.py logs it
+        return result["flops_per_step"] / (ms * 1e-3) / (peak * 1e12) if DEVICE.type == "cuda" else None
+
     for row in v.values():
         ms = row["fwd_bwd"]["median_ms"]
-        row["mfu_fwd_bwd"] = result["flops_per_step"] / (ms * 1e-3) / (peak * 1e12) if on_gpu else None
+        row["mfu_fwd_bwd"] = mfu(ms)
         if "step" in row:
-            row["mfu_step"] = result["flops_per_step"] / (row["step"]["median_ms"] * 1e-3) / (peak * 1e12) if on_gpu else None
+            row["mfu_step"] = mfu(row["step"]["median_ms"])
         row["over_coda"] = ms / coda if coda else None
         row["over_floor"] = ms / floor if floor else None
         row["over_floor_back_to_back"] = ms / floor_b2b if floor_b2b else None

@@ -14,6 +14,14 @@ from .shards import PreparedData
 log = logging.getLogger(__name__)
 
 
+GLOBAL_BATCH = "global batch (trainer.batch_size x processes x trainer.grad_accum_steps)"
+
+
+def global_batch(batch_size: int, processes: int, accum_steps: int) -> str:
+    """A global batch as the resume refusals name it: its three factors and their product."""
+    return f"{batch_size} x {processes} x {accum_steps} = {batch_size * processes * accum_steps}"
+
+
 class TokenLoader:
     """Window w of a shard holds tokens [w*seq_len, w*seq_len + seq_len + 1): inputs and their next-token targets.
 
@@ -120,11 +128,8 @@ class TokenLoader:
                 fixes.append(f"trainer.batch_size x processes = {saved_micro} and the run's own trainer.grad_accum_steps "
                              "(this checkpoint does not record it)")
             else:
-                def batch(b, w, a):
-                    return f"{b} x {w} x {a} = {b * w * a}"
-                differing["global batch (trainer.batch_size x processes x trainer.grad_accum_steps)"] = (
-                    batch(state.get("batch_size", 0), state.get("world_size", 0), saved_accum),
-                    batch(self.batch_size, self.world_size, self.accum_steps))
+                differing[GLOBAL_BATCH] = (global_batch(state.get("batch_size", 0), state.get("world_size", 0), saved_accum),
+                                           global_batch(self.batch_size, self.world_size, self.accum_steps))
                 fixes.append(f"a global batch of {saved_micro * saved_accum} windows")
         if differing:
             names = {"seed": "trainer.seed", "seq_len": "trainer.seq_len", "num_windows": "windows in the split (the data)",

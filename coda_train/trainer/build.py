@@ -18,6 +18,7 @@ import torch
 
 from coda_train.config import Config, TrainerConfig, resolve_model_config
 from coda_train.data import DataConfig, DataError, PreparedData, TokenLoader, prepared_folder
+from coda_train.data.loader import GLOBAL_BATCH, global_batch
 from coda_train.data.tokenizer import load_tokenizer
 from coda_train.errors import ConfigError
 from coda_train.model import LlamaConfig, build_model, kernel_shape_errors
@@ -151,9 +152,8 @@ def check_resume_before_data(cfg: Config, checkpoint: Checkpoint, world_size: in
         saved_micro, micro = saved_trainer["batch_size"] * saved_processes, t.batch_size * world_size
         saved_global, now_global = saved_micro * saved_trainer["grad_accum_steps"], micro * t.grad_accum_steps
         if saved_micro != micro and saved_global != now_global:  # another accumulation alone resumes (with a warning)
-            changed["global batch (trainer.batch_size x processes x trainer.grad_accum_steps)"] = (
-                f"{saved_trainer['batch_size']} x {saved_processes} x {saved_trainer['grad_accum_steps']} = {saved_global}",
-                f"{t.batch_size} x {world_size} x {t.grad_accum_steps} = {now_global}")
+            changed[GLOBAL_BATCH] = (global_batch(saved_trainer["batch_size"], saved_processes, saved_trainer["grad_accum_steps"]),
+                                     global_batch(t.batch_size, world_size, t.grad_accum_steps))
             fixes.append(f"a global batch of {saved_global} windows" + (
                 f" (trainer.grad_accum_steps={saved_global // micro} on {world_size} process{'es' * (world_size > 1)})"
                 if saved_global % micro == 0 else ""))
