@@ -274,8 +274,15 @@ def test_resume_with_the_batch_made_up_by_accumulation_reads_the_same_windows_pe
     one = TokenLoader(prepared, "train", 2, 16, seed=5, accum_steps=2)
     one.load_state_dict(json.loads(json.dumps(before[0].state_dict())))
     assert optimizer_steps([one], len(straight) - split) == straight[split:]
-    with pytest.raises(DataError, match=r"global batch .*: saved 2 x 2 x 1 = 4 vs now 2 x 1 x 1 = 2\); resume with a global batch of 4 windows"):
+    # the fix names the accumulation that restores the saved global batch, as trainer/build.py's early check does
+    with pytest.raises(DataError, match=r"global batch .*: saved 2 x 2 x 1 = 4 vs now 2 x 1 x 1 = 2\); resume with a global "
+                                        r"batch of 4 windows \(trainer.grad_accum_steps=2 on 1 process\)"):
         TokenLoader(prepared, "train", 2, 16, seed=5).load_state_dict(before[0].state_dict())  # half the step
+    # the same global batch, but a position inside one of this layout's micro-steps (the trainer saves none such)
+    mid_step = {**one.state_dict(), "step": 1}
+    with pytest.raises(DataError, match=r"trainer.batch_size x processes: saved 2 vs now 4\); resume with "
+                                        r"trainer.batch_size x processes = 2 \(the saved position, micro-step 1,"):
+        TokenLoader(prepared, "train", 4, 16, seed=5).load_state_dict(mid_step)
 
 
 def all_windows(data: PreparedData, split: str, seq_len: int) -> Counter:

@@ -22,6 +22,22 @@ def global_batch(batch_size: int, processes: int, accum_steps: int) -> str:
     return f"{batch_size} x {processes} x {accum_steps} = {batch_size * processes * accum_steps}"
 
 
+def global_batch_refusal(saved: tuple[int, int, int], now: tuple[int, int, int]) -> Optional[tuple[tuple[str, str], str]]:
+    """The resume rule for a global batch, saved and now each (batch_size, processes, grad_accum_steps): another
+    micro-batch (batch_size x processes) continues the saved data order only with the same global batch, while
+    another accumulation alone resumes (load_state_dict warns). None where it resumes; else the refusal's (saved, now)
+    as global_batch names them, and its fix, naming the grad_accum_steps that restores the saved global batch."""
+    (saved_batch_size, saved_processes, saved_accum), (batch_size, processes, accum_steps) = saved, now
+    saved_micro, micro = saved_batch_size * saved_processes, batch_size * processes
+    saved_global = saved_micro * saved_accum
+    if saved_micro == micro or saved_global == micro * accum_steps:
+        return None
+    fix = f"a global batch of {saved_global} windows"
+    if saved_global % micro == 0:  # reachable on this micro-batch by accumulation alone
+        fix += f" (trainer.grad_accum_steps={saved_global // micro} on {processes} process{'es' * (processes > 1)})"
+    return (global_batch(*saved), global_batch(*now)), fix
+
+
 class TokenLoader:
     """Window w of a shard holds tokens [w*seq_len, w*seq_len + seq_len + 1): inputs and their next-token targets.
 
@@ -121,16 +137,21 @@ class TokenLoader:
             fixes.append("the run's data settings and its corpus as the run prepared it (another corpus, or other data "
                          "settings, prepare other windows)")
         if saved_micro != micro:  # (the same G with another A: the same micro-steps, as a batch-size schedule makes)
-            if saved_micro * saved_accum == micro * self.accum_steps and (step * saved_micro) % micro == 0:
-                step = step * saved_micro // micro  # the same windows consumed, counted in this layout's micro-steps
-            elif "accum_steps" not in state:  # saved before 2026-12-05: its accumulation is unknown
+            refusal = global_batch_refusal((state.get("batch_size", 0), state.get("world_size", 0), saved_accum),
+                                           (self.batch_size, self.world_size, self.accum_steps))
+            if "accum_steps" not in state:  # saved before 2026-12-05: its accumulation is unknown
                 differing["trainer.batch_size x processes"] = (saved_micro, micro)
                 fixes.append(f"trainer.batch_size x processes = {saved_micro} and the run's own trainer.grad_accum_steps "
                              "(this checkpoint does not record it)")
-            else:
-                differing[GLOBAL_BATCH] = (global_batch(state.get("batch_size", 0), state.get("world_size", 0), saved_accum),
-                                           global_batch(self.batch_size, self.world_size, self.accum_steps))
-                fixes.append(f"a global batch of {saved_micro * saved_accum} windows")
+            elif refusal is not None:
+                differing[GLOBAL_BATCH], batch_fix = refusal
+                fixes.append(batch_fix)
+            elif (step * saved_micro) % micro == 0:
+                step = step * saved_micro // micro  # the same windows consumed, counted in this layout's micro-steps
+            else:  # a position inside one of this layout's micro-steps: the trainer saves whole optimizer steps only
+                differing["trainer.batch_size x processes"] = (saved_micro, micro)
+                fixes.append(f"trainer.batch_size x processes = {saved_micro} (the saved position, micro-step {step}, "
+                             "ends inside one of this layout's micro-steps)")
         if differing:
             names = {"seed": "trainer.seed", "seq_len": "trainer.seq_len", "num_windows": "windows in the split (the data)",
                      "tokenizer": "the data's tokenizer", "split": "split"}

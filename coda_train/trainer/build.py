@@ -18,7 +18,7 @@ import torch
 
 from coda_train.config import Config, TrainerConfig, resolve_model_config
 from coda_train.data import DataConfig, DataError, PreparedData, TokenLoader, prepared_folder
-from coda_train.data.loader import GLOBAL_BATCH, global_batch
+from coda_train.data.loader import GLOBAL_BATCH, global_batch_refusal
 from coda_train.data.tokenizer import load_tokenizer
 from coda_train.errors import ConfigError
 from coda_train.model import LlamaConfig, build_model, kernel_shape_errors
@@ -149,14 +149,11 @@ def check_resume_before_data(cfg: Config, checkpoint: Checkpoint, world_size: in
     fixes = [f"{k}={a}" for k, (a, _) in changed.items()]
     saved_processes, t = checkpoint.meta.get("processes"), cfg.trainer  # in meta.json since 2026-12-05 (sharded: always)
     if saved_processes and {"batch_size", "grad_accum_steps"} <= saved_trainer.keys():
-        saved_micro, micro = saved_trainer["batch_size"] * saved_processes, t.batch_size * world_size
-        saved_global, now_global = saved_micro * saved_trainer["grad_accum_steps"], micro * t.grad_accum_steps
-        if saved_micro != micro and saved_global != now_global:  # another accumulation alone resumes (with a warning)
-            changed[GLOBAL_BATCH] = (global_batch(saved_trainer["batch_size"], saved_processes, saved_trainer["grad_accum_steps"]),
-                                     global_batch(t.batch_size, world_size, t.grad_accum_steps))
-            fixes.append(f"a global batch of {saved_global} windows" + (
-                f" (trainer.grad_accum_steps={saved_global // micro} on {world_size} process{'es' * (world_size > 1)})"
-                if saved_global % micro == 0 else ""))
+        refusal = global_batch_refusal((saved_trainer["batch_size"], saved_processes, saved_trainer["grad_accum_steps"]),
+                                       (t.batch_size, world_size, t.grad_accum_steps))
+        if refusal is not None:
+            changed[GLOBAL_BATCH], batch_fix = refusal
+            fixes.append(batch_fix)
     if changed:
         detail = ", ".join(f"{k}: saved {a} vs now {b}" for k, (a, b) in changed.items())
         fix = ", ".join(fixes)
