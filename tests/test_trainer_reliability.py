@@ -22,8 +22,10 @@ from coda_train.durable import LockHeldError, exclusive_lock
 from coda_train.errors import ConfigError
 from coda_train.model import preset
 from coda_train.trainer import checkpoint as checkpoint_module
-from coda_train.trainer.build import check_model_before_data
-from coda_train.trainer.checkpoint import CheckpointError, list_checkpoints, save_checkpoint, set_aside_newer, verify_checkpoint
+from coda_train.trainer.build import check_model_before_data, data_config, data_of_changed_corpus
+from coda_train.trainer.checkpoint import (Checkpoint, CheckpointError, list_checkpoints, save_checkpoint, set_aside_newer,
+                                           verify_checkpoint)
+from coda_train.trainer.distributed import World
 from coda_train.trainer.rundir import RunDirError
 
 from test_trainer import REPO, compose_config, metrics, run_train, snapshot, train_in_process
@@ -419,6 +421,12 @@ def test_a_resume_after_its_corpus_changed_continues_on_the_data_it_prepared(tin
     train_in_process(tmp_path / "run", *run, "trainer.max_steps=3")
     assert [m["step"] for m in metrics(tmp_path / "run")] == [1, 2, 3]
     assert "its files changed since the run prepared them; this resumed run continues on the data it prepared" in caplog.text
+    # every rank of a multi-process run takes the folder, and the main rank alone says so
+    newest = list_checkpoints(tmp_path / "run" / "checkpoints")[0]
+    checkpoint = Checkpoint(newest, verify_checkpoint(newest))
+    caplog.clear()
+    assert data_of_changed_corpus(checkpoint, data_config(compose_config(tmp_path, *run)), World(1, 2)) is not None
+    assert "continues on the data it prepared" not in caplog.text
     corpus.unlink()
     train_in_process(tmp_path / "run", *run, "trainer.max_steps=4")
     assert [m["step"] for m in metrics(tmp_path / "run")] == [1, 2, 3, 4]

@@ -101,12 +101,13 @@ def checkpoint_data(checkpoint: Checkpoint, data: DataConfig) -> PreparedData:
     return prepared
 
 
-def data_of_changed_corpus(checkpoint: Checkpoint, data: DataConfig) -> Optional[PreparedData]:
+def data_of_changed_corpus(checkpoint: Checkpoint, data: DataConfig, world: World) -> Optional[PreparedData]:
     """A resumed run's data (its settings compared with the checkpoint's before: check_resume_before_data) where
     data.source's files changed since the run prepared them (sizes or mtimes, files added or removed, moved) or are
-    gone: the folder the run prepared, while it reads, with a warning. Its windows are the ones the run's data order
-    indexes; the changed corpus would be prepared first (hours for a large one), then refused by the loader. None
-    where the corpus is as the run prepared it, or its folder is gone or unreadable: prepare(data) then."""
+    gone: the folder the run prepared, while it reads, with a warning (from the main rank). Its windows are the ones
+    the run's data order indexes; the changed corpus would be prepared first (hours for a large one), then refused by
+    the loader. None where the corpus is as the run prepared it, or its folder is gone or unreadable: prepare(data)
+    then."""
     recorded = checkpoint.meta.get("prepared_data")
     if recorded is None:
         return None
@@ -120,7 +121,7 @@ def data_of_changed_corpus(checkpoint: Checkpoint, data: DataConfig) -> Optional
         prepared = recorded_prepared_data(checkpoint.meta, data.verify_shards)
     except DataError:  # damaged, or of another format: preparing again says what is wrong
         return None
-    if prepared is not None:
+    if prepared is not None and world.is_main:  # every rank takes the folder; one says so
         log.warning("data.source=%s: %s; this resumed run continues on the data it prepared, %s (start a new run to "
                     "train on the corpus as it is now)", data.source, why, recorded)
     return prepared

@@ -235,7 +235,7 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
     if data_from_checkpoint:
         data = checkpoint_data(resume_from, data_config(cfg))
     else:  # a resumed run whose corpus changed continues on the data it prepared
-        prepared = data_of_changed_corpus(resume_from, data_config(cfg)) if resume_from is not None else None
+        prepared = data_of_changed_corpus(resume_from, data_config(cfg), world) if resume_from is not None else None
         data = prepared or prepare(data_config(cfg))
     # both loaders before the model: a split too small for one batch stops the run before any GPU work
     train_loader = build_loader(data, "train", t, world)
