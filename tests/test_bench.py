@@ -41,8 +41,9 @@ def test_bench_smoke_runs_every_cpu_variant(tmp_path):
     assert "pending" not in result  # the run finished: nothing left that it did not reach
     assert result["sustain_s"] == 0.0  # nothing sustained on CPU (the GPU default: bench.SUSTAIN_S)
     assert "smoke" in proc.stdout and "floor" in proc.stdout
-    # no MFU against a CPU's GEMM rate: None in the JSON, "-" in the table
+    # no MFU against a CPU's GEMM rate: None in the JSON, "-" in the table, and no bf16 peak in the header
     assert all(r["mfu_fwd_bwd"] is None and r.get("mfu_step") is None for r in result["variants"].values())
+    assert "GEMM peak" not in proc.stdout and proc.stdout.startswith("smoke: "), proc.stdout
     row = next(line for line in proc.stdout.splitlines() if line.startswith("coda "))
     assert "%" not in row, row
 
