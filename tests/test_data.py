@@ -214,6 +214,9 @@ def test_command_line_errors_name_its_own_flags(tmp_path):
         prepare(config(source, tmp_path / "cache", decode_errors="strict"))
     from coda_train.data.prepare import cli_message
     assert cli_message("data.path of data.streaming=false, data.vocab_size=9") == "data.path of --no-streaming, --vocab-size 9"
+    # train.py's choice of the built-in corpus (configs/data/builtin.yaml) is --source builtin here
+    empty = subprocess.run([*command, "--source", ""], capture_output=True, text=True, timeout=120)
+    assert empty.returncode == 2 and "or use --source builtin" in empty.stderr and "data=" not in empty.stderr, empty.stderr
 
 
 # --- loader ------------------------------------------------------------------------------------------------------

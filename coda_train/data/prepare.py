@@ -39,11 +39,13 @@ def _parser_type(annotation):
 
 
 _HYDRA_KEY = re.compile(r"(?<![\w./-])data\.(\w+)(?:=(true|false)\b|(=))?")
+_HYDRA_BUILTIN = re.compile(r"(?<![\w./-])data=builtin\b")  # train.py's choice of configs/data/builtin.yaml
 _FIELDS = {field.name: field for field in dataclasses.fields(DataConfig)}
 
 
 def cli_message(text: str) -> str:
-    """A DataError's message, written for train.py's data.<key>=<value> overrides, in this command's --<key> flags."""
+    """A DataError's message, written for train.py's data.<key>=<value> overrides and its data=builtin, in this
+    command's --<key> flags."""
     def flag(m: re.Match) -> str:
         field = _FIELDS.get(m[1])
         if field is None:  # no flag of that name here: leave it as written
@@ -52,7 +54,7 @@ def cli_message(text: str) -> str:
         if m[2] and field.type is bool:  # a BooleanOptionalAction: --streaming / --no-streaming
             return name if m[2] == "true" else "--no-" + name[2:]
         return name + (" " + m[2] if m[2] else " " if m[3] else "")
-    return _HYDRA_KEY.sub(flag, text)
+    return _HYDRA_BUILTIN.sub("--source builtin", _HYDRA_KEY.sub(flag, text))
 
 
 def summary(data: PreparedData) -> str:
