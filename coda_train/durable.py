@@ -88,6 +88,24 @@ def exclusive_lock(path: Path, wait: bool) -> Iterator[None]:
             os.close(fd)  # releases the flock
 
 
+def lock_holder(path: Path) -> str | None:
+    """Who holds an exclusive_lock on `path` now ("pid N on host H"), or None where no live process does (no file, or
+    one its killed holder left: the kernel dropped that flock). Reads without creating the file or keeping a lock."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # granted at once unless an exclusive holder is alive
+    except BlockingIOError:
+        return os.pread(fd, 200, 0).decode(errors="replace").strip() or "a process that has not written its name yet"
+    except OSError:  # a filesystem without flock: exclusive_lock could not lock it either
+        return None
+    finally:
+        os.close(fd)  # releases the shared lock, if taken
+    return None
+
+
 def _flock(fd: int, path: Path, blocking: bool) -> bool:
     """Take the flock (False if held elsewhere and not blocking); filesystems without flock get a warning, no lock."""
     try:

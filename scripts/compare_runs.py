@@ -28,6 +28,9 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import palette_png  # noqa: E402  (scripts/palette_png.py)
+from coda_train.durable import lock_holder  # noqa: E402
+
+RUN_LOCK = ".lock"  # what a training run holds in its run dir while it runs (coda_train/trainer/rundir.py)
 
 
 @dataclass
@@ -194,6 +197,19 @@ def compare(runs: list[Run], window: int) -> list[dict]:
     return table
 
 
+def unequal_ends(runs: list[Run], run_dirs: list[Path]) -> str | None:
+    """The line under the table where the runs end at different steps or one is still training (its run-dir lock
+    held): the |Δ| columns then cover only the steps both runs logged so far, and each final loss is its own run's."""
+    holders = [lock_holder(run_dir / RUN_LOCK) for run_dir in run_dirs]
+    if len({int(r.steps[-1]) for r in runs}) == 1 and not any(holders):
+        return None
+    ends = "; ".join(f"{run.name} at step {int(run.steps[-1])}" + (f", still training ({holder})" if holder else "")
+                     for run, holder in zip(runs, holders))
+    return (f"The runs end at different steps or are still training ({ends}): |Δ| compares only the steps "
+            "both runs logged, and each final loss is at its own run's last step; compare again once every run has "
+            "finished.")
+
+
 def pairs(runs: list[Run], window: int) -> list[dict]:
     """Every pair of runs: mean and max |Δ| of the smoothed losses over the last 10% of the steps both
     logged, and whether the two runs are of the same model (model.impl, and for coda kernels.backend) run with
@@ -344,6 +360,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         result["settings_differ"] = differ
         md += (f"\n\nThe two runs were run with other settings ({', '.join(differ)}): |Δ| measures those too, "
                "not the model alone.")
+    if ends_note := unequal_ends(runs, args.runs):
+        result["unequal_ends"] = ends_note
+        md += f"\n\n{ends_note}"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         plot(runs, window, args.x, out)

@@ -165,3 +165,26 @@ def test_bad_out_paths_and_metrics_lines_are_clear_errors(tmp_path, capsys):
         (run / "metrics.jsonl").write_text(good + line + "\n" + good)
         with pytest.raises(SystemExit, match=rf"{run / 'metrics.jsonl'}:11 is not a metrics line of train.py \({named}\)"):
             compare_runs.read_run(run)
+
+
+def test_a_run_still_training_or_ending_early_is_named_under_the_table(tmp_path):
+    """A run in progress (its run-dir lock held) or stopped early compares on its steps so far only: the table says
+    so, naming each run's last step, instead of reading as a comparison of whole runs."""
+    from coda_train.durable import exclusive_lock
+
+    compare_runs = compare_runs_module()
+    dirs = []
+    for name, steps in (("done", 20), ("live", 5)):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 5.0 - 0.01 * s}) + "\n"
+                                                   for s in range(1, steps + 1)))
+        dirs.append(str(run))
+    with exclusive_lock(tmp_path / "live" / ".lock", wait=False):
+        compare_runs.main([*dirs, "--out", str(tmp_path / "live.png")])
+    note = json.loads((tmp_path / "live.json").read_text())["unequal_ends"]
+    assert "done at step 20; live at step 5, still training (pid " in note and note in (tmp_path / "live.md").read_text()
+    compare_runs.main([*dirs, "--out", str(tmp_path / "stopped.png")])  # lock released: ended early, not training
+    assert "done at step 20; live at step 5):" in json.loads((tmp_path / "stopped.json").read_text())["unequal_ends"]
+    compare_runs.main([dirs[0], dirs[0], "--out", str(tmp_path / "same.png")])
+    assert "unequal_ends" not in json.loads((tmp_path / "same.json").read_text())
