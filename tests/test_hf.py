@@ -220,6 +220,23 @@ def test_not_a_llama_directory_is_a_clear_error(tmp_path):
         llama_config_from_hf(tmp_path)
 
 
+def test_init_from_a_run_dir_a_file_or_a_missing_path_names_what_it_is(tmp_path):
+    """model.init_from pointing at a coda-train run (not an export of it), at the model's config.json, or at nothing
+    is told as such, with the fix (was: "<path> has no config.json" for all three)."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000020").mkdir(parents=True)
+    for path, named in ((run, f"is a coda-train run or checkpoint, not a Hugging Face model: export it first "
+                              f"(python scripts/export_hf.py {run} --out DIR)"),
+                        (tmp_path / "nope", "does not exist: point at a local Hugging Face model directory")):
+        with pytest.raises(ConfigError, match=re.escape(f"{path} {named}")):
+            llama_config_from_hf(path)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ConfigError, match=re.escape(f"is a file: point at the directory that holds the model, {model}")):
+        llama_config_from_hf(model / "config.json")
+
+
 @pytest.mark.parametrize("content, named", [
     ("{not json", "is not valid JSON"),
     ("[1, 2]", "holds a list, not an object of settings"),
@@ -353,7 +370,7 @@ def test_a_run_from_init_from_resumes_after_that_directory_is_gone(exported, tin
     assert sorted((tmp_path / "cache").iterdir()) == prepared  # nothing prepared again
 
     result = _train_cli(*run, f"trainer.run_dir={tmp_path / 'new'}", f"data.cache_dir={tmp_path / 'new-cache'}")
-    assert result.returncode == 1 and f"{start} has no config.json" in result.stdout + result.stderr
+    assert result.returncode == 1 and f"{start} does not exist" in result.stdout + result.stderr
     assert not (tmp_path / "new-cache").exists()  # refused before any data work
 
 

@@ -118,14 +118,26 @@ def hf_config(cfg: LlamaConfig, *, bos_token_id: Optional[int], eos_token_id: Op
         architectures=["LlamaForCausalLM"], dtype=str(dtype).removeprefix("torch."))
 
 
+def _why_not_a_model_dir(path: Path) -> str:
+    """What `path`, which holds no config.json, is instead, and the fix: the message's tail after the path."""
+    from coda_train.trainer.checkpoint import CHECKPOINTS_DIR, META_FILE  # here: the trainer imports this module's package
+
+    if path.is_file():  # e.g. the model's config.json or model.safetensors
+        return f"is a file: point at the directory that holds the model, {path.parent}"
+    if (path / CHECKPOINTS_DIR).is_dir() or (path / META_FILE).is_file():  # a coda-train run dir or checkpoint
+        return (f"is a coda-train run or checkpoint, not a Hugging Face model: export it first "
+                f"(python scripts/export_hf.py {path} --out DIR) and point at DIR")
+    what = "does not exist" if not path.exists() else "has no config.json"
+    return f"{what}: point at a local Hugging Face model directory (one written by save_pretrained or scripts/export_hf.py)"
+
+
 def llama_config_from_hf(hf_dir: str | Path) -> LlamaConfig:
     """Our LlamaConfig of a local Hugging Face Llama directory's config.json; ConfigError naming every
     setting our model cannot express."""
     transformers = _require_hf()
     path = Path(hf_dir)
     if not (path / "config.json").is_file():
-        raise ConfigError(f"{path} has no config.json: point at a local Hugging Face model directory "
-                          "(one written by save_pretrained or scripts/export_hf.py)")
+        raise ConfigError(f"{path} {_why_not_a_model_dir(path)}")
     fix = "repair it, or export the model again (scripts/export_hf.py, or save_pretrained)"
     try:
         raw = json.loads((path / "config.json").read_text())
