@@ -81,6 +81,11 @@ def find_checkpoint(path: str | Path) -> Checkpoint:
         if found is None:
             raise CheckpointError(f"every checkpoint in {root} is damaged (see the warnings above); pass another one")
         return found
+    jobs = [d for d in path.iterdir() if list_checkpoints(d / CHECKPOINTS_DIR)] if path.is_dir() else []
+    if jobs:  # a multirun's sweep dir (train.py -m ... trainer.run_dir=DIR): its jobs are the runs
+        jobs.sort(key=lambda d: (len(d.name), d.name))  # 0, 1, ..., 10 as hydra numbers them
+        raise CheckpointError(f"{path} is a multirun sweep, not one run; pass one of its jobs' run dirs: "
+                              f"{', '.join(map(str, jobs))}")
     raise CheckpointError(f"{path} is neither a checkpoint (no {META_FILE}) nor a run dir with checkpoints/step_*; "
                           "pass the trainer.run_dir of a run that saved a checkpoint, or one of its checkpoints/step_* dirs")
 

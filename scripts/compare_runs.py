@@ -50,6 +50,9 @@ class Run:
 def read_run(run_dir: Path) -> Run:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
+        jobs = sorted((p.parent for p in run_dir.glob("*/metrics.jsonl")), key=lambda job: (len(job.name), job.name))
+        if jobs:  # a multirun's sweep dir (train.py -m ... trainer.run_dir=DIR): its jobs are the runs
+            sys.exit(f"error: {run_dir} is a multirun sweep, not one run; pass its jobs' run dirs: {' '.join(map(str, jobs))}")
         sys.exit(f"error: {path} not found; pass run directories written by train.py")
     lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
     rows = []

@@ -3,6 +3,7 @@ weights give the same curve on CPU; compare_runs.py writes the PNG and the table
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -188,3 +189,13 @@ def test_a_run_still_training_or_ending_early_is_named_under_the_table(tmp_path)
     assert "done at step 20; live at step 5):" in json.loads((tmp_path / "stopped.json").read_text())["unequal_ends"]
     compare_runs.main([dirs[0], dirs[0], "--out", str(tmp_path / "same.png")])
     assert "unequal_ends" not in json.loads((tmp_path / "same.json").read_text())
+
+
+def test_a_multirun_sweep_dir_names_its_jobs_run_dirs(tmp_path, capsys):
+    compare_runs = compare_runs_module()
+    for job in ("0", "1"):
+        (tmp_path / job).mkdir()
+        (tmp_path / job / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0}) + "\n")
+    with pytest.raises(SystemExit, match=re.escape(f"{tmp_path} is a multirun sweep, not one run; pass its jobs' run "
+                                                   f"dirs: {tmp_path / '0'} {tmp_path / '1'}")):
+        compare_runs.read_run(tmp_path)

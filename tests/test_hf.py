@@ -587,6 +587,16 @@ def test_a_directory_without_a_checkpoint_is_a_clear_error(tmp_path):
         assert result.returncode == 1 and "neither a checkpoint" in result.stderr, (script, result.stderr[-2000:])
 
 
+def test_a_multirun_sweep_dir_names_its_jobs_run_dirs(tmp_path):
+    """The sweep dir of `train.py -m ... trainer.run_dir=DIR` is not one run: the tools name its jobs' run dirs."""
+    for job in ("0", "1", "10"):
+        (tmp_path / job / "checkpoints" / "step_00000020").mkdir(parents=True)
+    (tmp_path / "multirun.yaml").write_text("hydra: {}\n")
+    with pytest.raises(CheckpointError, match=re.escape(f"{tmp_path} is a multirun sweep, not one run; pass one of its "
+                                                        f"jobs' run dirs: {tmp_path / '0'}, {tmp_path / '1'}, {tmp_path / '10'}")):
+        find_checkpoint(tmp_path)
+
+
 def test_arguments_that_depend_on_the_checkpoint_are_refused_before_its_weights_are_checksummed(trained_run,
                                                                                                    monkeypatch):
     """open_checkpoint's check reads the newest checkpoint's meta.json unverified first: a bad argument is refused
