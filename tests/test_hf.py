@@ -308,6 +308,19 @@ def test_init_from_refuses_shape_overrides_before_data_preparation(exported, tin
     assert not cache.exists()  # refused before any data work
 
 
+def test_init_from_with_a_data_tokenizer_larger_than_its_vocab_is_refused_before_data_preparation(exported, tiny, tmp_path):
+    """data.tokenizer is read before the corpus is tokenized with it: one with more tokens than model.init_from's
+    vocabulary (or a set model.vocab_size) is refused first, not after the preparation (hours for a large corpus)."""
+    big = tokenizer_file(tmp_path, 500)
+    cache = tmp_path / "cache"
+    for model in (f"model.init_from={exported}", "model.vocab_size=384"):
+        result = _train_cli(*tiny, f"trainer.run_dir={tmp_path / 'run'}", model, f"data.tokenizer={big}",
+                            f"data.cache_dir={cache}")
+        out = result.stdout + result.stderr
+        assert result.returncode == 1 and "500 tokens" in out and "Traceback" not in out, out[-3000:]
+        assert not cache.exists()  # refused before any data work
+
+
 def test_init_from_without_weights_is_refused_before_data_preparation(exported, tiny, tmp_path):
     no_weights = tmp_path / "no-weights"
     shutil.copytree(exported, no_weights)

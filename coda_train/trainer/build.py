@@ -190,6 +190,10 @@ def check_model_before_data(cfg: Config, backend: str, resuming: bool = False,
     # a BPE trained here has data.vocab_size tokens (a model.vocab_size of 0 or less is left to its own message)
     if cfg.data.tokenizer is None and cfg.model.init_from is None and (cfg.model.vocab_size is None or cfg.model.vocab_size > 0):
         vocab = cfg.data.vocab_size
+    elif cfg.data.tokenizer is not None and (cfg.model.vocab_size is None or cfg.model.vocab_size > 0):
+        # a given tokenizer is the data's as it is: read now, so one with more tokens than the model is refused before
+        # the corpus is tokenized with it (hours for a large one)
+        vocab = load_tokenizer(cfg.data.tokenizer)[0].get_vocab_size()
     else:  # read with the data: any vocabulary passes; 0 or less is refused
         vocab = 1 if cfg.model.vocab_size is None else cfg.model.vocab_size
     llama = resolve_model_config(cfg.model, vocab, cfg.trainer.seq_len, init_from_shape)
