@@ -53,6 +53,12 @@ def read_run(run_dir: Path) -> Run:
         jobs = sorted((p.parent for p in run_dir.glob("*/metrics.jsonl")), key=lambda job: (len(job.name), job.name))
         if jobs:  # a multirun's sweep dir (train.py -m ... trainer.run_dir=DIR): its jobs are the runs
             sys.exit(f"error: {run_dir} is a multirun sweep, not one run; pass its jobs' run dirs: {' '.join(map(str, jobs))}")
+        if holder := lock_holder(run_dir / RUN_LOCK):  # preparing its data or building its model
+            sys.exit(f"error: {run_dir} has no metrics.jsonl yet: its run ({holder}) has not logged a step; compare it "
+                     "once it has")
+        if (run_dir / "train.log").is_file():  # a run that stopped before its first step (a bad config, data, checkpoint)
+            sys.exit(f"error: {run_dir} has no metrics.jsonl: its run stopped before logging a step ({run_dir / 'train.log'} "
+                     "says why); fix that and train it, or leave it out")
         sys.exit(f"error: {path} not found; pass run directories written by train.py")
     lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
     rows = []

@@ -199,3 +199,18 @@ def test_a_multirun_sweep_dir_names_its_jobs_run_dirs(tmp_path, capsys):
     with pytest.raises(SystemExit, match=re.escape(f"{tmp_path} is a multirun sweep, not one run; pass its jobs' run "
                                                    f"dirs: {tmp_path / '0'} {tmp_path / '1'}")):
         compare_runs.read_run(tmp_path)
+
+
+def test_a_run_that_stopped_before_its_first_step_says_so(tmp_path):
+    """A run dir train.py made but logged no step in (it stopped on a bad setting) is named as such, pointing at its
+    train.log, and one still starting (its lock held) as that, not as a directory train.py did not write."""
+    from coda_train.durable import exclusive_lock
+
+    compare_runs = compare_runs_module()
+    (tmp_path / "train.log").write_text("[ERROR] - model.init_from=/x has vocab_size=8192, fewer than ...\n")
+    with pytest.raises(SystemExit, match=re.escape(f"{tmp_path} has no metrics.jsonl: its run stopped before logging a "
+                                                   f"step ({tmp_path / 'train.log'} says why)")):
+        compare_runs.read_run(tmp_path)
+    with exclusive_lock(tmp_path / ".lock", wait=False):  # still starting: not stopped
+        with pytest.raises(SystemExit, match=re.escape(f"{tmp_path} has no metrics.jsonl yet: its run (pid ")):
+            compare_runs.read_run(tmp_path)
