@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -349,13 +350,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.out is not None and args.out.suffix.lower() != ".png":  # the .md and .json go beside it, under its name
         p.error(f"--out {args.out}: the plot is a PNG, so --out ends in .png (e.g. --out {args.out.with_suffix('.png')}); "
                 "the table is written beside it as .md and .json")
-    runs = [read_run(d) for d in args.runs]
+    run_dirs = [Path(os.path.abspath(d)) for d in args.runs]  # `.` and `..` have no name to call a run by
+    runs = [read_run(d) for d in run_dirs]
     names = [r.name for r in runs]
-    for run, run_dir in zip(runs, args.runs):  # two sweeps' job 0 are both "eager (0)": name their sweep too
+    for run, run_dir in zip(runs, run_dirs):  # two sweeps' job 0 are both "eager (0)": name their sweep too
         if names.count(run.name) > 1:
             run.name = run.name.replace(f"({run_dir.name})", f"({run_dir.parent.name}/{run_dir.name})")
     window = args.smooth or max(1, len(runs[0].steps) // 50)
-    out = args.out or args.runs[0].parent / "compare.png"
+    out = args.out or run_dirs[0].parent / "compare.png"
     if (foreign := not_a_comparison(out)) is not None:
         p.error(f"{foreign} exists and is not an earlier comparison's output (this command writes {out.name} and the "
                 f"{out.stem}.md and {out.stem}.json beside it); choose another --out")
@@ -369,7 +371,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         result["settings_differ"] = differ
         md += (f"\n\nThe two runs were run with other settings ({', '.join(differ)}): |Δ| measures those too, "
                "not the model alone.")
-    if ends_note := unequal_ends(runs, args.runs):
+    if ends_note := unequal_ends(runs, run_dirs):
         result["unequal_ends"] = ends_note
         md += f"\n\n{ends_note}"
     try:

@@ -214,3 +214,16 @@ def test_a_run_that_stopped_before_its_first_step_says_so(tmp_path):
     with exclusive_lock(tmp_path / ".lock", wait=False):  # still starting: not stopped
         with pytest.raises(SystemExit, match=re.escape(f"{tmp_path} has no metrics.jsonl yet: its run (pid ")):
             compare_runs.read_run(tmp_path)
+
+
+def test_a_run_given_as_dot_is_named_by_its_directory(tmp_path, monkeypatch):
+    """`compare_runs.py . ../other` from inside a run dir: the run is called by its directory's name (was "eager ()"),
+    and the default output goes beside it, not into it."""
+    compare_runs = compare_runs_module()
+    for name in ("mine", "other"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0}) + "\n")
+        (tmp_path / name / "config.yaml").write_text("model: {impl: eager}\n")
+    monkeypatch.chdir(tmp_path / "mine")
+    assert [row["run"] for row in compare_runs.main([".", "../other"])] == ["eager (mine)", "eager (other)"]
+    assert (tmp_path / "compare.json").is_file() and not (tmp_path / "mine" / "compare.json").exists()
