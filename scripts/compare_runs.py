@@ -30,8 +30,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import palette_png  # noqa: E402  (scripts/palette_png.py)
 from coda_train.durable import lock_holder  # noqa: E402
-
-RUN_LOCK = ".lock"  # what a training run holds in its run dir while it runs (coda_train/trainer/rundir.py)
+from coda_train.trainer.rundir import LOCK_FILE  # noqa: E402  (what a training run holds in its run dir while it runs)
 
 
 @dataclass
@@ -54,7 +53,7 @@ def read_run(run_dir: Path) -> Run:
         jobs = sorted((p.parent for p in run_dir.glob("*/metrics.jsonl")), key=lambda job: (len(job.name), job.name))
         if jobs:  # a multirun's sweep dir (train.py -m ... trainer.run_dir=DIR): its jobs are the runs
             sys.exit(f"error: {run_dir} is a multirun sweep, not one run; pass its jobs' run dirs: {' '.join(map(str, jobs))}")
-        if holder := lock_holder(run_dir / RUN_LOCK):  # preparing its data or building its model
+        if holder := lock_holder(run_dir / LOCK_FILE):  # preparing its data or building its model
             sys.exit(f"error: {run_dir} has no metrics.jsonl yet: its run ({holder}) has not logged a step; compare it "
                      "once it has")
         if (run_dir / "train.log").is_file():  # a run that stopped before its first step (a bad config, data, checkpoint)
@@ -210,7 +209,7 @@ def compare(runs: list[Run], window: int) -> list[dict]:
 def unequal_ends(runs: list[Run], run_dirs: list[Path]) -> str | None:
     """The line under the table where the runs end at different steps or one is still training (its run-dir lock
     held): the |Δ| columns then cover only the steps both runs logged so far, and each final loss is its own run's."""
-    holders = [lock_holder(run_dir / RUN_LOCK) for run_dir in run_dirs]
+    holders = [lock_holder(run_dir / LOCK_FILE) for run_dir in run_dirs]
     if len({int(r.steps[-1]) for r in runs}) == 1 and not any(holders):
         return None
     ends = "; ".join(f"{run.name} at step {int(run.steps[-1])}" + (f", still training ({holder})" if holder else "")
