@@ -71,12 +71,15 @@ def eval_batches(data: PreparedData, split: str, batch_size: int, seq_len: int, 
 
 def main(argv: list[str] | None = None) -> int:
     parser = checkpoint_parser(__doc__, compute=True)
-    parser.add_argument("--split", choices=("val", "train"), default="val", help="split of the run's prepared data")
+    parser.add_argument("--split", choices=("val", "train"), help="split of the run's prepared data (default: val)")
     parser.add_argument("--text", nargs="+", metavar="FILE", help="evaluate these text files instead")
     parser.add_argument("--batch-size", type=int, help="sequences per forward (default: the run's trainer.batch_size)")
     parser.add_argument("--seq-len", type=int, help="tokens per window (default: the run's trainer.seq_len)")
     parser.add_argument("--max-batches", type=int, help="evaluate at most this many batches (default: all)")
     args = parser.parse_args(argv)
+    if args.text and args.split:  # --text evaluates those files, not the run's data: a --split there would go unused
+        parser.error(f"--split {args.split} selects the run's prepared data, --text evaluates files instead; pass one of them")
+    args.split = args.split or "val"
     log_progress_to_stderr()
     try:
         check_counts(args)

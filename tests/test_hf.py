@@ -688,6 +688,15 @@ def test_eval_and_sample_refuse_zero_and_negative_counts(trained_run):
     assert result.returncode == 1 and "max_new_tokens=-5 must be >= 0" in result.stderr, result.stderr[-500:]
 
 
+def test_eval_refuses_split_with_text_files(trained_run, tmp_path):
+    """--split picks a split of the run's prepared data, which --text replaces: both together are refused, not one
+    silently dropped."""
+    text = tmp_path / "t.txt"
+    text.write_text("def f(x):\n    return x\n" * 50)
+    result = run_script("eval.py", str(trained_run), "--text", str(text), "--split", "train")
+    assert result.returncode == 2 and "--split train selects the run's prepared data" in result.stderr, result.stderr[-500:]
+
+
 def run_without_its_data(trained_run: Path, tmp_path: Path, **data) -> tuple[Path, Path]:
     """A copy of trained_run's newest checkpoint whose prepared folder is gone, its data.cache_dir a fresh path under
     tmp_path (a tool that prepares data creates it), and the data.* settings `data` changed: (run dir, cache dir)."""
