@@ -267,15 +267,17 @@ def markdown(table: list[dict], window: int) -> str:
     heads = ["run", "steps", f"train loss (smoothed {window})", "val loss", "mean |Δ|", "max |Δ|",
              "mean |Δ| smoothed, last 10%", "max |Δ| smoothed, last 10%", "tokens/s"]
 
-    def fmt(v):
+    def fmt(v, column):
         if v is None or (isinstance(v, float) and math.isnan(v)):
             return "-"
+        if column == "tokens_per_s":  # a rate, whole tokens at any speed (a CPU run's 154, not 154.11784)
+            return f"{v:,.0f}"
         if isinstance(v, float):
             return f"{v:.0f}" if abs(v) >= 1000 else f"{v:.2e}" if 0 < abs(v) < 1e-3 else f"{v:.5f}"
         return str(v)
 
     lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
-    lines += ["| " + " | ".join(fmt(row[c]) for c in cols) + " |" for row in table]
+    lines += ["| " + " | ".join(fmt(row[c], c) for c in cols) + " |" for row in table]
     return "\n".join(lines)
 
 

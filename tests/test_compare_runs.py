@@ -83,6 +83,7 @@ def test_three_runs_or_more_add_every_pair_split_by_model(tmp_path):
         assert same == (a.split()[0] == b.split()[0]) and mean == pytest.approx(want, abs=1e-12), (a, b, mean)
     md = out.with_suffix(".md").read_text()
     assert "same model (run-to-run noise): 1 pair," in md and "across models, same settings: 2 pairs" in md
+    assert re.search(r"^\| eager \(e0\) \|.* \| 10 \|$", md, re.M), md  # tokens/s in whole tokens, not 10.00000
     # coda on another kernel backend is another implementation, not the same model run again
     (tmp_path / "c0" / "config.yaml").write_text("model: {impl: coda}\nkernels: {backend: reference}\n")
     c1 = tmp_path / "c1"
