@@ -281,9 +281,15 @@ def _unknown_keys(node: Any, schema: type, prefix: str = "") -> list[str]:
 
 def to_dataclass(cfg: Any) -> Config:
     """A hydra DictConfig (built on the Config schema) as plain typed dataclasses. Keys that hydra
-    let in with `+key=value` but the schema does not know are an error, not silently dropped."""
+    let in with `+key=value` but the schema does not know are an error, not silently dropped, and so are
+    keys without a value (MISSING, `???`)."""
     unknown = _unknown_keys(cfg, Config)
     if unknown:
         raise ConfigError(f"unknown config keys {unknown}: not fields of coda_train/config.py Config; "
                           "remove them (see `python train.py --cfg job` for every key)")
+    missing = sorted(OmegaConf.missing_keys(cfg))  # ??? left by the schema (e.g. a trainer group file without seq_len)
+    if missing:
+        raise ConfigError(f"config keys {missing} have no value: set each on the command line (e.g. "
+                          f"{missing[0]}=...) or in the config group file that should set it (configs/trainer/default.yaml "
+                          "sets trainer.max_steps, batch_size and seq_len; configs/model/*.yaml set model.preset)")
     return expand_home(OmegaConf.to_object(cfg))

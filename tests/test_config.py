@@ -102,6 +102,13 @@ def test_keys_appended_with_plus_are_not_silently_dropped():
         load("+trainer.foo=1")
 
 
+def test_keys_without_a_value_name_themselves_and_the_fix():
+    """A trainer group file (or override) that leaves a schema key at ??? stops with its name, not omegaconf's traceback."""
+    with pytest.raises(ConfigError, match=r"config keys \['trainer.batch_size', 'trainer.seq_len'\] have no value: set "
+                                          r"each on the command line \(e.g. trainer.batch_size=...\)"):
+        load("trainer.batch_size=???", "trainer.seq_len=???")
+
+
 @pytest.mark.parametrize("override, message", [
     ("model.impl=jax", "model.impl='jax' is not one of"),
     ("kernels.backend=triton", "kernels.backend='triton' is not one of"),
