@@ -396,6 +396,15 @@ def test_missing_files(tmp_path):
         prepare(config(tmp_path / "corpus.txt", tmp_path / "cache", tokenizer=str(tmp_path / "tok.json")))
 
 
+def test_an_empty_cache_dir_is_refused_before_the_current_directory_is_written(tmp_path, monkeypatch, docs):
+    source = write_jsonl(tmp_path / "corpus.jsonl", [{"text": d} for d in docs])
+    monkeypatch.chdir(tmp_path)
+    for empty in ("", " "):
+        with pytest.raises(DataError, match=r"data.cache_dir='\s?' is empty, .* e.g. data.cache_dir=data_cache"):
+            prepare(config(source, empty))
+    assert os.listdir(tmp_path) == ["corpus.jsonl"]
+
+
 def test_empty_corpus(tmp_path):
     source = write_jsonl(tmp_path / "empty.jsonl", [{"text": ""}, {"text": None}])
     with pytest.raises(DataError, match="is empty"):
