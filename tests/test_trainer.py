@@ -545,6 +545,15 @@ def test_resume_with_another_model_shape_is_rejected_and_deletes_nothing(tiny, s
     assert snapshot(straight_run) == before
 
 
+def test_resume_with_a_missing_model_init_from_the_run_never_used_says_to_remove_it(tiny, straight_run, tmp_path):
+    """A run begun from random weights, resumed with a model.init_from that does not exist: the fix is to drop it."""
+    before = snapshot(straight_run)
+    with pytest.raises(ConfigError, match=f"model.init_from={tmp_path / 'hf'} has no config.json, and checkpoint .* was "
+                                          "not started from a model.init_from: remove model.init_from to resume it$"):
+        train_in_process(straight_run, *tiny, f"model.init_from={tmp_path / 'hf'}", f"trainer.max_steps={N + 2}")
+    assert snapshot(straight_run) == before
+
+
 def test_resume_with_another_vocabulary_names_the_tokenizer_not_the_model_settings(straight_run):
     """data.vocab_size changes the model's vocab_size though no model.* setting changed: the message says so."""
     checkpoint = find_resume_checkpoint("auto", straight_run)

@@ -60,10 +60,15 @@ def recorded_init_from(cfg: Config) -> str:
 def init_from_shape(cfg: Config, checkpoint: Checkpoint) -> LlamaConfig:
     """The shape of a resumed run's model.init_from, which holds no config.json any more, as its checkpoint
     records it; ConfigError where the checkpoint's run started from another directory (a typo, another cwd)."""
-    started = ((checkpoint.meta.get("config") or {}).get("model") or {}).get("init_from")
+    saved_model_config = (checkpoint.meta.get("config") or {}).get("model") or {}
+    started = saved_model_config.get("init_from")
     if started != recorded_init_from(cfg):
-        fix = (f"was trained from {started}: resume with model.init_from={started}" if started else
-               "records no model.init_from (edited by hand, or written by another version): restore that directory")
+        if started:
+            fix = f"was trained from {started}: resume with model.init_from={started}"
+        elif "init_from" in saved_model_config:  # recorded as null: that run began from the preset's random weights
+            fix = "was not started from a model.init_from: remove model.init_from to resume it"
+        else:
+            fix = "records no model.init_from (edited by hand, or written by another version): restore that directory"
         raise ConfigError(f"model.init_from={cfg.model.init_from} has no config.json, and checkpoint {checkpoint.path} {fix}")
     return saved_model(checkpoint.path, checkpoint.meta)
 
