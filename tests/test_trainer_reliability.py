@@ -434,6 +434,19 @@ def test_a_resume_after_its_corpus_changed_continues_on_the_data_it_prepared(tin
     assert len(list((tmp_path / "cache").iterdir())) == 1  # the one folder the run prepared
 
 
+def test_a_resume_with_another_corpus_setting_says_which_not_that_the_files_changed(tiny, tmp_path, monkeypatch, caplog):
+    """data.text_field (or data.source, format, split, tokenizer) changed since the checkpoint gives another prepared
+    folder too: the warning names that setting, with the checkpoint's value, instead of blaming the corpus files."""
+    run = (*tiny, "trainer.eval_every=0")
+    train_in_process(tmp_path / "run", *run, "trainer.max_steps=2")
+    monkeypatch.setattr("coda_train.trainer.loop.prepare", lambda *a, **k: pytest.fail("the data was prepared again"))
+    train_in_process(tmp_path / "run", *run, "trainer.max_steps=3", "data.text_field=content")
+    assert [m["step"] for m in metrics(tmp_path / "run")] == [1, 2, 3]
+    assert ("this run's data settings differ from the checkpoint's (data.text_field: checkpoint 'text' vs this run "
+            "'content'); this resumed run continues on the data it prepared") in caplog.text
+    assert "its files changed" not in caplog.text
+
+
 def test_a_resume_its_checkpoint_would_refuse_stops_before_the_data_is_prepared(tiny, tmp_path, monkeypatch):
     """Data settings that give other shards or another BPE, another trainer.seq_len or seed, another model shape: the
     checkpoint's meta.json says so before any preparation (hours for a large corpus), naming the saved values."""

@@ -106,13 +106,30 @@ def checkpoint_data(checkpoint: Checkpoint, data: DataConfig) -> PreparedData:
     return prepared
 
 
+# the settings that choose the corpus and how it is read, which check_resume_before_data leaves to this check: one
+# changed since the checkpoint, not the corpus files, is then why the prepared folder differs
+_CORPUS_SETTINGS = ("source", "format", "text_field", "split", "tokenizer")
+
+
+def _changed_corpus_settings(checkpoint: Checkpoint, data: DataConfig) -> list[str]:
+    """The _CORPUS_SETTINGS of data that differ from the checkpoint's (which records local paths absolute)."""
+    saved = (checkpoint.meta.get("config") or {}).get("data") or {}
+    changed = []
+    for key in _CORPUS_SETTINGS:
+        value = getattr(data, key)
+        spellings = (value,) if value is None else (value, str(Path(value).expanduser().absolute()))
+        if key in saved and saved[key] not in spellings:
+            changed.append(f"data.{key}: checkpoint {saved[key]!r} vs this run {value!r}")
+    return changed
+
+
 def data_of_changed_corpus(checkpoint: Checkpoint, data: DataConfig, world: World) -> Optional[PreparedData]:
     """A resumed run's data (its settings compared with the checkpoint's before: check_resume_before_data) where
     data.source's files changed since the run prepared them (sizes or mtimes, files added or removed, moved) or are
-    gone: the folder the run prepared, while it reads, with a warning (from the main rank). Its windows are the ones
-    the run's data order indexes; the changed corpus would be prepared first (hours for a large one), then refused by
-    the loader. None where the corpus is as the run prepared it, or its folder is gone or unreadable: prepare(data)
-    then."""
+    gone, or one of _CORPUS_SETTINGS changed: the folder the run prepared, while it reads, with a warning that says
+    which (from the main rank). Its windows are the ones the run's data order indexes; the changed corpus would be
+    prepared first (hours for a large one), then refused by the loader. None where the corpus is as the run prepared
+    it, or its folder is gone or unreadable: prepare(data) then."""
     recorded = checkpoint.meta.get("prepared_data")
     if recorded is None:
         return None
@@ -127,8 +144,12 @@ def data_of_changed_corpus(checkpoint: Checkpoint, data: DataConfig, world: Worl
     except DataError:  # damaged, or of another format: preparing again says what is wrong
         return None
     if prepared is not None and world.is_main:  # every rank takes the folder; one says so
-        log.warning("data.source=%s: %s; this resumed run continues on the data it prepared, %s (start a new run to "
-                    "train on the corpus as it is now)", data.source, why, recorded)
+        if changed := _changed_corpus_settings(checkpoint, data):
+            what, new_run = f"this run's data settings differ from the checkpoint's ({', '.join(changed)})", "with them"
+        else:
+            what, new_run = f"data.source={data.source}: {why}", "on the corpus as it is now"
+        log.warning("%s; this resumed run continues on the data it prepared, %s (start a new run to train %s)",
+                    what, recorded, new_run)
     return prepared
 
 
