@@ -405,6 +405,13 @@ def test_an_empty_cache_dir_is_refused_before_the_current_directory_is_written(t
     assert os.listdir(tmp_path) == ["corpus.jsonl"]
 
 
+def test_an_empty_tokenizer_path_is_refused_not_taken_for_unset(tmp_path, docs):
+    source = write_jsonl(tmp_path / "corpus.jsonl", [{"text": d} for d in docs])
+    with pytest.raises(DataError, match=r"data.tokenizer='' is empty: .* or leave data.tokenizer unset \(null\) to train a BPE"):
+        prepare(config(source, tmp_path / "cache", tokenizer=""))
+    assert not (tmp_path / "cache").exists()
+
+
 def test_empty_corpus(tmp_path):
     source = write_jsonl(tmp_path / "empty.jsonl", [{"text": ""}, {"text": None}])
     with pytest.raises(DataError, match="is empty"):

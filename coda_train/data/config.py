@@ -60,6 +60,9 @@ class DataConfig:
         if not self.cache_dir.strip():  # Path("") is the current directory: prepared folders would land among its files
             raise DataError(f"data.cache_dir={self.cache_dir!r} is empty, which would prepare data into the current "
                             f"directory ({Path.cwd()}): name a folder, e.g. data.cache_dir=data_cache (the default)")
+        if self.tokenizer is not None and not self.tokenizer.strip():  # else taken for unset here, for a path elsewhere
+            raise DataError(f"data.tokenizer={self.tokenizer!r} is empty: name a tokenizer.json or a Hugging Face tokenizer "
+                            "directory, or leave data.tokenizer unset (null) to train a BPE")
         if self.tokenizer is None and self.eos_token not in (None, EOS_TOKEN):
             raise DataError(f"data.eos_token={self.eos_token!r} is not in the BPE this run trains, whose end-of-document "
                             f"token is {EOS_TOKEN!r}: leave data.eos_token unset, or set data.tokenizer to a "
