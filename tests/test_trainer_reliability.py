@@ -392,6 +392,13 @@ def test_a_warmup_as_long_as_the_run_is_said(tiny, tmp_path, caplog):
     assert "optim.warmup_steps=500 >= trainer.max_steps=2: the learning rate never reaches optim.lr" in caplog.text
 
 
+def test_a_warmup_that_overlaps_the_wsd_decay_is_said(tiny, tmp_path, caplog):
+    train_in_process(tmp_path / "run", *tiny, "trainer.max_steps=4", "trainer.eval_every=0", "optim.schedule=wsd",
+                     "optim.warmup_steps=3", "optim.decay_fraction=0.5")
+    assert ("optim.warmup_steps=3 overlaps the wsd decay over the last 2 of trainer.max_steps=4 steps "
+            "(optim.decay_fraction=0.5): the decay starts when warmup ends and takes 1 step(s)") in caplog.text
+
+
 def test_a_resume_with_nothing_to_do_leaves_the_run_as_it_was(tiny, tmp_path):
     """trainer.max_steps at the checkpoint's step: no step runs, so config.yaml keeps the settings the steps were
     taken with (not this invocation's), and the metrics and checkpoints stay as they are."""

@@ -35,7 +35,7 @@ from .distributed import (World, any_rank, barrier, check_fsdp_options, close_wo
                           process_device, resolve_parallel)
 from .graphs import use_cuda_graphs
 from .metrics import METRICS_FILE, MetricsLogger, Throughput, check_logger, metrics_line, mfu, rewind_metrics
-from .optim import apply_config_after_resume, lr_multiplier
+from .optim import apply_config_after_resume, lr_multiplier, wsd_decay_steps
 from .rundir import RunDirError, continue_hint, hold_run_dir, log_in_run_dir, writing
 from .state import TrainState
 from .step import NonFiniteError, TrainStep, evaluate
@@ -213,9 +213,15 @@ def train(cfg: Config, run_dir: Path, sweep_dir: Optional[Path] = None) -> RunEn
 def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compute_dtype: torch.dtype,
            world: World, parallel: str, cuda_graphs: bool, sweep_dir: Optional[Path]) -> Optional[dict[str, Any]]:
     t = cfg.trainer
-    if cfg.optim.warmup_steps >= t.max_steps and world.is_main:  # allowed (a short test run), but likely a slip
+    o, decay_steps = cfg.optim, wsd_decay_steps(cfg.optim, t.max_steps)
+    if o.warmup_steps >= t.max_steps and world.is_main:  # allowed (a short test run), but likely a slip
         log.warning("optim.warmup_steps=%d >= trainer.max_steps=%d: the learning rate never reaches optim.lr=%g",
-                    cfg.optim.warmup_steps, t.max_steps, cfg.optim.lr)
+                    o.warmup_steps, t.max_steps, o.lr)
+    elif o.schedule == "wsd" and o.warmup_steps > t.max_steps - decay_steps and world.is_main:  # as likely a slip
+        log.warning("optim.warmup_steps=%d overlaps the wsd decay over the last %d of trainer.max_steps=%d steps "
+                    "(optim.decay_fraction=%g): the decay starts when warmup ends and takes %d step(s); lower "
+                    "optim.warmup_steps or optim.decay_fraction", o.warmup_steps, decay_steps, t.max_steps,
+                    o.decay_fraction, t.max_steps - o.warmup_steps)
     resume_from = find_resume_checkpoint(t.resume, run_dir)  # before data preparation, which can be long
     # model.init_from moved or deleted since the run began (an HF cache cleaned): its checkpoint records the shape,
     # checked here before the data as train()'s early check does for any other run

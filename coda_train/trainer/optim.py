@@ -118,6 +118,11 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
     return AdamW(groups, model, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kind)
 
 
+def wsd_decay_steps(cfg: OptimConfig, max_steps: int) -> int:
+    """The steps WSD lays its decay over: the last decay_fraction of max_steps (fewer where warmup ends later)."""
+    return max(1, round(cfg.decay_fraction * max_steps))
+
+
 def lr_multiplier(step: int, cfg: OptimConfig, max_steps: int) -> float:
     """Fraction of the peak lr at optimizer step `step` (0-based): linear warmup, then
     cosine to min_lr_ratio at max_steps, or WSD (stable at peak, then a linear decay over the last
@@ -130,8 +135,7 @@ def lr_multiplier(step: int, cfg: OptimConfig, max_steps: int) -> float:
     if cfg.schedule == "cosine":
         progress = min(1.0, (step - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps))
         return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    decay_steps = max(1, round(cfg.decay_fraction * max_steps))  # wsd
-    decay_start = max(cfg.warmup_steps, max_steps - decay_steps)
+    decay_start = max(cfg.warmup_steps, max_steps - wsd_decay_steps(cfg, max_steps))
     if step < decay_start:
         return 1.0
     progress = min(1.0, (step - decay_start) / max(1, max_steps - decay_start))
