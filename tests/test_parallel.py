@@ -338,6 +338,18 @@ def _instrument_fsdp(log: list) -> None:
     LayerWeights.forward = logged_block_call
 
 
+def _end_gloo_worker() -> None:
+    """End an mp.spawn worker without finalizing its interpreter, as train.py's end_worker ends a torchrun worker:
+    a gloo thread that frees a collective's tensor once finalization has begun aborts the process (SIGABRT,
+    "terminate called without an active exception"), which mp.spawn reports as the worker's failure."""
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _overlap_worker(rank: int, store: str, out: str) -> None:
     """On each of 2 gloo ranks, for both impls and both fsdp_reshard_after_forward: two forward/backward
     passes of a 4-layer model under shard_model with the events logged, and the gradients of each
@@ -380,7 +392,7 @@ def _overlap_worker(rank: int, store: str, out: str) -> None:
             results[f"{impl}-{'reshard' if reshard else 'keep'}"] = passes
     if rank == 0:
         Path(out).write_text(json.dumps(results))
-    dist.destroy_process_group()
+    _end_gloo_worker()
 
 
 @pytest.fixture(scope="module")
@@ -471,7 +483,7 @@ def _stop_check_worker(rank: int, store: str, out: str) -> None:
     world = World(rank, 2, rank, dist.new_group(backend="gloo"))
     seen = [any_rank(rank == 1, world), any_rank(False, world), any_rank(rank == 0, World(rank, 2, rank))]
     Path(f"{out}.{rank}").write_text(json.dumps(seen))
-    dist.destroy_process_group()
+    _end_gloo_worker()
 
 
 def test_a_stop_on_one_rank_stops_every_rank_through_the_host_side_control_group(tmp_path):
