@@ -30,7 +30,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import palette_png  # noqa: E402  (scripts/palette_png.py)
 from coda_train.durable import lock_holder  # noqa: E402
-from coda_train.trainer.rundir import LOCK_FILE  # noqa: E402  (what a training run holds in its run dir while it runs)
+from coda_train.trainer.metrics import METRICS_FILE  # noqa: E402
+from coda_train.trainer.rundir import LOCK_FILE, LOG_FILE  # noqa: E402  (LOCK_FILE: held in its run dir while a run runs)
 
 
 @dataclass
@@ -48,16 +49,16 @@ class Run:
 
 
 def read_run(run_dir: Path) -> Run:
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / METRICS_FILE
     if not path.is_file():
-        jobs = sorted((p.parent for p in run_dir.glob("*/metrics.jsonl")), key=lambda job: (len(job.name), job.name))
+        jobs = sorted((p.parent for p in run_dir.glob(f"*/{METRICS_FILE}")), key=lambda job: (len(job.name), job.name))
         if jobs:  # a multirun's sweep dir (train.py -m ... trainer.run_dir=DIR): its jobs are the runs
             sys.exit(f"error: {run_dir} is a multirun sweep, not one run; pass its jobs' run dirs: {' '.join(map(str, jobs))}")
         if holder := lock_holder(run_dir / LOCK_FILE):  # preparing its data or building its model
             sys.exit(f"error: {run_dir} has no metrics.jsonl yet: its run ({holder}) has not logged a step; compare it "
                      "once it has")
-        if (run_dir / "train.log").is_file():  # a run that stopped before its first step (a bad config, data, checkpoint)
-            sys.exit(f"error: {run_dir} has no metrics.jsonl: its run stopped before logging a step ({run_dir / 'train.log'} "
+        if (run_dir / LOG_FILE).is_file():  # a run that stopped before its first step (a bad config, data, checkpoint)
+            sys.exit(f"error: {run_dir} has no metrics.jsonl: its run stopped before logging a step ({run_dir / LOG_FILE} "
                      "says why); fix that and train it, or leave it out")
         sys.exit(f"error: {path} not found; pass run directories written by train.py")
     lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
