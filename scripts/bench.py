@@ -460,6 +460,11 @@ def bench_floor(cfg, shape: Shape, iters: int, warmup: int, sustain_s: float, qu
         replayed = kernel_sequence(_profiled(sequence.step, 2, sustain_s), 2)
         b2b["by_item_ms"] = items_from_sequence(replayed, sequence.names, launches)
     del sequence  # its graph and operands, before the next one's
+    # CODA writes every weight gradient in fp32 (the speed issue asks it of the GEMM that computes it); the floor's
+    # GEMMs write bf16 like any torch.matmul: the same sequence with fp32 wgrads is the floor of that work
+    fp32 = floor["back_to_back_fp32_wgrads"] = _time_sequence(
+        _floor_sequence(cfg, shape, picks, wgrad_dtype=torch.float32), iters, warmup, sustain_s)
+    fp32["wgrads"] = sorted({name for name, *_, layout, _ in step_gemms(cfg, shape.batch * shape.seq) if layout == "tn"})
     # quack's autotuner picks by a config's time over many calls back to back, the per-kernel floor times each call
     # alone: the same sequence with quack's GEMMs at the autotuned pick tells which a step's order favours
     autotuned = {g["gemm"]: "quack-tuned" if g["best"] == "quack" and "quack_tuned_ms" in g else g["best"]
@@ -479,17 +484,22 @@ def _time_sequence(sequence: "FloorSequence", iters: int, warmup: int, sustain_s
     return timed
 
 
-def floor_gemm(backend: str, a, b) -> Callable[[], torch.Tensor]:
+def floor_gemm(backend: str, a, b, out_dtype: Optional[torch.dtype] = None) -> Callable[[], torch.Tensor]:
     """a @ b on one of the floor's GEMM backends: "cublas" (torch.matmul), "quack" (quack's default
     config) or "quack-tuned" (quack's autotuner: its first call tries every SM90 config it can run, and split-K
-    factors where the output has fewer tiles than the GPU has SMs, as cuBLAS may split the wgrads' long K)."""
+    factors where the output has fewer tiles than the GPU has SMs, as cuBLAS may split the wgrads' long K).
+    out_dtype: the output's dtype where it is not the inputs' (fp32 weight gradients, as CODA writes them)."""
     if backend == "cublas":
-        return functools.partial(torch.matmul, a, b)
+        if out_dtype is None:
+            return functools.partial(torch.matmul, a, b)
+        if a.is_cuda:  # cuBLAS accumulates in fp32 and stores it (as the cute matmul_tn's cuBLAS path does)
+            return functools.partial(torch.mm, a, b, out_dtype=out_dtype)
+        return lambda: torch.matmul(a, b).to(out_dtype)  # CPU (no mm out_dtype): the harness only, timings mean nothing
     from quack.gemm_interface import gemm as quack_gemm
 
     if backend == "quack":
-        return functools.partial(quack_gemm, a, b, tuned=False)
-    return functools.partial(quack_gemm, a, b, tuned=True, split_k=None)
+        return functools.partial(quack_gemm, a, b, tuned=False, out_dtype=out_dtype)
+    return functools.partial(quack_gemm, a, b, tuned=True, split_k=None, out_dtype=out_dtype)
 
 
 def _floor_per_kernel(cfg, shape: Shape, quack_tuned: bool = False) -> dict:
@@ -532,16 +542,17 @@ class FloorSequence:
     replay: str
 
 
-def _floor_sequence(cfg, shape: Shape, picks: dict[str, str]) -> FloorSequence:
+def _floor_sequence(cfg, shape: Shape, picks: dict[str, str], wgrad_dtype: Optional[torch.dtype] = None) -> FloorSequence:
     """Every layer's forward GEMMs and attention, the LM head, every layer's backward in reverse,
-    each GEMM on its backend in `picks` (GEMM name -> floor_gemm backend). On a GPU the step is captured as one CUDA graph and
+    each GEMM on its backend in `picks` (GEMM name -> floor_gemm backend), the weight gradients written in
+    `wgrad_dtype` (None: the inputs' bf16). On a GPU the step is captured as one CUDA graph and
     replayed, as coda-graphs runs: no host work (FA4's interface, quack's launch path) leaves the
     GPU idle between kernels, idle time that would let a power-capped GPU raise its clock."""
     M = shape.batch * shape.seq
     gemms = {}
     for name, m, n, k, layout, _ in step_gemms(cfg, M):
         a, b = gemm_operands(m, n, k, layout)
-        gemms[name] = floor_gemm(picks[name], a, b)
+        gemms[name] = floor_gemm(picks[name], a, b, wgrad_dtype if layout == "tn" else None)
     gemms["attention fwd"], gemms["attention bwd"] = attention_calls(cfg, shape)
     forward = ["qkv fwd", "attention fwd", "o fwd", "gate_up fwd", "down fwd"]
     head = ["lm_head fwd", "lm_head dgrad", "lm_head wgrad"]
@@ -845,6 +856,7 @@ def add_ratios(result: dict) -> None:
     coda = min((v[n]["fwd_bwd"]["median_ms"] for n in ("coda", "coda-graphs") if n in v), default=None)
     floor = v.get("floor", {}).get("fwd_bwd", {}).get("median_ms")
     floor_b2b = v.get("floor", {}).get("back_to_back", {}).get("median_ms")
+    floor_fp32 = v.get("floor", {}).get("back_to_back_fp32_wgrads", {}).get("median_ms")
     def mfu(ms: float) -> Optional[float]:  # against a CPU's GEMM rate an MFU means nothing: None, as train.py logs it
         return result["flops_per_step"] / (ms * 1e-3) / (peak * 1e12) if DEVICE.type == "cuda" else None
 
@@ -856,6 +868,7 @@ def add_ratios(result: dict) -> None:
         row["over_coda"] = ms / coda if coda else None
         row["over_floor"] = ms / floor if floor else None
         row["over_floor_back_to_back"] = ms / floor_b2b if floor_b2b else None
+        row["over_floor_fp32_wgrads"] = ms / floor_fp32 if floor_fp32 else None
 
 
 def environment() -> dict:
@@ -900,6 +913,11 @@ def print_table(result: dict) -> None:
               + (f" at {mhz:.0f} MHz" if mhz else "") + "; coda variants / that: "
               + ", ".join(f"{n} {r['over_floor_back_to_back']:.2f}" for n, r in result["variants"].items()
                           if n.startswith("coda") and r.get("over_floor_back_to_back")))
+    if floor and "back_to_back_fp32_wgrads" in floor:
+        fp32 = floor["back_to_back_fp32_wgrads"]
+        print(f"  the same with its weight gradients written in fp32, as CODA writes them: {fp32['median_ms']:.2f} ms; "
+              "coda variants / that: " + ", ".join(f"{n} {r['over_floor_fp32_wgrads']:.3f}" for n, r in
+                                                  result["variants"].items() if n.startswith("coda") and r.get("over_floor_fp32_wgrads")))
     if floor and "back_to_back_autotuned" in floor:
         alt = floor["back_to_back_autotuned"]
         print(f"  the same with its quack GEMMs at quack's autotuned pick ({', '.join(alt['gemms_autotuned'])}): "

@@ -119,6 +119,20 @@ def _autotuned_sequence(floor: dict) -> str:
             f"autotuned pick instead: {alt['median_ms']:.2f} ms.")
 
 
+def _fp32_wgrad_sequence(r: dict) -> str:
+    """The floor's back-to-back sequence again with its weight gradients written in fp32, as CODA writes them
+    (bench.py since that sequence was added), with coda's ratio to it, as a sentence."""
+    fp32 = r["variants"]["floor"].get("back_to_back_fp32_wgrads")
+    if not fp32:
+        return ""
+    clk = (fp32.get("clocks") or {}).get("sm_mhz_mean")
+    ratios = [f"{n} {row['over_floor_fp32_wgrads']:.3f}" for n, row in r["variants"].items()
+              if n.startswith("coda") and row.get("over_floor_fp32_wgrads")]
+    return (f" The same sequence with its weight gradients ({len(fp32['wgrads'])} GEMM shapes) written in fp32, as CODA writes them "
+            f"(the floor's GEMMs write bf16): {fp32['median_ms']:.2f} ms" + (f" at {clk:.0f} MHz" if clk else "")
+            + (f"; coda / that: {', '.join(ratios)}" if ratios else "") + ".")
+
+
 def _quack_tuned(r: dict) -> bool:
     """A run whose floor also tried quack's autotuned config per GEMM (bench.py --floor-quack-tuned, opt-in)."""
     return bool(r["variants"].get("floor", {}).get("quack_tuned"))
@@ -298,7 +312,8 @@ def shape_table(r: dict) -> list[str]:
             how = " (captured and replayed as one CUDA graph, as coda-graphs runs)" if b2b.get("replay") == "one CUDA graph" else ""
             lines += ["", f"The same kernels back to back in a step's order{how}, timed as a step: {b2b['median_ms']:.2f} ms"
                       f"{clk(b2b.get('clocks'))}" + (f" (each alone{clk(floor['clocks'])})" if floor.get("clocks") else "")
-                      + (f"; coda / that: {', '.join(ratios)}" if ratios else "") + "." + _autotuned_sequence(floor)]
+                      + (f"; coda / that: {', '.join(ratios)}" if ratios else "") + "." + _fp32_wgrad_sequence(r)
+                      + _autotuned_sequence(floor)]
     for run in r.get("tuned_floor_runs", []):
         tf = run["variants"]["floor"]
         b2b = tf.get("back_to_back", {}).get("median_ms")

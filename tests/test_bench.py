@@ -36,6 +36,11 @@ def test_bench_smoke_runs_every_cpu_variant(tmp_path):
     # the same kernels back to back as a step, and coda's ratio to that
     assert floor["back_to_back"]["n"] >= 1 and floor["back_to_back"]["median_ms"] > 0
     assert "back_to_back_autotuned" not in floor  # only with --floor-quack-tuned
+    # and again with the weight gradients written in fp32, as CODA writes them
+    fp32 = floor["back_to_back_fp32_wgrads"]
+    assert fp32["wgrads"] == sorted(f"{p} wgrad" for p in ("qkv", "o", "gate_up", "down", "lm_head"))
+    assert fp32["n"] >= 1 and coda["over_floor_fp32_wgrads"] == coda["fwd_bwd"]["median_ms"] / fp32["median_ms"]
+    assert "weight gradients written in fp32" in proc.stdout
     assert coda["over_floor_back_to_back"] == coda["fwd_bwd"]["median_ms"] / floor["back_to_back"]["median_ms"]
     assert "compile-max-autotune" in result["not_run"] and "coda_profile" not in result  # profile: GPU only
     assert "pending" not in result  # the run finished: nothing left that it did not reach
@@ -116,10 +121,10 @@ def test_tuned_floor_times_its_sequence_again_with_quack_at_the_autotuned_pick(m
     names = {tuple(dims[:4]): name for name, *dims in bench.step_gemms(cfg, shape.batch * shape.seq)}
     made = []  # (GEMM name, backend) of every floor_gemm, in order
 
-    def floor_gemm(backend, a, b):  # every backend runs on CPU here; the timing below decides which wins
+    def floor_gemm(backend, a, b, out_dtype=None):  # every backend runs on CPU here; the timing below decides which wins
         gemm = functools.partial(torch.matmul, a, b)
         gemm.made = (names[made_for[0]], backend)
-        made.append(gemm.made)
+        made.append(gemm.made + (out_dtype,))
         return gemm
 
     made_for = [None]
@@ -142,10 +147,17 @@ def test_tuned_floor_times_its_sequence_again_with_quack_at_the_autotuned_pick(m
     assert all(g["best"] == "cublas" for g in floor["gemms"] if g["gemm"] not in on_quack)
     alt = floor["back_to_back_autotuned"]
     assert alt["gemms_autotuned"] == on_quack and alt["median_ms"] > 0 and alt["n"] == 1
-    # the two sequences built last: the per-kernel winners, then the same with quack's default at its autotuned pick
-    first, second = dict(made[-2 * len(names):-len(names)]), dict(made[-len(names):])
-    assert first == {g["gemm"]: g["best"] for g in floor["gemms"]}
-    assert second == {name: "quack-tuned" if backend == "quack" else backend for name, backend in first.items()}
+    # the three sequences built last: the per-kernel winners, the same with fp32 weight gradients, then the first
+    # with quack's default at its autotuned pick
+    n = len(names)
+    first, fp32, last = made[-3 * n:-2 * n], made[-2 * n:-n], made[-n:]
+    assert {name: backend for name, backend, _ in first} == {g["gemm"]: g["best"] for g in floor["gemms"]}
+    assert [(name, backend) for name, backend, _ in fp32] == [(name, backend) for name, backend, _ in first]
+    assert {name: dtype for name, _, dtype in fp32} == {name: torch.float32 if name.endswith("wgrad") else None
+                                                         for name in names.values()}
+    assert {name: backend for name, backend, _ in last} == {name: "quack-tuned" if backend == "quack" else backend
+                                                            for name, backend, _ in first}
+    assert all(dtype is None for *_, dtype in first + last)
 
 
 def test_gpu_clocks_keep_the_timed_steps_samples_only():

@@ -64,6 +64,14 @@ def test_report_writes_tables_summary_and_chart(tmp_path):
     text_graphed = md.read_text()
     assert "| 125m | coda-graphs | 30.00 | compile | 31.00 | 0.97 | 25.00 | 1.20 | 27.00 | 1.11 | 3.0 | 4.0 |" in text_graphed
     assert "timed as a step: 27.00 ms at 1500 MHz mean SM clock." in text_graphed
+    assert "written in fp32" not in text_graphed  # a run before that sequence: no sentence
+    graphed["variants"]["floor"]["back_to_back_fp32_wgrads"] = {"median_ms": 27.6, "wgrads": ["down wgrad", "o wgrad"]}
+    graphed["variants"]["coda-graphs"]["over_floor_fp32_wgrads"] = 30.0 / 27.6
+    paths[1].write_text(json.dumps(graphed))
+    _report(paths, md, png, tmp_path)
+    assert ("timed as a step: 27.00 ms at 1500 MHz mean SM clock. The same sequence with "
+            "its weight gradients (2 GEMM shapes) written in fp32, as CODA writes them (the floor's GEMMs write bf16): "
+            "27.60 ms; coda / that: coda-graphs 1.087.") in md.read_text()
     assert "| liger | failed: RuntimeError: no liger here" in text
     assert "Not run at this shape: compile-max-autotune (opt-in: its GEMM autotuning" in text
     assert "cut short" not in text
