@@ -98,6 +98,10 @@ def load(runs: list[dict]) -> list[dict]:
             "coda_graphs_ms": src["variants"].get("coda-graphs", {}).get("fwd_bwd", {}).get("median_ms"),
             "floor": src["variants"].get("floor")}  # the gap table compares a profile with its own run's floor
         main["peer_runs"] = [r for r in runs if r is not main and _best_coda(r)[0] and any(n in r["variants"] for n in PEERS)]
+        # every other run that timed CODA against the graph floor: the spread of that ratio from run to run
+        main["graph_floor_runs"] = sorted((r for r in runs if r is not main and _best_coda(r)[0] and not _quack_tuned(r)
+                                           and r["variants"].get("floor", {}).get("back_to_back")),
+                                          key=lambda r: r["environment"]["date"], reverse=True)
         # coda-only runs after the main one (e.g. a memory check of later code): their peaks supersede its coda peaks
         main["memory_runs"] = sorted((r for r in runs if r is not main and set(r["variants"]) <= {"coda", "coda-graphs"}
                                       and r["environment"]["date"] > main["environment"]["date"]
@@ -314,6 +318,13 @@ def shape_table(r: dict) -> list[str]:
                       f"{clk(b2b.get('clocks'))}" + (f" (each alone{clk(floor['clocks'])})" if floor.get("clocks") else "")
                       + (f"; coda / that: {', '.join(ratios)}" if ratios else "") + "." + _fp32_wgrad_sequence(r)
                       + _autotuned_sequence(floor)]
+    if r.get("graph_floor_runs"):
+        lines += ["", "Other runs of this shape against the floor back to back, newest first (each ratio within its own run):", ""]
+        for run in r["graph_floor_runs"]:
+            name, ms = _best_coda(run)
+            b2b = run["variants"]["floor"]["back_to_back"]["median_ms"]
+            lines.append(f"- {run['environment']['date']}{_code(run['environment'])}: {name} {ms:.2f} ms / {b2b:.2f} ms = "
+                         f"{ms / b2b:.3f} (`{run['command']}`)")
     for run in r.get("tuned_floor_runs", []):
         tf = run["variants"]["floor"]
         b2b = tf.get("back_to_back", {}).get("median_ms")

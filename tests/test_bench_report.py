@@ -209,6 +209,33 @@ def test_a_tuned_floor_run_supplements_the_main_run(tmp_path):
     assert text.count("autotuned pick instead") == 1  # the main run timed no such sequence
 
 
+def test_other_runs_against_the_graph_floor_are_listed_with_their_ratio(tmp_path):
+    """Every other run of a shape that timed CODA against the floor back to back is one line under the main run's
+    floor, newest first, each ratio within its own run (the run-to-run spread of the target's ratio); a run without
+    that floor sequence, or a --floor-quack-tuned one (it has its own line), is not."""
+    runs = {}
+    for name, date, coda_ms, b2b in (("main", "2026-12-06 06:17 UTC", 40.0, 37.0), ("a", "2026-12-06 06:08 UTC", 39.0, 36.0),
+                                     ("b", "2026-12-06 06:10 UTC", 38.0, 36.5), ("old", "2026-11-30 10:00 UTC", 41.0, None),
+                                     ("tuned", "2026-12-06 05:00 UTC", 39.0, 36.0)):
+        r = _result("125m")
+        r["environment"] = dict(r["environment"], date=date)
+        r["command"] = f"scripts/bench.py --shape 125m --tag=-{name}"
+        r["variants"]["coda"]["fwd_bwd"] = {"median_ms": coda_ms}
+        if b2b:
+            r["variants"]["floor"]["back_to_back"] = {"median_ms": b2b}
+        if name == "tuned":
+            r["variants"]["floor"]["quack_tuned"] = True
+        runs[name] = tmp_path / f"{name}.json"
+        runs[name].write_text(json.dumps(r))
+    md = tmp_path / "t.md"
+    _report(list(runs.values()), md, tmp_path / "t.png", tmp_path)
+    text = md.read_text()
+    assert ("Other runs of this shape against the floor back to back, newest first (each ratio within its own run):\n\n"
+            "- 2026-12-06 06:10 UTC: coda 38.00 ms / 36.50 ms = 1.041 (`scripts/bench.py --shape 125m --tag=-b`)\n"
+            "- 2026-12-06 06:08 UTC: coda 39.00 ms / 36.00 ms = 1.083 (`scripts/bench.py --shape 125m --tag=-a`)\n\n") in text
+    assert "--tag=-old`" not in text and "--tag=-tuned`)" not in text.split("Other runs")[1].split("\n\n")[1]
+
+
 def test_peers_from_separate_runs_compare_within_their_own_run(tmp_path):
     """A newer run with a floor is the shape's main run; a separate `--variants compile-max-autotune,coda`
     run (and an older full run with Liger) add their peers, each against the CODA step of its own run."""
