@@ -4,11 +4,12 @@ what the SASS uses. A consumer warpgroup that spills its epilogue values to loca
 epilogue several times slower, which no mainloop can hide (docs/kernels.md, "Register spills").
 
     QUACK_ARCH=90 CUTE_DSL_ARCH=sm_90a python scripts/register_audit.py [--shapes 125m,1b-4x4096,8b-slice]
-        [--gpu H200] [--configs table|candidates] [--ops OP,...] [--out DIR]
+        [--gpu H200] [--configs table|candidates] [--ops OP,...] [--census] [--out DIR]
 
 --configs table: the config each launch runs on --gpu (the shipped table, else the default);
---configs candidates: every candidate config tune_gemm.py tries for the op. Needs ptxas (CUDA 12.8+)
-on PATH. Prints a table and writes register_audit.json under --out.
+--configs candidates: every candidate config tune_gemm.py tries for the op. --census: also each kernel's
+epilogue instructions per accumulator element, by opcode, from its SASS (nvdisasm: PATH or triton's).
+Needs ptxas (CUDA 12.8+) on PATH. Prints a table and writes register_audit.json under --out.
 """
 
 from __future__ import annotations
@@ -42,13 +43,15 @@ _PTXAS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) b
                     re.S)
 
 
+def _ptx_for_local_ptxas(text: str) -> str:
+    """CuTeDSL may emit a newer PTX ISA version than the local ptxas reads; the sm_90a code it uses is older."""
+    m = re.search(r"^\.version (\d+)\.(\d+)", text, re.M)
+    return text.replace(m[0], ".version 8.7", 1) if m else text
+
+
 def ptxas_usage(ptx: Path) -> dict:
     """{registers, spill_stores, spill_loads, stack} of one kernel's PTX, from `ptxas -v` for sm_90a."""
-    text = ptx.read_text()
-    # CuTeDSL may emit a newer PTX ISA version than the local ptxas reads; the sm_90a code it uses is older.
-    m = re.search(r"^\.version (\d+)\.(\d+)", text, re.M)
-    if m:
-        text = text.replace(m[0], ".version 8.7", 1)
+    text = _ptx_for_local_ptxas(ptx.read_text())
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp, "k.ptx")
         src.write_text(text)
@@ -60,15 +63,64 @@ def ptxas_usage(ptx: Path) -> dict:
     return {"registers": regs, "spill_stores": stores, "spill_loads": loads, "stack": stack}
 
 
-def compile_and_audit(launch: dict, cfg) -> list[dict]:
-    """Compile one launch with `cfg` and audit every kernel that compile produced (the RoPE op is two)."""
+def _nvdisasm() -> str:
+    """nvdisasm from PATH, else the one triton ships with its CUDA tools."""
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    import triton
+
+    bundled = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
+    if not bundled.exists():
+        raise RuntimeError("no nvdisasm on PATH or in triton's CUDA tools")
+    return str(bundled)
+
+
+def sass(ptx: Path) -> str:
+    """The sm_90a SASS of one kernel's PTX (ptxas to a cubin, then nvdisasm)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src, cubin = Path(tmp, "k.ptx"), Path(tmp, "k.cubin")
+        src.write_text(_ptx_for_local_ptxas(ptx.read_text()))
+        subprocess.run(["ptxas", "-arch=sm_90a", str(src), "-o", str(cubin)], check=True, capture_output=True)
+        return subprocess.run([_nvdisasm(), "-c", str(cubin)], check=True, capture_output=True, text=True).stdout
+
+
+_SASS_OP = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_]*)", re.M)
+
+
+def epilogue_census(text: str, elements_per_thread: int) -> dict:
+    """Instructions a thread issues per accumulator element after the kernel's last HGMMA (its epilogue, unrolled
+    over the tile), by opcode: what one consumer warpgroup's epilogue costs in issue slots (docs/kernels.md)."""
+    ops = _SASS_OP.findall(text.split("HGMMA")[-1])
+    counts = {}
+    for op in ops:
+        counts[op] = counts.get(op, 0) + 1
+    per = {op: n / elements_per_thread for op, n in sorted(counts.items(), key=lambda kv: -kv[1])}
+    return {"total": len(ops) / elements_per_thread, "by_opcode": per}
+
+
+def compiled_ptx(launch: dict, cfg) -> list[Path]:
+    """Compile one launch with `cfg`: the PTX of every kernel that compile produced (the RoPE op is two)."""
     from coda_train.kernels.cute._launch import compile_only
 
     for old in Path(_DUMP).glob("*.ptx"):  # dump names omit the config: a later compile would overwrite
         old.unlink()
     with compile_only():
         compile_launch(launch, cfg)
-    return [ptxas_usage(p) for p in sorted(Path(_DUMP).glob("*.ptx"))]
+    return sorted(Path(_DUMP).glob("*.ptx"))
+
+
+def compile_and_audit(launch: dict, cfg, census: bool = False) -> list[dict]:
+    """Compile one launch with `cfg` and audit every kernel that compile produced; with census, also its
+    epilogue's instructions per accumulator element (one consumer warpgroup of 128 threads holds a pingpong
+    tile, two hold a cooperative one)."""
+    audits = []
+    for ptx in compiled_ptx(launch, cfg):
+        usage = ptxas_usage(ptx)
+        if census:
+            usage["epilogue"] = epilogue_census(sass(ptx), cfg.tile_M * cfg.tile_N // (128 if cfg.pingpong else 256))
+        audits.append(usage)
+    return audits
 
 
 def main() -> None:
@@ -77,6 +129,8 @@ def main() -> None:
     p.add_argument("--gpu", default="H200", help="the tile table's GPU whose configs --configs table audits")
     p.add_argument("--configs", choices=("table", "candidates"), default="table")
     p.add_argument("--ops", default="", help="comma-separated op names (default: all)")
+    p.add_argument("--census", action="store_true",
+                   help="also disassemble each kernel and count its epilogue's instructions per accumulator element")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/register_audit")))
     args = p.parse_args()
     # a wrong name would audit nothing and report "0 of 0 kernels spill": a false all-clear
@@ -104,7 +158,7 @@ def main() -> None:
             key = (op, str(cfg))
             if key not in seen:  # kernels compile per (program, config), not per shape
                 try:
-                    seen[key] = compile_and_audit(launch, cfg)
+                    seen[key] = compile_and_audit(launch, cfg, args.census)
                 except Exception as e:  # reported, not fatal: the audit covers the rest
                     seen[key] = [{"error": f"{type(e).__name__}: {str(e)[:200]}"}]
             for usage in seen[key]:
@@ -114,6 +168,9 @@ def main() -> None:
                       (u["error"] if "error" in u else
                        f"{u['registers']:4d} regs  spill {u['spill_stores']:5d} B stored {u['spill_loads']:5d} B loaded"),
                       flush=True)
+                if "epilogue" in u:
+                    top = ", ".join(f"{o} {n:.2f}" for o, n in list(u["epilogue"]["by_opcode"].items())[:10])
+                    print(f"    epilogue: {u['epilogue']['total']:.1f} instructions a thread per element ({top}, ...)")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "register_audit.json").write_text(json.dumps({"gpu": args.gpu, "configs": args.configs, "rows": rows}, indent=1))
     spilling = sorted({(r["op"], r["config"]) for r in rows if r.get("spill_stores")})

@@ -418,6 +418,19 @@ for cfg in (Cfg(128, 192), Cfg(128, 128)):
     assert usage["128x128 c2x1 pingpong"]["spill_stores"] == 0 and usage["128x128 c2x1 pingpong"]["registers"] > 0, usage
 
 
+def test_register_audit_census_counts_the_epilogues_instructions_per_element(stack, tmp_path):
+    """register_audit.py --census disassembles a kernel GPU-blind and counts its epilogue's SASS per accumulator element:
+    the 125m dSwiGLU at 128x128 pingpong (128 elements a thread) issues three MUFU ops an element (the sigmoid's exp2 and
+    reciprocal, and 1/gate for q = a / gate: docs/kernels.md, "What one epilogue issues") among ~30 instructions."""
+    usage = dswiglu_audit(tmp_path, '''
+(usage,) = A.compile_and_audit(launch, Cfg(128, 128, 1, 2), census=True)
+print(json.dumps(["op", usage]))
+''')
+    census = usage["op"]["epilogue"]
+    assert census["by_opcode"]["MUFU"] == 3.0, census
+    assert 20 < census["total"] < 45 and census["by_opcode"]["FMUL"] >= 6, census
+
+
 def test_narrow_epilogue_subtile_removes_the_wide_tile_spills(stack, tmp_path):
     """scripts/epilogue_subtile.py's dSwiGLU program (16-column epilogue subtiles) compiles GPU-blind
     and spills at most a few bytes at 128x192 pingpong, where the op's own program spills (280 B of
