@@ -458,6 +458,24 @@ def test_overlap_summary_counts_nccl_time_under_compute():
                                              "overlapped_fraction": 0.45})
 
 
+def test_data_parallel_asked_of_one_process_is_said(caplog):
+    """trainer.parallel=ddp or fsdp in a plain `python train.py` trains as none (one config, any size), and says so
+    with the launch that runs it data-parallel; auto and none choose one process and say nothing."""
+    from coda_train.trainer.distributed import World, resolve_parallel
+
+    for name in ("auto", "none"):
+        assert resolve_parallel(name, World()) == "none"
+    assert not caplog.records
+    for name in ("ddp", "fsdp"):
+        caplog.clear()
+        assert resolve_parallel(name, World()) == "none"
+        assert [r.levelname for r in caplog.records] == ["WARNING"]
+        assert (f"trainer.parallel={name} needs several processes, and this run is one" in caplog.text
+                and "trains as trainer.parallel=none" in caplog.text
+                and "torchrun --standalone --nproc_per_node=N train.py" in caplog.text)
+    assert resolve_parallel("ddp", World(rank=0, world_size=2)) == "ddp"
+
+
 def test_fsdp_only_options_are_refused_under_ddp(caplog):
     from coda_train.errors import ConfigError
     from coda_train.trainer.distributed import check_fsdp_options

@@ -64,11 +64,16 @@ def process_device(device: torch.device, world: World) -> torch.device:
 
 
 def resolve_parallel(name: str, world: World) -> str:
-    """trainer.parallel for this world: none | ddp | fsdp."""
+    """trainer.parallel for this world: none | ddp | fsdp. ddp or fsdp asked of one process runs as none, said and
+    not refused (as check_fsdp_options does), so one config serves a run on one GPU and on several."""
     if name == "auto":
         return "fsdp" if world.distributed else "none"
-    if name != "none" and not world.distributed:
-        return "none"  # one process has nothing to average or shard
+    if name != "none" and not world.distributed:  # one process has nothing to average or shard
+        log.warning("trainer.parallel=%s needs several processes, and this run is one (launched without torchrun, or "
+                    "with --nproc_per_node=1): it trains as trainer.parallel=none on one device. To train "
+                    "data-parallel, launch one process per GPU: NCCL_NVLS_ENABLE=0 torchrun --standalone "
+                    "--nproc_per_node=N train.py ...", name)
+        return "none"
     if name == "none" and world.distributed:
         raise ConfigError(f"trainer.parallel=none cannot run {world.world_size} processes (each would train alone); "
                           "use trainer.parallel=fsdp or ddp, or launch one process")
