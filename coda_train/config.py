@@ -5,7 +5,8 @@ a group's dataclass and its choices live with the code that uses them (DataConfi
 OptimConfig in trainer/optim.py, LoggerConfig in trainer/metrics.py), and ModelConfig is derived
 from the model's LlamaConfig. `register_configs()` puts the whole tree in hydra's ConfigStore as
 `base_config`, which `configs/config.yaml` lists first, so an unknown key or a wrong type fails
-before anything runs. Cross-field checks that need the data (vocab size) or the preset live here too.
+before anything runs (a bool key given anything but true or false fails in `to_dataclass`). Cross-field
+checks that need the data (vocab size) or the preset live here too.
 """
 
 from __future__ import annotations
@@ -117,9 +118,27 @@ def _first_non_null(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
+BOOL_TYPES = (bool, Optional[bool])
+
+
+def _bools_as_given(schema: type) -> type:
+    """schema as hydra composes it: every bool field, in every group, typed Any. OmegaConf turns whatever it sets
+    into a bool field into a bool (2, 'yes' and 'on' become True), so to_dataclass sees the value as given
+    and refuses what is not true or false (_non_bools)."""
+    hints = typing.get_type_hints(schema)
+    fields = []
+    for f in dataclasses.fields(schema):
+        if dataclasses.is_dataclass(hints[f.name]):
+            group = _bools_as_given(hints[f.name])
+            fields.append((f.name, group, dataclasses.field(default_factory=group)))
+        elif hints[f.name] in BOOL_TYPES:
+            fields.append((f.name, Any, dataclasses.field(default=f.default)))
+    return dataclasses.make_dataclass(schema.__name__, fields, bases=(schema,), namespace={"__module__": __name__})
+
+
 def register_configs() -> None:
     """Make the schema known to hydra (as `base_config`) and the resolvers the run dir uses."""
-    ConfigStore.instance().store(name="base_config", node=Config)
+    ConfigStore.instance().store(name="base_config", node=_bools_as_given(Config))
     if not OmegaConf.has_resolver("first_non_null"):
         OmegaConf.register_new_resolver("first_non_null", _first_non_null)
     if not OmegaConf.has_resolver("expanduser"):  # hydra makes trainer.run_dir itself, before expand_home runs
@@ -279,10 +298,21 @@ def _unknown_keys(node: Any, schema: type, prefix: str = "") -> list[str]:
     return found
 
 
+def _non_bools(node: Any, schema: type, prefix: str = "") -> list[tuple[str, Any, type]]:
+    """(key, value, schema type) of every bool setting whose value is not a bool (None where the type allows it)."""
+    found = []
+    for key, kind in typing.get_type_hints(schema).items():
+        if dataclasses.is_dataclass(kind):
+            found += _non_bools(node[key], kind, f"{prefix}{key}.")
+        elif kind in BOOL_TYPES and not isinstance(node[key], bool) and not (node[key] is None and kind != bool):
+            found.append((prefix + key, node[key], kind))
+    return found
+
+
 def to_dataclass(cfg: Any) -> Config:
-    """A hydra DictConfig (built on the Config schema) as plain typed dataclasses. Keys that hydra
+    """A hydra DictConfig (built on the Config schema, bools as given) as plain typed dataclasses. Keys that hydra
     let in with `+key=value` but the schema does not know are an error, not silently dropped, and so are
-    keys without a value (MISSING, `???`)."""
+    keys without a value (MISSING, `???`) and bool settings given anything but true or false."""
     unknown = _unknown_keys(cfg, Config)
     if unknown:
         raise ConfigError(f"unknown config keys {unknown}: not fields of coda_train/config.py Config; "
@@ -292,4 +322,9 @@ def to_dataclass(cfg: Any) -> Config:
         raise ConfigError(f"config keys {missing} have no value: set each on the command line (e.g. "
                           f"{missing[0]}=...) or in the config group file that should set it (configs/trainer/default.yaml "
                           "sets trainer.max_steps, batch_size and seq_len; configs/model/*.yaml set model.preset)")
-    return expand_home(OmegaConf.to_object(cfg))
+    for key, value, kind in _non_bools(cfg, Config):
+        accepted = "true or false" if kind == bool else "true, false or null (the preset's value)"
+        raise ConfigError(f"{key}={'null' if value is None else repr(value)} is not a boolean: {key} takes "
+                          f"{accepted} (unquoted)")
+    # the Config schema itself, whose bool fields now hold bools
+    return expand_home(OmegaConf.to_object(OmegaConf.merge(Config, OmegaConf.to_container(cfg, resolve=True))))

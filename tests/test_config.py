@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+import typing
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import OmegaConf
 
-from coda_train.config import ModelConfig, check_config, register_configs, resolve_model_config, to_dataclass
+from coda_train.config import Config, ModelConfig, TrainerConfig, check_config, register_configs, resolve_model_config, to_dataclass
 from coda_train.errors import ConfigError
 from coda_train.model import PRESETS, LlamaConfig, build_model, preset
 from coda_train.trainer.optim import build_optimizer, lr_multiplier
@@ -107,6 +111,34 @@ def test_keys_without_a_value_name_themselves_and_the_fix():
     with pytest.raises(ConfigError, match=r"config keys \['trainer.batch_size', 'trainer.seq_len'\] have no value: set "
                                           r"each on the command line \(e.g. trainer.batch_size=...\)"):
         load("trainer.batch_size=???", "trainer.seq_len=???")
+
+
+def _bool_keys(schema: type = Config, prefix: str = "") -> list[str]:
+    hints = typing.get_type_hints(schema)
+    return [key for name, kind in hints.items()
+            for key in (_bool_keys(kind, f"{prefix}{name}.") if dataclasses.is_dataclass(kind)
+                        else [prefix + name] if kind in (bool, Optional[bool]) else [])]
+
+
+@pytest.mark.parametrize("key", _bool_keys())
+def test_bool_keys_take_true_or_false_only(key):
+    """OmegaConf reads 2, 'yes' or 'on' set into a bool field as true: every bool key refuses them, naming itself."""
+    for spelling, value in (("true", True), ("False", False)):
+        assert OmegaConf.select(OmegaConf.structured(load(f"{key}={spelling}")), key) is value
+    accepted = "true, false or null (the preset's value)" if key.startswith("model.") else "true or false"
+    for given, shown in (("2", "2"), ("0", "0"), ("yes", "'yes'"), ("on", "'on'"), ("'true'", "'true'"), ("[1]", "[1]")):
+        with pytest.raises(ConfigError, match=re.escape(f"{key}={shown} is not a boolean: {key} takes {accepted} (unquoted)")):
+            load(f"{key}={given}")
+    if not key.startswith("model."):
+        with pytest.raises(ConfigError, match=re.escape(f"{key}=null is not a boolean")):
+            load(f"{key}=null")
+
+
+def test_a_composed_config_is_the_schema_itself():
+    cfg = load()
+    assert type(cfg) is Config and type(cfg.trainer) is TrainerConfig and type(cfg.model) is ModelConfig
+    assert cfg.trainer.progress_bar is True and cfg.model.tie_embeddings is None
+    assert {"trainer.progress_bar", "trainer.ckpt_async", "data.streaming", "model.tie_embeddings"} <= set(_bool_keys())
 
 
 @pytest.mark.parametrize("override, message", [
