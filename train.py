@@ -61,6 +61,7 @@ def main(cfg: DictConfig) -> None:
         except ConfigError as e:
             log.error("%s", e)
             raise
+        say_preset_unused(config, list(hydra_config.overrides.task))
         end = train(config, Path(hydra_config.runtime.output_dir), sweep_dir)
     except STOP_ERRORS as e:  # train() logged it; kernels.BackendError is a ConfigError
         code = exit_code(e)
@@ -72,6 +73,19 @@ def main(cfg: DictConfig) -> None:
         return
     if end.stopped_by:  # saved and stopped: exit now, so a multirun sweep stops too instead of starting its next job
         sys.exit(0)
+
+
+def say_preset_unused(config: Config, overrides: list[str]) -> None:
+    """model.init_from fixes the model's shape and weights (resolve_model_config), so a preset chosen beside it is not
+    used, while config.yaml records it all the same: said on rank 0. Only the command line tells a chosen preset from
+    configs/config.yaml's default (model: tiny); one chosen in another config file (--config-name) is not seen."""
+    chosen = [o for o in overrides if o.split("=", 1)[0].lstrip("+") in ("model", "model.preset")]
+    if not chosen or config.model.init_from is None or int(os.environ.get("RANK", "0")) != 0:
+        return
+    log.warning("%s and model.init_from=%s both choose the model: the run takes model.init_from's shape and weights, "
+                "and the preset %s is not used (config.yaml records model.preset=%s all the same; its resolved_model "
+                "is the shape trained). Drop %s, or drop model.init_from to train %s from scratch", chosen[-1],
+                config.model.init_from, config.model.preset, config.model.preset, chosen[-1], config.model.preset)
 
 
 def remove_if_made_here_and_empty(run_dir: Path) -> None:

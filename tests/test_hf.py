@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 transformers = pytest.importorskip("transformers")  # the `hf` extra (in `dev`)
 
@@ -289,12 +290,29 @@ def test_continued_pretraining_from_an_export_starts_at_the_loss_it_ended_at(tra
                         "optim.lr=1e-12", "optim.warmup_steps=1", "trainer.eval_every=1", "data.vocab_size=400")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "tiny-llama" in result.stdout  # the log names the model it started from
+    assert "both choose the model" not in result.stdout + result.stderr  # the default preset is no choice
     assert abs(_last_val_loss(run_dir) - _last_val_loss(trained_run)) < 1e-5
     # the tools that reopen a run's data find the data it trained on (the export's tokenizer), preparing none
     prepared = sorted(p.name for p in (Path(tiny_cache(tiny))).iterdir())
     result = run_script("eval.py", str(run_dir), "--max-batches", "1")
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(p.name for p in (Path(tiny_cache(tiny))).iterdir()) == prepared
+
+
+def test_a_preset_chosen_beside_init_from_is_said_to_be_unused(exported, tiny, tmp_path):
+    """model=llama3_1b with model.init_from trains init_from's model, while config.yaml records the preset: the log
+    names both and the one used (model.preset=... the same)."""
+    for choice in ("model=llama3_1b", "model.preset=llama3_1b"):
+        run_dir = tmp_path / choice.split("=")[0]
+        result = _train_cli(*tiny, choice, f"trainer.run_dir={run_dir}", f"model.init_from={exported}",
+                            "trainer.max_steps=1", "trainer.eval_every=0")
+        out = result.stdout + result.stderr
+        assert result.returncode == 0, out[-3000:]
+        assert (f"{choice} and model.init_from={exported} both choose the model: the run takes model.init_from's "
+                "shape and weights, and the preset llama3_1b is not used") in out, out[-3000:]
+        assert f"Drop {choice}, or drop model.init_from to train llama3_1b from scratch" in out
+        recorded = yaml.safe_load((run_dir / "config.yaml").read_text())
+        assert recorded["model"]["preset"] == "llama3_1b" and recorded["resolved_model"]["dim"] == 64
 
 
 @pytest.mark.parametrize("override, named", [("model.dim=128", "model.dim=128 (the checkpoint has 64)"),
