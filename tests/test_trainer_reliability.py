@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from coda_train.config import check_config
+from coda_train.data import DataError
 from coda_train.durable import LockHeldError, exclusive_lock
 from coda_train.errors import ConfigError
 from coda_train.model import preset
@@ -452,6 +454,54 @@ def test_a_resume_with_another_corpus_setting_says_which_not_that_the_files_chan
     assert ("this run's data settings differ from the checkpoint's (data.text_field: checkpoint 'text' vs this run "
             "'content'); this resumed run continues on the data it prepared") in caplog.text
     assert "its files changed" not in caplog.text
+
+
+def test_a_resume_whose_data_tokenizer_is_gone_continues_on_the_data_it_prepared(tiny, tmp_path, monkeypatch, caplog):
+    """data.tokenizer deleted after the run began: the resumed run continues on the folder it prepared, which holds a
+    copy of it (as a resume whose corpus or model.init_from is gone does). With that folder gone too it stops before
+    any data work, naming the run, the tokenizer path its data was prepared with and the fixes a resume has (not a new
+    run's: leave data.tokenizer unset to train a BPE); a copy of that tokenizer (the same fingerprint) then continues
+    it, and another tokenizer is refused before it prepares anything."""
+    tiny_cache = Path(next(a for a in tiny if a.startswith("data.cache_dir=")).split("=", 1)[1])
+    tokenizer, cache, run_dir = tmp_path / "tokenizer.json", tmp_path / "cache", tmp_path / "run"
+    shutil.copy(next(tiny_cache.glob("*/tokenizer.json")), tokenizer)
+    run = (*tiny, f"data.tokenizer={tokenizer}", f"data.cache_dir={cache}", "trainer.eval_every=0")
+    train_in_process(run_dir, *run, "trainer.max_steps=2")
+    tokenizer.unlink()
+    monkeypatch.setattr("coda_train.trainer.loop.prepare", lambda *a, **k: pytest.fail("the data was prepared again"))
+    train_in_process(run_dir, *run, "trainer.max_steps=3")
+    assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3]
+    (folder,) = cache.iterdir()
+    assert (f"data.tokenizer={tokenizer} does not exist any more: this resumed run continues on the data it prepared "
+            f"with it, {folder}, which holds a copy of it") in caplog.text
+
+    folder.rename(tmp_path / "aside")
+    before = snapshot(run_dir)
+    recorded = json.loads((tmp_path / "aside" / "manifest.json").read_text())["tokenizer"]["fingerprint"]
+    with pytest.raises(DataError) as error:
+        train_in_process(run_dir, *run, "trainer.max_steps=4")
+    assert str(error.value) == (
+        f"data.tokenizer={tokenizer}, the tokenizer run {run_dir} prepared its data with, is gone; the checkpoint's "
+        f"prepared data ({folder}) is gone, and without that tokenizer it cannot be prepared again. Restore the "
+        f"tokenizer at {tokenizer}, or set data.tokenizer to a copy of it (the same tokenizer.json, of fingerprint "
+        f"{recorded[:12]}... as the checkpoint records); nothing was prepared or changed")
+    with pytest.raises(ConfigError, match=f"data.tokenizer={tmp_path / 'typo.json'} does not exist, and the data of "
+                       f"checkpoint .*step_00000003 was prepared with data.tokenizer={tokenizer}: resume with "
+                       f"data.tokenizer={tokenizer}$"):
+        train_in_process(run_dir, *run, "trainer.max_steps=4", f"data.tokenizer={tmp_path / 'typo.json'}")
+    other = Tokenizer.from_file(str(tmp_path / "aside" / "tokenizer.json"))
+    other.add_tokens(["<|another|>"])
+    other.save(str(tmp_path / "other.json"))
+    with pytest.raises(CheckpointError, match=f"data.tokenizer={tmp_path / 'other.json'} is another tokenizer .* than "
+                       rf"checkpoint .*step_00000003 was trained with \({recorded[:12]}\.\.\.\), and the run's prepared "
+                       "data .* is gone"):
+        train_in_process(run_dir, *run, "trainer.max_steps=4", f"data.tokenizer={tmp_path / 'other.json'}")
+    assert snapshot(run_dir) == before and not any(cache.iterdir())  # nothing prepared
+
+    monkeypatch.undo()  # the run's tokenizer, copied: its data is prepared again with it and the run goes on
+    shutil.copy(tmp_path / "aside" / "tokenizer.json", tmp_path / "copy.json")
+    train_in_process(run_dir, *run, "trainer.max_steps=4", f"data.tokenizer={tmp_path / 'copy.json'}")
+    assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3, 4]
 
 
 def test_a_resume_its_checkpoint_would_refuse_stops_before_the_data_is_prepared(tiny, tmp_path, monkeypatch):

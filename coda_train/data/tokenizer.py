@@ -41,15 +41,20 @@ def train_bpe(texts: Iterable[str], vocab_size: int, show_progress: bool = False
     return tokenizer
 
 
+def tokenizer_file(path: str) -> Path:
+    """The tokenizer.json that `path` names: the file itself, or the one in an HF tokenizer directory."""
+    p = Path(path).expanduser()
+    return p / "tokenizer.json" if p.is_dir() else p
+
+
 def load_tokenizer(path: str, setting: str = "data.tokenizer",
                    otherwise: str = "leave it unset to train a BPE") -> tuple[Tokenizer, Optional[str]]:
     """A tokenizer.json file or an HF tokenizer directory; also returns the EOS named in its tokenizer_config.json, if any.
     `setting` is where the caller's user gave the path (data.tokenizer, model.init_from, a script's --tokenizer) and
     `otherwise` what they can do instead: the errors name both as the fix."""
-    p = Path(path).expanduser()
-    file = p / "tokenizer.json" if p.is_dir() else p
+    file = tokenizer_file(path)
     if not file.is_file():
-        hint = " (only tokenizers with a tokenizer.json are supported; save one with save_pretrained)" if p.is_dir() else ""
+        hint = " (only tokenizers with a tokenizer.json are supported; save one with save_pretrained)" if file != Path(path).expanduser() else ""
         raise DataError(f"tokenizer file {file} does not exist{hint}; fix {setting}={path}, or {otherwise}")
     try:
         tokenizer = Tokenizer.from_file(str(file))

@@ -19,11 +19,12 @@ import torch
 from coda_train.config import Config, TrainerConfig, resolve_model_config
 from coda_train.data import DataConfig, DataError, PreparedData, TokenLoader, prepared_folder
 from coda_train.data.loader import GLOBAL_BATCH, global_batch_refusal
-from coda_train.data.tokenizer import load_tokenizer
+from coda_train.data.tokenizer import fingerprint, load_tokenizer, tokenizer_file
 from coda_train.errors import ConfigError
 from coda_train.model import LlamaConfig, build_model, kernel_shape_errors
 
-from .checkpoint import Checkpoint, CheckpointError, check_same_model, recorded_prepared_data, saved_model
+from .checkpoint import (Checkpoint, CheckpointError, check_same_model, recorded_prepared_data, recorded_prepared_folder,
+                         saved_model)
 from .distributed import World, barrier, from_main, shard_model
 from .optim import build_optimizer, build_scheduler
 from .state import TrainState, seed_all
@@ -52,6 +53,25 @@ def init_from_missing(cfg: Config) -> bool:
     return cfg.model.init_from is not None and not (Path(cfg.model.init_from).expanduser() / "config.json").is_file()
 
 
+def tokenizer_missing(cfg: Config) -> bool:
+    """data.tokenizer is set and names no tokenizer.json any more (moved, deleted): a new run stops on it
+    (check_model_before_data); a resumed one continues on its checkpoint's prepared data (checkpoint_data)."""
+    return cfg.data.tokenizer is not None and not tokenizer_file(cfg.data.tokenizer).is_file()
+
+
+def check_missing_tokenizer_is_the_runs(cfg: Config, checkpoint: Checkpoint) -> None:
+    """A resumed run's data.tokenizer that names no tokenizer any more (tokenizer_missing) is the one the checkpoint's
+    data was prepared with (its config records it absolute); ConfigError naming that one otherwise (a typo, another
+    cwd), as init_from_shape does for model.init_from."""
+    saved = ((checkpoint.meta.get("config") or {}).get("data") or {}).get("tokenizer")
+    if saved in (cfg.data.tokenizer, str(Path(cfg.data.tokenizer).expanduser().absolute())):
+        return
+    fix = (f"was prepared with data.tokenizer={saved}: resume with data.tokenizer={saved}" if saved else
+           "was prepared without data.tokenizer (a BPE trained by the run, or model.init_from's tokenizer): leave "
+           "data.tokenizer unset to resume it")
+    raise ConfigError(f"data.tokenizer={cfg.data.tokenizer} does not exist, and the data of checkpoint {checkpoint.path} {fix}")
+
+
 def recorded_init_from(cfg: Config) -> str:
     """model.init_from as a run's config records it (absolute: a resume from another directory compares the same)."""
     return str(Path(cfg.model.init_from).expanduser().absolute())
@@ -78,31 +98,42 @@ def init_from_shape(cfg: Config, checkpoint: Checkpoint) -> LlamaConfig:
 _PREPARED_BY = ("split", "text_field", "eos_token", "val_fraction", "max_documents", "tokens_per_shard", "decode_errors")
 
 
-def checkpoint_data(checkpoint: Checkpoint, data: DataConfig) -> PreparedData:
-    """The data of a resumed run whose model.init_from, its data's tokenizer, holds no config.json any more: the
-    checkpoint's prepared folder, where this run's data settings (data, as the run uses them) would prepare the
-    same. Without that tokenizer the data can be neither found nor prepared otherwise: DataError naming the fix,
-    before any GPU work (never the advice to prepare again, which would need that tokenizer)."""
-    fix = (f"Restore {checkpoint.meta['config']['model']['init_from']}, or set data.tokenizer to a copy of that model's "
-           "tokenizer (its tokenizer.json; the prepared folder holds one)")
+def checkpoint_data(checkpoint: Checkpoint, cfg: Config) -> PreparedData:
+    """The data of a resumed run whose data's tokenizer is gone: model.init_from's (it holds no config.json any more)
+    or data.tokenizer's (tokenizer_missing). The checkpoint's prepared folder, which holds a copy of that tokenizer,
+    where this run's data settings would prepare the same. Without that tokenizer the data can be neither found nor
+    prepared otherwise: DataError naming the fix, before any GPU work (never the advice to prepare again, which would
+    need that tokenizer)."""
+    data, saved = data_config(cfg), checkpoint.meta["config"]
+    if cfg.data.tokenizer is None:  # the data's tokenizer was model.init_from's (the run's warning said it is gone)
+        lost, gone = "", "model.init_from's tokenizer"
+        fix = (f"Restore {saved['model']['init_from']}, or set data.tokenizer to a copy of that model's tokenizer (its "
+               "tokenizer.json")
+    else:
+        tokenizer, recorded = saved["data"]["tokenizer"], checkpoint.meta.get("tokenizer")  # its path, its fingerprint
+        lost = f"data.tokenizer={tokenizer}, the tokenizer run {checkpoint.path.parent.parent} prepared its data with, is gone; "
+        gone = "that tokenizer"
+        fix = (f"Restore the tokenizer at {tokenizer}, or set data.tokenizer to a copy of it (the same tokenizer.json"
+               + (f", of fingerprint {recorded[:12]}... as the checkpoint records" if recorded else ""))
+    in_folder = f"{fix}; the prepared folder holds one)"  # where that folder is there, damaged or of other settings
     try:
-        prepared = recorded_prepared_data(checkpoint.meta, data.verify_shards, fix=fix[0].lower() + fix[1:])
+        prepared = recorded_prepared_data(checkpoint.meta, data.verify_shards, fix=in_folder[0].lower() + in_folder[1:])
     except DataError as e:
-        raise DataError(f"the checkpoint's prepared data cannot be read, and without model.init_from's tokenizer it "
-                        f"cannot be prepared again: {e}") from e
+        raise DataError(f"{lost}the checkpoint's prepared data cannot be read, and without {gone} it cannot be prepared "
+                        f"again: {e}") from e
     if prepared is None:
-        raise DataError(f"the checkpoint's prepared data ({checkpoint.meta.get('prepared_data') or 'not recorded'}) is "
-                        f"gone, and without model.init_from's tokenizer it cannot be prepared again. {fix}")
+        raise DataError(f"{lost}the checkpoint's prepared data ({checkpoint.meta.get('prepared_data') or 'not recorded'}) "
+                        f"is gone, and without {gone} it cannot be prepared again. {fix}); nothing was prepared or changed")
     inputs = prepared.manifest.get("inputs") or {}
-    saved_source = (checkpoint.meta["config"].get("data") or {}).get("source")
+    saved_source = (saved.get("data") or {}).get("source")
     changed = [f"data.{k}: checkpoint {inputs[k]!r} vs this run {getattr(data, k)!r}" for k in _PREPARED_BY
                if k in inputs and inputs[k] is not None and inputs[k] != getattr(data, k)]
     if saved_source not in (data.source, str(Path(data.source).expanduser().absolute())):
         changed.append(f"data.source: checkpoint {saved_source!r} vs this run {data.source!r}")
     if changed:
-        raise DataError(f"this run's data settings differ from the checkpoint's ({', '.join(changed)}), and without "
-                        f"model.init_from's tokenizer the data cannot be prepared again. Resume with the checkpoint's "
-                        f"data settings; or: {fix}")
+        raise DataError(f"{lost}this run's data settings differ from the checkpoint's ({', '.join(changed)}), and "
+                        f"without {gone} the data cannot be prepared again. Resume with the checkpoint's data settings; "
+                        f"or: {in_folder}")
     return prepared
 
 
@@ -164,7 +195,8 @@ def check_resume_before_data(cfg: Config, checkpoint: Checkpoint, world_size: in
                              init_from_shape: Optional[LlamaConfig] = None) -> None:
     """What a resumed run would otherwise refuse only after preparing its data (hours for a large corpus), read from
     the checkpoint's meta.json: the data settings that decide other shards, trainer.seq_len (other windows), another
-    global batch on another micro-batch layout (TokenLoader.load_state_dict's rule) and the model's shape.
+    global batch on another micro-batch layout (TokenLoader.load_state_dict's rule), the model's shape, and a given
+    tokenizer of another fingerprint where the run's prepared folder is gone (the data would be prepared with it).
     CheckpointError naming the checkpoint's values; nothing is prepared or written."""
     saved = checkpoint.meta.get("config") or {}
     saved_trainer, saved_data, data = saved.get("trainer") or {}, saved.get("data") or {}, data_config(cfg)
@@ -188,6 +220,19 @@ def check_resume_before_data(cfg: Config, checkpoint: Checkpoint, world_size: in
                               f"run's windows would not continue its data order; resume with {fix}, or choose a new "
                               "trainer.run_dir (or trainer.resume=never in an empty dir) to start fresh; nothing was "
                               "prepared or deleted")
+    # the data is prepared again with a given tokenizer where the run's folder is gone: the loader would refuse one of
+    # another fingerprint only once that is done
+    recorded = checkpoint.meta.get("tokenizer")
+    if data.tokenizer is not None and recorded and recorded_prepared_folder(checkpoint.meta) is None:
+        given = fingerprint(load_tokenizer(data.tokenizer)[0])
+        if given != recorded:
+            setting = "data.tokenizer" if cfg.data.tokenizer is not None else "model.init_from"
+            raise CheckpointError(f"{setting}={data.tokenizer} is another tokenizer (fingerprint {given[:12]}...) than "
+                                  f"checkpoint {checkpoint.path} was trained with ({recorded[:12]}...), and the run's "
+                                  f"prepared data ({checkpoint.meta.get('prepared_data')}) is gone: its data would be "
+                                  f"prepared again with this tokenizer, then refused. Point {setting} at the run's "
+                                  "tokenizer or a copy of it (the same fingerprint), or choose a new trainer.run_dir to "
+                                  "start fresh; nothing was prepared or deleted")
     # a vocabulary that follows the tokenizer is checked with the data (the tokenizer is read there); any other field now
     vocab = checkpoint.meta["model"].get("vocab_size", 1) if cfg.model.vocab_size is None else 1
     check_same_model(checkpoint, resolve_model_config(cfg.model, vocab, cfg.trainer.seq_len, init_from_shape))
@@ -210,13 +255,15 @@ def check_model_before_data(cfg: Config, backend: str, resuming: bool = False,
     them from its checkpoint).
     resolve_model repeats the shape checks. Where model.init_from's tokenizer is the data's (no data.tokenizer),
     it is read here: an error names model.init_from. A resumed run whose model.init_from holds no config.json
-    (init_from_missing) is checked once its checkpoint is found, against the shape it records (init_from_shape)."""
+    (init_from_missing) is checked once its checkpoint is found, against the shape it records (init_from_shape); so is
+    one whose data.tokenizer is gone (tokenizer_missing), whose data the checkpoint's prepared folder then gives."""
     if resuming and init_from_shape is None and init_from_missing(cfg):
         return
     # a BPE trained here has data.vocab_size tokens (a model.vocab_size of 0 or less is left to its own message)
     if cfg.data.tokenizer is None and cfg.model.init_from is None and (cfg.model.vocab_size is None or cfg.model.vocab_size > 0):
         vocab = cfg.data.vocab_size
-    elif cfg.data.tokenizer is not None and (cfg.model.vocab_size is None or cfg.model.vocab_size > 0):
+    elif (cfg.data.tokenizer is not None and not (resuming and tokenizer_missing(cfg))  # gone: read with the data
+          and (cfg.model.vocab_size is None or cfg.model.vocab_size > 0)):
         # a given tokenizer is the data's as it is: read now, so one with more tokens than the model is refused before
         # the corpus is tokenized with it (hours for a large one)
         vocab = load_tokenizer(cfg.data.tokenizer)[0].get_vocab_size()

@@ -498,10 +498,14 @@ def recorded_prepared_data(meta: dict[str, Any], verify: str, fix: Optional[str]
     """The prepared folder the run trained on, as its meta.json recorded it, which needs neither the corpus nor
     the folder's old name (nor the tokenizer it was prepared with); None where that folder is gone or the
     checkpoint predates the record. verify: data.verify_shards; fix: PreparedData.open's."""
+    folder = recorded_prepared_folder(meta)
+    return None if folder is None else PreparedData.open(folder, verify=verify, fix=fix)
+
+
+def recorded_prepared_folder(meta: dict[str, Any]) -> Optional[Path]:
+    """The prepared folder meta.json records, where it still holds a manifest; None where it is gone or not recorded."""
     folder = meta.get("prepared_data")
-    if folder is None or not (Path(folder) / MANIFEST).is_file():
-        return None
-    return PreparedData.open(folder, verify=verify, fix=fix)
+    return Path(folder) if folder is not None and (Path(folder) / MANIFEST).is_file() else None
 
 
 def check_same_model(checkpoint: Checkpoint, model: LlamaConfig) -> None:

@@ -26,8 +26,9 @@ from coda_train.model import LlamaConfig
 from coda_train.model.liger import require_liger
 
 from .build import (build_loader, build_train_state, check_compute, check_model_before_data, check_resume_before_data,
-                    checkpoint_data, data_config, data_of_changed_corpus, init_from_missing, init_from_shape,
-                    recorded_init_from, report_untuned_gemms, resolve_model, tune_untuned_gemms)
+                    check_missing_tokenizer_is_the_runs, checkpoint_data, data_config, data_of_changed_corpus,
+                    init_from_missing, init_from_shape, recorded_init_from, report_untuned_gemms, resolve_model,
+                    tokenizer_missing, tune_untuned_gemms)
 from .checkpoint import (CHECKPOINTS_DIR, CheckpointError, Checkpointer, check_ckpt_async, check_same_model,
                          find_resume_checkpoint, list_checkpoints, restore, resumes, resumes_newest_good, set_aside_newer)
 from .device import pick_compute_dtype, pick_device
@@ -226,7 +227,11 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
     # model.init_from moved or deleted since the run began (an HF cache cleaned): its checkpoint records the shape,
     # checked here before the data as train()'s early check does for any other run
     shape = init_from_shape(cfg, resume_from) if resume_from is not None and init_from_missing(cfg) else None
-    data_from_checkpoint = shape is not None and cfg.data.tokenizer is None  # the tokenizer was init_from's
+    # data.tokenizer moved or deleted since the run began: the run's prepared folder holds a copy of it, as of init_from's
+    tokenizer_gone = resume_from is not None and tokenizer_missing(cfg)
+    if tokenizer_gone:
+        check_missing_tokenizer_is_the_runs(cfg, resume_from)
+    data_from_checkpoint = (shape is not None and cfg.data.tokenizer is None) or tokenizer_gone  # its tokenizer is gone
     if shape is not None:
         check_model_before_data(cfg, backend, resuming=True, init_from_shape=shape)
         if world.is_main:
@@ -239,7 +244,10 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
     # every rank, no collective around it: the cache folder's lock lets one process prepare while the others wait
     # as long as it takes (a barrier would time out under NCCL after 10 minutes; a first preparation can take longer)
     if data_from_checkpoint:
-        data = checkpoint_data(resume_from, data_config(cfg))
+        data = checkpoint_data(resume_from, cfg)
+        if tokenizer_gone and world.is_main:
+            log.warning("data.tokenizer=%s does not exist any more: this resumed run continues on the data it prepared "
+                        "with it, %s, which holds a copy of it", cfg.data.tokenizer, data.path)
     else:  # a resumed run whose corpus changed continues on the data it prepared
         prepared = data_of_changed_corpus(resume_from, data_config(cfg), world) if resume_from is not None else None
         data = prepared or prepare(data_config(cfg))
