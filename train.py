@@ -19,6 +19,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 import hydra
 import yaml
@@ -26,12 +27,13 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import QuotedString
-from hydra.errors import HydraException
+from hydra.errors import ConfigCompositionException, HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from coda_train.config import Config, check_config, register_configs, to_dataclass
 from coda_train.data import DataError
+from coda_train.durable import write_synced
 from coda_train.errors import ConfigError
 from coda_train.trainer.checkpoint import resumes
 from coda_train.trainer.loop import (CONFIG_FILE, EXIT_BAD_INPUT, EXIT_NON_FINITE, STOP_ERRORS, exit_code,
@@ -49,12 +51,17 @@ CONFIG_FLAGS = ("--config-name", "-cn", "--config-path", "-cp", "--config-dir", 
 failed_jobs: list[tuple[int, str, int]] = []
 # the trainer.run_dir values of the command line that existed before hydra made the rest
 existing_run_dirs: set[Path] = set()
+# the multirun jobs main() was called for, by number: a sweep none of whose jobs got past its checks changed nothing
+started_jobs: list[int] = []
+SWEEP_RECORD = "multirun.yaml"  # hydra's record of a sweep (its config and command line), written as the sweep starts
 
 
 @hydra.main(config_path="configs", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     hydra_config = HydraConfig.get()
     sweep_dir = Path(hydra_config.sweep.dir) if hydra_config.mode == RunMode.MULTIRUN else None
+    if sweep_dir is not None:
+        started_jobs.append(hydra_config.job.num)
     try:
         try:
             config = to_dataclass(cfg)
@@ -123,8 +130,9 @@ def check_run_dirs(argv: list[str]) -> None:
 
 def check_sweep_configs(argv: list[str]) -> None:
     """Every job of a multirun composed and its config checked before the first job runs: a bad value in a sweep's
-    last job (optim.lr=1e-3,-1) would otherwise stop that job only after every job before it has trained. Command
-    lines that name another config (--config-name, ...) are left to each job's own check."""
+    last job (optim.lr=1e-3,-1) would otherwise stop that job only after every job before it has trained, and one
+    that hydra cannot compose (model=tiny,nope) would stop the sweep only after hydra rewrote the sweep dir's
+    multirun.yaml. Command lines that name another config (--config-name, ...) are left to each job's own check."""
     if not {"-m", "--multirun"} & set(argv) or any(a.split("=")[0] in CONFIG_FLAGS for a in argv):
         return
     try:
@@ -140,6 +148,10 @@ def check_sweep_configs(argv: list[str]) -> None:
                     check_job_dir_is_this_jobs(cfg, job, swept)
                 except (ConfigError, DataError) as e:
                     print(f"multirun job #{job} ({' '.join(overrides)}): {e}; no job of the sweep ran", file=sys.stderr)
+                    sys.exit(EXIT_BAD_INPUT)
+                except ConfigCompositionException as e:  # hydra's own (an unknown key or option), often several lines
+                    print(f"multirun job #{job} ({' '.join(overrides)}) cannot be composed; no job of the sweep ran:\n{e}",
+                          file=sys.stderr)
                     sys.exit(EXIT_BAD_INPUT)
     except HydraException:  # a syntax error, or an interval sweep: hydra's own message or sweeper follows
         return
@@ -192,15 +204,46 @@ def end_worker(code: object) -> None:
     os._exit(code or 0)
 
 
+def sweep_record(argv: list[str]) -> Optional[tuple[Path, Optional[bytes]]]:
+    """A multirun into one trainer.run_dir, its sweep dir: that dir's multirun.yaml and its bytes before hydra rewrites
+    it (None: there is none yet); None for any other command line (a fresh timestamped sweep dir, or a file that
+    cannot be read, which is left as hydra leaves it)."""
+    values = run_dir_values(argv)
+    if not {"-m", "--multirun"} & set(argv) or len(set(values)) != 1:
+        return None
+    path = Path(values[0]).expanduser() / SWEEP_RECORD
+    try:
+        return path, path.read_bytes() if path.is_file() else None
+    except OSError:
+        return None
+
+
+def keep_sweep_record(path: Path, before: Optional[bytes]) -> None:
+    """A sweep that ran no job (refused by hydra, or each job refused at its start) leaves its dir's record as it was:
+    hydra rewrote multirun.yaml as the sweep started, so the previous sweep's is put back whole (a temp file renamed
+    over it), or, where there was none, the new one is removed with the sweep dir this command made."""
+    if before is None:
+        path.unlink(missing_ok=True)
+        remove_if_made_here_and_empty(path.parent)
+    elif not path.is_file() or path.read_bytes() != before:
+        temp = path.with_name(f".{SWEEP_RECORD}.{os.getpid()}.tmp")
+        write_synced(temp, before)
+        os.replace(temp, path)
+
+
 def launch(argv: list[str]) -> None:
     """The checks of the whole command line, then the run or sweep; a sweep's failed jobs set the exit code."""
     refuse_a_sweep_under_torchrun(argv)
     check_run_dirs(argv)
     existing_run_dirs.update(Path(v).expanduser().absolute() for v in run_dir_values(argv) if Path(v).expanduser().is_dir())
     check_sweep_configs(argv)
+    record = sweep_record(argv)
     try:
         main()
     finally:  # also when a later job's stop signal or unwritable run dir ends the sweep (sys.exit)
+        refused = [job for job, _, code in failed_jobs if code == EXIT_BAD_INPUT]
+        if record is not None and refused == started_jobs:  # no job, or each refused at its start (exit 1: nothing trained)
+            keep_sweep_record(*record)
         for job, run_dir, code in failed_jobs:
             print(f"multirun job #{job} ({run_dir}) stopped with exit code {code} (its reason is logged above)",
                   file=sys.stderr)

@@ -274,6 +274,30 @@ def test_a_sweep_into_an_earlier_sweeps_dir_resumes_only_runs_of_its_own_values(
     assert [len(metrics(tmp_path / job)) for job in "01"] == [3, 3]
 
 
+def test_a_refused_sweep_leaves_the_sweep_dirs_record_as_it_was(tiny, tmp_path):
+    """hydra writes multirun.yaml (the sweep's config and command line) into the sweep dir as a sweep starts: a sweep
+    into an earlier sweep's trainer.run_dir that hydra cannot compose (an unknown option or key), or whose every job is
+    refused at its start, leaves that record as it was, and one into a new dir leaves no dir; a sweep that runs its
+    jobs records itself."""
+    sweep = ("-m", *tiny, "trainer.eval_every=0", "model.impl=eager,coda")
+    first = run_train(*sweep, "trainer.max_steps=2", f"trainer.run_dir={tmp_path / 'sweep'}", timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    record = (tmp_path / "sweep" / "multirun.yaml").read_bytes()
+    for refused, named in (("optim=adamw,nope", "Could not find 'optim/nope'"),
+                           ("trainer.bogus=1,2", "Could not override 'trainer.bogus'"),
+                           ("trainer.seq_len=16", "trainer.seq_len: saved 32 vs now 16")):
+        result = run_train(*sweep, "trainer.max_steps=3", refused, f"trainer.run_dir={tmp_path / 'sweep'}")
+        out = result.stdout + result.stderr
+        assert result.returncode == 1 and named in out and "Traceback" not in out, out[-3000:]
+        assert (tmp_path / "sweep" / "multirun.yaml").read_bytes() == record, refused
+    result = run_train("-m", *tiny, "model.impl=liger", "trainer.seed=1,2", f"trainer.run_dir={tmp_path / 'new'}")
+    assert result.returncode == 1 and "multirun job #1" in result.stderr, result.stderr[-3000:]
+    assert not (tmp_path / "new").exists()
+    again = run_train(*sweep, "trainer.max_steps=3", f"trainer.run_dir={tmp_path / 'sweep'}", timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "trainer.max_steps=3" in (tmp_path / "sweep" / "multirun.yaml").read_text()
+
+
 def test_a_stop_signal_during_a_jobs_last_step_ends_the_sweep_too(tiny, tmp_path):
     """The signal arrives as job 0 finishes (its last step, eval or save): job 0 is complete and saved, and the sweep
     stops before job 1 all the same; running the sweep again goes on with job 1."""
