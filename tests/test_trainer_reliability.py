@@ -24,7 +24,7 @@ from coda_train.durable import LockHeldError, exclusive_lock
 from coda_train.errors import ConfigError
 from coda_train.model import preset
 from coda_train.trainer import checkpoint as checkpoint_module
-from coda_train.trainer.build import check_model_before_data, data_config, data_of_changed_corpus
+from coda_train.trainer.build import check_model_before_data, check_state_fits, data_config, data_of_changed_corpus
 from coda_train.trainer.checkpoint import (Checkpoint, CheckpointError, list_checkpoints, save_checkpoint, set_aside_newer,
                                            verify_checkpoint)
 from coda_train.trainer.distributed import World
@@ -255,6 +255,64 @@ def test_shape_errors_of_a_model_init_from_name_the_backend_not_its_fixed_fields
     message = str(error.value)
     assert "head_dim=100" in message and "model.vocab_size=32001" in message
     assert f"model.init_from={hf} fixes the shape, so run it with kernels.backend=reference" in message
+
+
+def _a_gpu(monkeypatch, free_gib: float, total_gib: float = 79.2) -> None:
+    """torch.cuda as check_state_fits reads it, for a GPU (an H100) with free_gib of total_gib free."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(free_gib * 2**30), int(total_gib * 2**30)))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+
+
+def test_a_model_whose_training_state_cannot_fit_the_gpu_stops_before_the_data_is_prepared(tiny, tmp_path, monkeypatch):
+    """llama3_8b on one 80 GB GPU: its fp32 weights, gradients and AdamW moments alone exceed the GPU's free memory, so
+    the run stops at start naming the numbers and the fixes, not with CUDA's out-of-memory error once the data is
+    prepared (hours for a large corpus). The GPU is simulated: only the check reads it before the data."""
+    monkeypatch.setattr("coda_train.trainer.loop.pick_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr("coda_train.trainer.loop.prepare", lambda *a, **k: pytest.fail("the data was prepared"))
+    _a_gpu(monkeypatch, free_gib=78.5)
+    run = [a for a in tiny if not a.startswith("model.")]
+    with pytest.raises(ConfigError, match=r"model llama3_8b \(6,9.* parameters\) does not fit in the memory of cuda "
+                       r"\(NVIDIA H100 80GB HBM3: 78.5 GiB free of 79.2 GiB\): its training state alone takes .* GiB"
+                       r".*; nothing was prepared or written$"):
+        train_in_process(tmp_path / "run", *run, "model=llama3_8b")
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_state_check_counts_what_each_layout_holds_on_each_gpu(tmp_path, monkeypatch):
+    """16 bytes a parameter (fp32 weight, gradient, two AdamW moments), sharded under FSDP2; the weights held whole in
+    bf16 beside them: the CODA model's compute copies on one GPU, FSDP2's gathered model unless it reshards after the
+    forward; nothing on CPU. Each refusal names the numbers and the fixes that apply to that layout."""
+    cfg = compose_config(tmp_path, "model=llama3_8b")
+    llama, cuda = preset("llama3_8b"), torch.device("cuda", 0)
+    _a_gpu(monkeypatch, free_gib=78.5)
+    with pytest.raises(ConfigError) as error:
+        check_state_fits(cfg, llama, cuda, torch.bfloat16, 1, "none")
+    assert str(error.value) == (
+        "model llama3_8b (8,030,261,248 parameters) does not fit in the memory of cuda:0 (NVIDIA H100 80GB HBM3: 78.5 "
+        "GiB free of 79.2 GiB): its training state alone takes 132.7 GiB: 119.7 GiB of fp32 weights, gradients and "
+        "AdamW moments (16 bytes a parameter) + 13.0 GiB of bfloat16 compute copies of every weight but the embedding "
+        "and LM head, before any activation. Train a smaller model (another model= preset, fewer model.n_layers, a "
+        "smaller model.dim or model.ffn_dim); or run on at least 2 of these GPUs under torchrun with "
+        "trainer.parallel=fsdp (fsdp is the default there), which shards the 16 bytes a parameter over them; nothing "
+        "was prepared or written")
+    check_state_fits(cfg, llama, cuda, torch.bfloat16, 2, "fsdp")  # 59.8 GiB of shards + 15.0 GiB gathered
+    check_state_fits(cfg, preset("llama3_1b"), cuda, torch.bfloat16, 1, "none")
+    _a_gpu(monkeypatch, free_gib=60)
+    with pytest.raises(ConfigError, match=r"takes 74.8 GiB: 59.8 GiB of fp32 weights, gradients and AdamW moments \(16 "
+                       r"bytes a parameter, 1/2 of them on each of 2 GPUs\) \+ 15.0 GiB of the whole model gathered in "
+                       r"bfloat16 .*; or set trainer.fsdp_reshard_after_forward=true \(.*; then at least 2 of these "
+                       r"GPUs\); or run on at least 3 of these GPUs; or free the memory other processes hold on this "
+                       r"GPU \(19.2 GiB is in use\)"):
+        check_state_fits(cfg, llama, cuda, torch.bfloat16, 2, "fsdp")
+    cfg.trainer.fsdp_reshard_after_forward = True
+    check_state_fits(cfg, llama, cuda, torch.bfloat16, 2, "fsdp")
+    _a_gpu(monkeypatch, free_gib=125)  # above the 119.7 GiB of fp32 state: the eager model keeps no compute copies
+    with pytest.raises(ConfigError, match="takes 132.7 GiB"):
+        check_state_fits(cfg, llama, cuda, torch.bfloat16, 1, "none")
+    cfg.model.impl = "eager"
+    check_state_fits(cfg, llama, cuda, torch.bfloat16, 1, "none")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: pytest.fail("a CPU run read GPU memory"))
+    check_state_fits(cfg, llama, torch.device("cpu"), torch.float32, 1, "none")
 
 
 def test_meta_json_missing_a_key_is_a_checkpoint_error(tiny, tmp_path, caplog):

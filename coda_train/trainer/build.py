@@ -247,7 +247,7 @@ def _shape_errors(cfg: Config, llama: LlamaConfig, backend: str) -> list[str]:
 
 
 def check_model_before_data(cfg: Config, backend: str, resuming: bool = False,
-                            init_from_shape: Optional[LlamaConfig] = None) -> None:
+                            init_from_shape: Optional[LlamaConfig] = None) -> Optional[LlamaConfig]:
     """The model checks that need no tokenizer, before data preparation (which can take long): every
     model field, trainer.seq_len against max_seq_len, and the kernels' shape limits, all but the
     vocabulary's when it follows the tokenizer (model.vocab_size null), a set model.vocab_size against the BPE
@@ -256,9 +256,11 @@ def check_model_before_data(cfg: Config, backend: str, resuming: bool = False,
     resolve_model repeats the shape checks. Where model.init_from's tokenizer is the data's (no data.tokenizer),
     it is read here: an error names model.init_from. A resumed run whose model.init_from holds no config.json
     (init_from_missing) is checked once its checkpoint is found, against the shape it records (init_from_shape); so is
-    one whose data.tokenizer is gone (tokenizer_missing), whose data the checkpoint's prepared folder then gives."""
+    one whose data.tokenizer is gone (tokenizer_missing), whose data the checkpoint's prepared folder then gives.
+    Returns the model as far as it is known before the data (for check_state_fits): its vocabulary 1 where the
+    tokenizer is read with the data, so every size is a lower bound; None where the shape waits for the checkpoint."""
     if resuming and init_from_shape is None and init_from_missing(cfg):
-        return
+        return None
     # a BPE trained here has data.vocab_size tokens (a model.vocab_size of 0 or less is left to its own message)
     if cfg.data.tokenizer is None and cfg.model.init_from is None and (cfg.model.vocab_size is None or cfg.model.vocab_size > 0):
         vocab = cfg.data.vocab_size
@@ -282,6 +284,69 @@ def check_model_before_data(cfg: Config, backend: str, resuming: bool = False,
             hf_weight_files(cfg.model.init_from)
         if cfg.data.tokenizer is None and init_from_shape is None:  # without config.json: the checkpoint's data
             load_tokenizer(cfg.model.init_from, "model.init_from", "set data.tokenizer to that model's tokenizer")
+    return llama
+
+
+# bytes a parameter of the training state that FSDP2 shards: the fp32 master weight, its fp32 gradient and AdamW's two
+# fp32 moments (trainer/optim.py)
+SHARDED_STATE_BYTES = 16
+
+
+def check_state_fits(cfg: Config, llama: LlamaConfig, device: torch.device, compute_dtype: torch.dtype, world_size: int,
+                     parallel: str) -> None:
+    """The training state as this framework holds it, against the free memory of this process's GPU
+    (torch.cuda.mem_get_info), before data preparation: the SHARDED_STATE_BYTES of every parameter (1/world_size of
+    them on each GPU under FSDP2), plus the weights held whole in the compute dtype: FSDP2's gathered model where it
+    stays gathered from forward to backward (fsdp_reshard_after_forward=false), or the CODA model's compute copies
+    (every weight but the embedding and LM head, which are cast at their read). A lower bound, so a run it refuses
+    cannot fit: activations, the CUDA context, the allocator's reserve, DDP's gradient buckets, eager's per-forward
+    casts and the weights FSDP2 gathers with resharding come on top. ConfigError naming the numbers and the fixes;
+    nothing is checked on CPU, where memory is the host's."""
+    if device.type != "cuda":
+        return
+    params = llama.num_params()
+    shards = world_size if parallel == "fsdp" else 1
+    sharded = SHARDED_STATE_BYTES * params / shards
+    dtype = str(compute_dtype).removeprefix("torch.")
+    gathered = compute_dtype.itemsize * params  # FSDP2's whole model in the compute dtype, without resharding
+    if parallel == "fsdp":
+        whole = 0 if cfg.trainer.fsdp_reshard_after_forward else gathered
+        held = f"the whole model gathered in {dtype} (trainer.fsdp_reshard_after_forward=false)"
+    elif cfg.model.impl == "coda" and compute_dtype != torch.float32:  # fp32 computes on the masters themselves
+        copied = llama.num_params(include_embedding=False) - (0 if llama.tie_embeddings else llama.vocab_size * llama.dim)
+        whole, held = compute_dtype.itemsize * copied, f"{dtype} compute copies of every weight but the embedding and LM head"
+    else:  # eager and liger cast in each forward; fp32 computes on the masters
+        whole, held = 0, ""
+    free, total = torch.cuda.mem_get_info(device)
+    if sharded + whole <= free:
+        return
+
+    def fewest_gpus(whole_each: int) -> Optional[int]:
+        """The fewest GPUs with this one's free memory whose share of the sharded state fits beside whole_each."""
+        return -(-SHARDED_STATE_BYTES * params // (free - whole_each)) if free > whole_each else None
+
+    gib = 2**30
+    state = (f"{sharded / gib:.1f} GiB of fp32 weights, gradients and AdamW moments ({SHARDED_STATE_BYTES} bytes a "
+             f"parameter{f', 1/{shards} of them on each of {shards} GPUs' if shards > 1 else ''})")
+    if whole:
+        state = f"{(sharded + whole) / gib:.1f} GiB: {state} + {whole / gib:.1f} GiB of {held}"
+    fixes = ["Train a smaller model (another model= preset, fewer model.n_layers, a smaller model.dim or model.ffn_dim)"]
+    if parallel != "fsdp":
+        fsdp = ("" if fewest_gpus(gathered) else " and trainer.fsdp_reshard_after_forward=true")
+        fixes.append(f"run on at least {fewest_gpus(gathered) or fewest_gpus(0)} of these GPUs under torchrun with "
+                     f"trainer.parallel=fsdp{fsdp} (fsdp is the default there), which shards the {SHARDED_STATE_BYTES} "
+                     "bytes a parameter over them")
+    elif whole:
+        fixes.append(f"set trainer.fsdp_reshard_after_forward=true (each block's gathered weights are freed after its "
+                     f"forward; then at least {fewest_gpus(0)} of these GPUs)")
+    if parallel == "fsdp" and fewest_gpus(whole):
+        fixes.append(f"run on at least {fewest_gpus(whole)} of these GPUs")
+    if total - free > total / 10:  # more than the CUDA context takes: other processes hold memory on this GPU
+        fixes.append(f"free the memory other processes hold on this GPU ({(total - free) / gib:.1f} GiB is in use)")
+    raise ConfigError(f"model {cfg.model.init_from or cfg.model.preset} ({params:,} parameters) does not fit in the "
+                      f"memory of {device} ({torch.cuda.get_device_name(device)}: {free / gib:.1f} GiB free of "
+                      f"{total / gib:.1f} GiB): its training state alone takes {state}, before any activation. "
+                      f"{'; or '.join(fixes)}; nothing was prepared or written")
 
 
 def resolve_model(cfg: Config, tokenizer_vocab_size: int, backend: str,

@@ -25,10 +25,10 @@ from coda_train.kernels.tile_configs import gpu_key
 from coda_train.model import LlamaConfig
 from coda_train.model.liger import require_liger
 
-from .build import (build_loader, build_train_state, check_compute, check_model_before_data, check_resume_before_data,
-                    check_missing_tokenizer_is_the_runs, checkpoint_data, data_config, data_of_changed_corpus,
-                    init_from_missing, init_from_shape, recorded_init_from, report_untuned_gemms, resolve_model,
-                    tokenizer_missing, tune_untuned_gemms)
+from .build import (build_loader, build_train_state, check_compute, check_missing_tokenizer_is_the_runs,
+                    check_model_before_data, check_resume_before_data, check_state_fits, checkpoint_data, data_config,
+                    data_of_changed_corpus, init_from_missing, init_from_shape, recorded_init_from, report_untuned_gemms,
+                    resolve_model, tokenizer_missing, tune_untuned_gemms)
 from .checkpoint import (CHECKPOINTS_DIR, CheckpointError, Checkpointer, check_ckpt_async, check_same_model,
                          find_resume_checkpoint, list_checkpoints, restore, resumes, resumes_newest_good, set_aside_newer)
 from .device import pick_compute_dtype, pick_device
@@ -179,12 +179,14 @@ def train(cfg: Config, run_dir: Path, sweep_dir: Optional[Path] = None) -> RunEn
             check_compute(cfg, backend, compute_dtype)
             # a resumed run takes its weights from its checkpoint (and its shape where model.init_from is gone):
             # model.init_from's are checked for a new run only
-            check_model_before_data(cfg, backend, resumes(cfg.trainer.resume, run_dir))
+            llama = check_model_before_data(cfg, backend, resumes(cfg.trainer.resume, run_dir))
             world = init_world(device.type)
             held.callback(close_world, world)
             parallel = resolve_parallel(cfg.trainer.parallel, world)
             check_fsdp_options(parallel, cfg.trainer.fsdp_reshard_after_forward)
             check_ckpt_async(cfg.trainer.ckpt_async, parallel)
+            if llama is not None:  # else its shape is its checkpoint's: checked once that is found (_train)
+                check_state_fits(cfg, llama, process_device(device, world), compute_dtype, world.world_size, parallel)
             cuda_graphs = use_cuda_graphs(cfg.trainer.cuda_graphs, cfg.model.impl, device, parallel)
             own_dir, run_dir = run_dir, from_main(run_dir, world)
             if own_dir != run_dir and own_dir.is_dir() and not any(own_dir.iterdir()):
@@ -233,7 +235,8 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
         check_missing_tokenizer_is_the_runs(cfg, resume_from)
     data_from_checkpoint = (shape is not None and cfg.data.tokenizer is None) or tokenizer_gone  # its tokenizer is gone
     if shape is not None:
-        check_model_before_data(cfg, backend, resuming=True, init_from_shape=shape)
+        llama = check_model_before_data(cfg, backend, resuming=True, init_from_shape=shape)
+        check_state_fits(cfg, llama, device, compute_dtype, world.world_size, parallel)
         if world.is_main:
             log.warning("model.init_from=%s holds no config.json any more: this resumed run takes the model's shape%s "
                         "from its checkpoint %s", cfg.model.init_from,
