@@ -53,6 +53,12 @@ def init_from_missing(cfg: Config) -> bool:
     return cfg.model.init_from is not None and not (Path(cfg.model.init_from).expanduser() / "config.json").is_file()
 
 
+def _spellings(path: Optional[str]) -> tuple[Optional[str], ...]:
+    """A path setting as given and as a run's config records it (local paths absolute): a checkpoint's record of the
+    same setting equals one of them."""
+    return (path,) if path is None else (path, str(Path(path).expanduser().absolute()))
+
+
 def tokenizer_missing(cfg: Config) -> bool:
     """data.tokenizer is set and names no tokenizer.json any more (moved, deleted): a new run stops on it
     (check_model_before_data); a resumed one continues on its checkpoint's prepared data (checkpoint_data)."""
@@ -64,7 +70,7 @@ def check_missing_tokenizer_is_the_runs(cfg: Config, checkpoint: Checkpoint) -> 
     data was prepared with (its config records it absolute); ConfigError naming that one otherwise (a typo, another
     cwd), as init_from_shape does for model.init_from."""
     saved = ((checkpoint.meta.get("config") or {}).get("data") or {}).get("tokenizer")
-    if saved in (cfg.data.tokenizer, str(Path(cfg.data.tokenizer).expanduser().absolute())):
+    if saved in _spellings(cfg.data.tokenizer):
         return
     fix = (f"was prepared with data.tokenizer={saved}: resume with data.tokenizer={saved}" if saved else
            "was prepared without data.tokenizer (a BPE trained by the run, or model.init_from's tokenizer): leave "
@@ -128,7 +134,7 @@ def checkpoint_data(checkpoint: Checkpoint, cfg: Config) -> PreparedData:
     saved_source = (saved.get("data") or {}).get("source")
     changed = [f"data.{k}: checkpoint {inputs[k]!r} vs this run {getattr(data, k)!r}" for k in _PREPARED_BY
                if k in inputs and inputs[k] is not None and inputs[k] != getattr(data, k)]
-    if saved_source not in (data.source, str(Path(data.source).expanduser().absolute())):
+    if saved_source not in _spellings(data.source):
         changed.append(f"data.source: checkpoint {saved_source!r} vs this run {data.source!r}")
     if changed:
         raise DataError(f"{lost}this run's data settings differ from the checkpoint's ({', '.join(changed)}), and "
@@ -148,8 +154,7 @@ def _changed_corpus_settings(checkpoint: Checkpoint, data: DataConfig) -> list[s
     changed = []
     for key in _CORPUS_SETTINGS:
         value = getattr(data, key)
-        spellings = (value,) if value is None else (value, str(Path(value).expanduser().absolute()))
-        if key in saved and saved[key] not in spellings:
+        if key in saved and saved[key] not in _spellings(value):
             changed.append(f"data.{key}: checkpoint {saved[key]!r} vs this run {value!r}")
     return changed
 
