@@ -26,6 +26,7 @@ from coda_train.model.hf import check_tokenizer_fits
 from coda_train.trainer.checkpoint import (CHECKPOINTS_DIR, META_FILE, Checkpoint, CheckpointError, list_checkpoints,
                                            load_model_state, newest_good_checkpoint, recorded_prepared_data, saved_model,
                                            verify_checkpoint)
+from coda_train.trainer.rundir import sweep_jobs
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +82,7 @@ def find_checkpoint(path: str | Path) -> Checkpoint:
         if found is None:
             raise CheckpointError(f"every checkpoint in {root} is damaged (see the warnings above); pass another one")
         return found
-    jobs = [d for d in path.iterdir() if list_checkpoints(d / CHECKPOINTS_DIR)] if path.is_dir() else []
-    if jobs:  # a multirun's sweep dir (train.py -m ... trainer.run_dir=DIR): its jobs are the runs
-        jobs.sort(key=lambda d: (len(d.name), d.name))  # 0, 1, ..., 10 as hydra numbers them
+    if jobs := sweep_jobs(path, lambda job: bool(list_checkpoints(job / CHECKPOINTS_DIR))):  # a multirun's sweep dir
         raise CheckpointError(f"{path} is a multirun sweep, not one run; pass one of its jobs' run dirs: "
                               f"{', '.join(map(str, jobs))}")
     raise CheckpointError(f"{path} is neither a checkpoint (no {META_FILE}) nor a run dir with checkpoints/step_*; "

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import palette_png  # noqa: E402  (scripts/palette_png.py)
 from coda_train.durable import lock_holder  # noqa: E402
 from coda_train.trainer.metrics import METRICS_FILE  # noqa: E402
-from coda_train.trainer.rundir import LOCK_FILE, LOG_FILE  # noqa: E402  (LOCK_FILE: held in its run dir while a run runs)
+from coda_train.trainer.rundir import LOCK_FILE, LOG_FILE, sweep_jobs  # noqa: E402  (LOCK_FILE: held in its run dir while a run runs)
 
 
 @dataclass
@@ -51,8 +51,7 @@ class Run:
 def read_run(run_dir: Path) -> Run:
     path = run_dir / METRICS_FILE
     if not path.is_file():
-        jobs = sorted((p.parent for p in run_dir.glob(f"*/{METRICS_FILE}")), key=lambda job: (len(job.name), job.name))
-        if jobs:  # a multirun's sweep dir (train.py -m ... trainer.run_dir=DIR): its jobs are the runs
+        if jobs := sweep_jobs(run_dir, lambda job: (job / METRICS_FILE).is_file()):  # a multirun's sweep dir: its jobs are the runs
             sys.exit(f"error: {run_dir} is a multirun sweep, not one run; pass its jobs' run dirs: {' '.join(map(str, jobs))}")
         if holder := lock_holder(run_dir / LOCK_FILE):  # preparing its data or building its model
             sys.exit(f"error: {run_dir} has no metrics.jsonl yet: its run ({holder}) has not logged a step; compare it "

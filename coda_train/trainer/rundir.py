@@ -15,7 +15,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from coda_train.durable import LockHeldError, exclusive_lock
 from coda_train.errors import ConfigError
@@ -87,6 +87,14 @@ def check_run_dir_path(value: str) -> None:
     except OSError as e:
         raise RunDirError(f"trainer.run_dir={path} cannot be used: this user cannot create files in {existing} "
                           f"({e.strerror or e}); nothing was written. {_fix(e, existing)}") from e
+
+
+def sweep_jobs(path: Path, holds: Callable[[Path], bool]) -> list[Path]:
+    """The job run dirs of a multirun's sweep dir (train.py -m ... trainer.run_dir=DIR) for which `holds` is true, in
+    hydra's job order (0, 1, ..., 10); [] where path is not a dir or holds no such job."""
+    if not path.is_dir():
+        return []
+    return sorted((d for d in path.iterdir() if d.is_dir() and holds(d)), key=lambda d: (len(d.name), d.name))
 
 
 def continue_hint(run_dir: Path, resume: str = "auto", sweep_dir: Optional[Path] = None, saved: bool = True) -> str:
