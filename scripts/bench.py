@@ -33,6 +33,12 @@ causal attention counted as half, against the bf16 GEMM peak measured in the sam
 (the variant's own: the model, its step and what it keeps, not what earlier variants left allocated;
 total, and above the fp32 weights), and the ratios to coda and to the floor. --profile adds the
 per-op breakdown of a coda step (kernel time by op, launches per step, GPU idle from the timeline).
+The target ratio, CODA / the floor back to back, is also taken in pairs (--paired-rounds, after the
+variants): the faster-launching CODA variant asked for (coda-graphs, else coda) and the floor's
+sequence, built side by side and timed in turn, round after round, the first of each pair alternating,
+each timing after its own sustained steps. Each ratio's two timings then share the GPU's
+clock drift and power state, which a variant timed minutes before the floor does not (the H100's
+ratio at 1B moved 1.070-1.087 between single runs); the median of the rounds is the figure to quote.
 A variant that fails is recorded with its error; the run goes on. Writes <out>/bench_<shape>.json
 after every variant (those not yet reached listed as `pending`), so a run cut short keeps what it
 measured; torch.compile is reset between variants, so each starts as in a fresh process.
@@ -401,6 +407,35 @@ def bench_model(variant: str, cfg, state: dict, batch, iters: int, warmup: int, 
     }
     del fwd_bwd, model, optimizer
     return result
+
+
+def bench_paired(variant: str, cfg, state: dict, batch, shape: "Shape", picks: dict[str, str], rounds: int,
+                 iters: int, warmup: int, sustain_s: float) -> dict:
+    """`variant` (a CODA one) and the floor's back-to-back sequence with the per-kernel floor's `picks`, built side
+    by side and timed in turn for `rounds` rounds, the first of each pair alternating: one ratio per round, each
+    from two timings at neighbouring times (the docstring above says why), and their median."""
+    impl, mode = MODEL_VARIANTS[variant]
+    tokens, targets = batch
+    model = build(impl, cfg, state)
+    model.rope_tables(tokens.shape[1], tokens.device)
+    fwd_bwd = fwd_bwd_fn(model, mode, tokens, targets)
+    fwd_bwd()  # compiles (CUDA_GRAPH: already captured)
+    sequence = _floor_sequence(cfg, shape, picks)
+    sync()
+    steps = {"coda": fwd_bwd, "floor": sequence.step}
+    done = []
+    for i in range(rounds):
+        row = {"first": "coda" if i % 2 == 0 else "floor"}
+        for side in (("coda", "floor") if i % 2 == 0 else ("floor", "coda")):
+            with GpuClocks() as clocks:
+                row[f"{side}_ms"] = statistics.median(step_times(steps[side], iters, warmup, sustain_s=sustain_s,
+                                                                 clocks=clocks))
+            row[f"{side}_mhz"] = clocks.result["sm_mhz_mean"] if clocks.result else None
+        row["ratio"] = row["coda_ms"] / row["floor_ms"]
+        done.append(row)
+    del steps, fwd_bwd, sequence, model
+    return {"variant": variant, "against": "floor back to back", "rounds": done,
+            "median_ratio": statistics.median(r["ratio"] for r in done)}
 
 
 # ---- the floor: the step's GEMMs and attention, nothing else ------------------------------
@@ -794,7 +829,7 @@ def _kernel_class(name: str) -> str:
 
 def run(shape_name: str, variants: list[str], iters: int, warmup: int, profile_steps: int,
         save: Callable[[dict], None] = lambda result: None, floor_quack_tuned: bool = False,
-        sustain_s: float = SUSTAIN_S) -> dict:
+        sustain_s: float = SUSTAIN_S, paired_rounds: int = 0) -> dict:
     """Every variant of one shape; `save` gets the result so far after each variant, so a run cut short
     (a device call's time limit) keeps what it measured."""
     shape = SHAPES[shape_name]
@@ -834,6 +869,18 @@ def run(shape_name: str, variants: list[str], iters: int, warmup: int, profile_s
         # per device, so a second graphed variant recorded into the first one's freed blocks and its
         # peak read low (compile-max-autotune after compile-graphs at 8B: 2.5 GiB above the weights, 10.2 alone)
         torch._dynamo.reset()
+        gc.collect()
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
+    paired = next((n for n in ("coda-graphs", "coda") if n in result["variants"]), None)
+    if paired_rounds and paired and "floor" in result["variants"]:
+        picks = {g["gemm"]: g["best"] for g in result["variants"]["floor"]["gemms"]}
+        try:
+            result["paired"] = bench_paired(paired, cfg, state, batch, shape, picks, paired_rounds, iters, warmup, sustain_s)
+        except Exception as e:  # the single-run ratios above stand
+            result["failed"]["paired"] = f"{type(e).__name__}: {e}"[:500]
+            traceback.print_exc()
+        save(result)
         gc.collect()
         if DEVICE.type == "cuda":
             torch.cuda.empty_cache()
@@ -922,6 +969,10 @@ def print_table(result: dict) -> None:
         alt = floor["back_to_back_autotuned"]
         print(f"  the same with its quack GEMMs at quack's autotuned pick ({', '.join(alt['gemms_autotuned'])}): "
               f"{alt['median_ms']:.2f} ms")
+    paired = result.get("paired")
+    if paired:
+        print(f"paired, timed in turn ({len(paired['rounds'])} rounds): {paired['variant']} / floor back to back "
+              + ", ".join(f"{r['ratio']:.3f}" for r in paired["rounds"]) + f"; median {paired['median_ratio']:.3f}")
     for name, err in result["failed"].items():
         print(f"{name:22s}FAILED: {err[:150]}")
     prof = result.get("coda_profile")
@@ -957,11 +1008,16 @@ def main() -> None:
                    help="the floor's GEMMs also at quack's autotuned config (its first call per shape tries every "
                         "SM90 config quack can run: minutes of device time), and the graph floor timed again with "
                         "every GEMM it runs at quack's default config at the autotuned pick")
+    p.add_argument("--paired-rounds", type=int, default=3,
+                   help="rounds of CODA (coda-graphs, else coda) and the floor back to back timed in turn after the "
+                        "variants, for the target ratio (needs floor and a coda variant; 0: none)")
     p.add_argument("--logits-chunk-mib", type=int, default=None,
                    help="bound on one chunk of CODA's LM-head exponentials, MiB (default coda.LOGITS_CHUNK_BYTES)")
     args = p.parse_args()
     if args.sustain_s < 0:
         p.error(f"--sustain-s must be >= 0 seconds, got {args.sustain_s}")
+    if args.paired_rounds < 0:
+        p.error(f"--paired-rounds must be >= 0, got {args.paired_rounds}")
     variants = (args.variants or DEFAULT_VARIANTS).split(",")
     unknown = [v for v in variants if v not in MODEL_VARIANTS and v != "floor"]
     if unknown:
@@ -987,7 +1043,7 @@ def main() -> None:
         path.write_text(json.dumps(result, indent=1, default=str))
 
     result = run(args.shape, variants, args.iters, args.warmup, args.profile_steps, save, args.floor_quack_tuned,
-                 args.sustain_s)
+                 args.sustain_s, args.paired_rounds)
     save(result)
     print_table(result)
     print(f"\nwrote {path}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 from typing import Optional
@@ -318,6 +319,15 @@ def shape_table(r: dict) -> list[str]:
                       f"{clk(b2b.get('clocks'))}" + (f" (each alone{clk(floor['clocks'])})" if floor.get("clocks") else "")
                       + (f"; coda / that: {', '.join(ratios)}" if ratios else "") + "." + _fp32_wgrad_sequence(r)
                       + _autotuned_sequence(floor)]
+    paired = r.get("paired")
+    if paired:
+        mhz = lambda side: [row[f"{side}_mhz"] for row in paired["rounds"] if row.get(f"{side}_mhz")]  # noqa: E731
+        clocks = (f" (mean SM clock {statistics.mean(mhz('coda')):.0f} MHz for {paired['variant']}, "
+                  f"{statistics.mean(mhz('floor')):.0f} MHz for the floor)" if mhz("coda") and mhz("floor") else "")
+        lines += ["", f"Paired: {paired['variant']} and the floor back to back built side by side and timed in turn, "
+                  f"{len(paired['rounds'])} rounds, the first of each pair alternating; {paired['variant']} / floor back to back "
+                  + ", ".join(f"{row['coda_ms']:.2f} / {row['floor_ms']:.2f} = {row['ratio']:.3f}" for row in paired["rounds"])
+                  + f"; **median {paired['median_ratio']:.3f}**{clocks}."]
     if r.get("graph_floor_runs"):
         lines += ["", "Other runs of this shape against the floor back to back, newest first (each ratio within its own run):", ""]
         for run in r["graph_floor_runs"]:
@@ -475,13 +485,22 @@ def graph_idle_ms(sequence: list[dict]) -> float:
     return sum(k["gap_us"] or 0.0 for k in sequence[first + 1:]) / 1e3
 
 
+def _paired_cell(r: dict, name: str) -> str:
+    """The median paired ratio of the run, naming its CODA variant where the summary's row shows the other one."""
+    paired = r.get("paired")
+    if not paired:
+        return "-"
+    return f"{paired['median_ratio']:.3f}" + ("" if paired["variant"] == name else f" ({paired['variant']})")
+
+
 def summary_table(results: list[dict]) -> list[str]:
     """CODA (the faster of its two steps) against its closest peer and the floor; a peer timed in a
     separate run is compared with the CODA step of that run, and the closest peer is the one with the
     highest coda / peer ratio."""
     lines = ["| shape | coda variant | coda ms | closest peer | its ms | coda / closest peer | floor ms | coda / floor "
-             "| floor back to back ms | coda / that | coda peak above weights GiB | lowest peer GiB |",
-             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| floor back to back ms | coda / that | same, paired (median of rounds) | coda peak above weights GiB "
+             "| lowest peer GiB |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         v = r["variants"]
         name, coda = _best_coda(r)
@@ -500,6 +519,7 @@ def summary_table(results: list[dict]) -> list[str]:
         lines.append(f"| {r['shape']} | {name} | {cell(coda)} | {label} | {cell(best and best['ms'])} | "
                      f"{cell(best['coda_ms'] / best['ms'] if best else None)} | {cell(floor)} | "
                      f"{cell(coda / floor if coda and floor else None)} | {cell(b2b)} | {cell(coda / b2b if coda and b2b else None)} | "
+                     f"{_paired_cell(r, name)} | "
                      f"{cell(peak, '.1f')} | {cell(min(mem) if mem else None, '.1f')} |")
     return lines
 

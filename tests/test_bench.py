@@ -42,6 +42,12 @@ def test_bench_smoke_runs_every_cpu_variant(tmp_path):
     assert fp32["n"] >= 1 and coda["over_floor_fp32_wgrads"] == coda["fwd_bwd"]["median_ms"] / fp32["median_ms"]
     assert "weight gradients written in fp32" in proc.stdout
     assert coda["over_floor_back_to_back"] == coda["fwd_bwd"]["median_ms"] / floor["back_to_back"]["median_ms"]
+    # the target ratio again in pairs: coda and the floor back to back timed in turn, three rounds by default
+    paired = result["paired"]
+    assert paired["variant"] == "coda" and [r["first"] for r in paired["rounds"]] == ["coda", "floor", "coda"]
+    assert all(r["ratio"] == r["coda_ms"] / r["floor_ms"] and r["coda_ms"] > 0 for r in paired["rounds"])
+    assert paired["median_ratio"] == sorted(r["ratio"] for r in paired["rounds"])[1]
+    assert "paired, timed in turn (3 rounds): coda / floor back to back" in proc.stdout
     assert "compile-max-autotune" in result["not_run"] and "coda_profile" not in result  # profile: GPU only
     assert "pending" not in result  # the run finished: nothing left that it did not reach
     assert result["sustain_s"] == 0.0  # nothing sustained on CPU (the GPU default: bench.SUSTAIN_S)

@@ -54,7 +54,7 @@ def test_report_writes_tables_summary_and_chart(tmp_path):
     text = md.read_text()
     assert text.index("### 125m") < text.index("### 1b-4x4096")  # shapes in size order, not argument order
     # summary: coda 40 ms vs best peer compile 31 ms and floor 25 ms
-    assert "| 125m | coda | 40.00 | compile | 31.00 | 1.29 | 25.00 | 1.60 | - | - | 3.0 | 4.0 |" in text  # no back-to-back floor in this JSON
+    assert "| 125m | coda | 40.00 | compile | 31.00 | 1.29 | 25.00 | 1.60 | - | - | - | 3.0 | 4.0 |" in text  # no back-to-back floor in this JSON
     # the faster of coda and coda-graphs speaks for CODA (train.py replays the graph on one GPU)
     graphed = _result("125m")
     graphed["variants"]["coda-graphs"] = dict(graphed["variants"]["coda"], fwd_bwd={"median_ms": 30.0})
@@ -62,8 +62,22 @@ def test_report_writes_tables_summary_and_chart(tmp_path):
     paths[1].write_text(json.dumps(graphed))
     _report(paths, md, png, tmp_path)
     text_graphed = md.read_text()
-    assert "| 125m | coda-graphs | 30.00 | compile | 31.00 | 0.97 | 25.00 | 1.20 | 27.00 | 1.11 | 3.0 | 4.0 |" in text_graphed
+    assert "| 125m | coda-graphs | 30.00 | compile | 31.00 | 0.97 | 25.00 | 1.20 | 27.00 | 1.11 | - | 3.0 | 4.0 |" in text_graphed
     assert "timed as a step: 27.00 ms at 1500 MHz mean SM clock." in text_graphed
+    assert "Paired:" not in text_graphed  # a run before the paired rounds: no sentence
+    # the paired rounds (bench.py --paired-rounds): each pair's ratio, the median in the summary's own column
+    rounds = [dict(first=f, coda_ms=c, floor_ms=27.0, ratio=c / 27.0, coda_mhz=1500.0, floor_mhz=1490.0)
+              for f, c in (("coda", 29.7), ("floor", 30.0), ("coda", 29.4))]
+    graphed["paired"] = {"variant": "coda-graphs", "against": "floor back to back", "rounds": rounds,
+                         "median_ratio": 29.7 / 27.0}
+    paths[1].write_text(json.dumps(graphed))
+    _report(paths, md, png, tmp_path)
+    text_paired = md.read_text()
+    assert "| 27.00 | 1.11 | 1.100 | 3.0 | 4.0 |" in text_paired
+    assert ("Paired: coda-graphs and the floor back to back built side by side and timed in turn, 3 rounds, the first of "
+            "each pair alternating; coda-graphs / floor back to back 29.70 / 27.00 = 1.100, 30.00 / 27.00 = 1.111, "
+            "29.40 / 27.00 = 1.089; **median 1.100** (mean SM clock 1500 MHz for coda-graphs, 1490 MHz for the floor).") in text_paired
+    del graphed["paired"]
     assert "written in fp32" not in text_graphed  # a run before that sequence: no sentence
     graphed["variants"]["floor"]["back_to_back_fp32_wgrads"] = {"median_ms": 27.6, "wgrads": ["down wgrad", "o wgrad"]}
     graphed["variants"]["coda-graphs"]["over_floor_fp32_wgrads"] = 30.0 / 27.6
@@ -318,7 +332,7 @@ def test_a_later_coda_only_run_supersedes_the_coda_peak(tmp_path):
     _report(paths, md, tmp_path / "b.png", tmp_path)
     text = md.read_text()
     # the newer coda-only run's 2.5 GiB replaces the main run's 3.0; the older one is ignored
-    assert "| 125m | coda | 40.00 | compile | 31.00 | 1.29 | 25.00 | 1.60 | - | - | 2.5 | 4.0 |" in text
+    assert "| 125m | coda | 40.00 | compile | 31.00 | 1.29 | 25.00 | 1.60 | - | - | - | 2.5 | 4.0 |" in text
     assert "measured again after this run (`scripts/bench.py --shape 125m --variants coda --tag=-memory`, " \
            "2026-12-01 05:00 UTC): coda 2.5 GiB" in text
     assert "9.0" not in text.split("## Per shape")[0]
@@ -338,7 +352,7 @@ def test_a_second_graph_tree_variants_peak_is_not_trusted_in_runs_without_the_re
     _report([path], md, tmp_path / "b.png", tmp_path)
     text = md.read_text()
     assert "| compile-max-autotune | 30.50 |" in text and "Peak memory of compile-max-autotune not shown" in text
-    assert "| 125m | coda | 40.00 | compile-max-autotune | 30.50 | 1.31 | 25.00 | 1.60 | - | - | 3.0 | 4.0 |" in text  # not 0.5
+    assert "| 125m | coda | 40.00 | compile-max-autotune | 30.50 | 1.31 | 25.00 | 1.60 | - | - | - | 3.0 | 4.0 |" in text  # not 0.5
     r["variant_isolation"] = "dynamo_reset"
     path.write_text(json.dumps(r))
     _report([path], md, tmp_path / "b.png", tmp_path)
