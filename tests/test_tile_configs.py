@@ -445,6 +445,22 @@ for name, prog in (("op", S.E.dswiglu_rowscale_stat), ("narrow", S.dswiglu_subti
     assert usage["op"]["spill_stores"] > 100 and usage["narrow"]["spill_stores"] <= 64, usage
 
 
+def test_subtile_experiment_keeps_a_cooperative_tiles_subtile_rows(stack):
+    """scripts/epilogue_subtile.py's override: 64 x 16 on a pingpong tile (one warpgroup), but a cooperative tile's
+    subtile spans both warpgroups' rows (128 x 16): a 64-row one stored wrong tiles there (NaN against the default
+    on the H100, 2026-12-06); SM100 keeps quack's own."""
+    _run('''
+import sys
+sys.path.insert(0, "scripts")
+import epilogue_subtile as S
+store = S.SubtileStore("g_x")
+assert store.epi_tile_shape_override(90, (128, 192, 64), (1, 1, 1)) == (64, 16)
+assert store.epi_tile_shape_override(90, (128, 256, 64), (2, 1, 1)) == (128, 16)
+assert store.epi_tile_shape_override(90, (256, 128, 64), (2, 1, 1)) == (128, 16)
+assert store.epi_tile_shape_override(100, (128, 192, 64), (1, 1, 1)) is None
+''')
+
+
 def test_epilogue_ablation_rows_compile_gpu_blind(stack, tmp_path):
     """Every row of scripts/epilogue_ablation.py (the op from gate and a, its traffic alone, the program it
     replaced on gate and up and that program's ablations) traces and compiles GPU-blind at the 125m widths
