@@ -363,6 +363,42 @@ def test_nan_loss_stops_without_checkpointing_it(tiny, tmp_path):
     assert metrics(tmp_path)[-1]["step"] == 7
 
 
+def test_a_step_out_of_gpu_memory_stops_with_the_settings_that_shrink_its_activations(tiny, tmp_path, monkeypatch):
+    """The training state is checked before data preparation; a micro-batch's activations can still run out of GPU
+    memory. That stops the run with a ConfigError (exit code 1) naming the step, torch's allocation and the fixes, the
+    first keeping the global batch, so resuming from the newest checkpoint (intact) with it continues the same batches;
+    a run with no checkpoint yet is told to start again, where a shorter seq_len is one more way."""
+    real = TrainStep.__call__
+    oom_at = {"step": 5}
+
+    def step_or_oom(self, *args, **kwargs):
+        if self.state.step + 1 == oom_at["step"]:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+                                         "79.19 GiB of which 1.10 GiB is free. Of the allocated memory ...")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(TrainStep, "__call__", step_or_oom)
+    command = (*tiny, "trainer.max_steps=8", "trainer.ckpt_every=2", "trainer.batch_size=4", "trainer.grad_accum_steps=1")
+    with pytest.raises(ConfigError) as error:
+        train_in_process(tmp_path, *command)
+    message = str(error.value)
+    assert message.startswith("step 5 ran out of GPU memory (tried to allocate 2.00 GiB)."), message
+    newest = tmp_path / "checkpoints" / "step_00000004"
+    assert f"the newest checkpoint, {newest}, is intact; resume from it with one of these" in message
+    assert "trainer.batch_size=2 trainer.grad_accum_steps=2 (the same global batch" in message
+    assert "trainer.recompute=block" in message and "seq_len" not in message  # a resume keeps its seq_len
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000004", "step_00000002"]
+    monkeypatch.setattr(TrainStep, "__call__", real)
+    train_in_process(tmp_path, *command, "trainer.batch_size=2", "trainer.grad_accum_steps=2")  # the fix it named
+    assert [m["step"] for m in metrics(tmp_path)] == list(range(1, 9))
+    # no checkpoint yet: start again, with a shorter seq_len among the ways
+    monkeypatch.setattr(TrainStep, "__call__", step_or_oom)
+    oom_at["step"] = 1
+    with pytest.raises(ConfigError, match=r"step 1 ran out of GPU memory .*no checkpoint of this run exists yet; start it "
+                                          r"again with one of these .*a shorter trainer.seq_len \(now 32\)"):
+        train_in_process(tmp_path / "fresh", *command)
+
+
 def test_resuming_with_a_lower_lr_after_a_nan_keeps_the_diverged_runs_metrics_aside(tiny, tmp_path):
     """The fix a NaN stop names (resume with a lower optim.lr) redoes the steps after the checkpoint on another
     trajectory: the diverged run's lines of those steps, the ones leading to the NaN, are moved aside, not

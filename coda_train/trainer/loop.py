@@ -324,10 +324,12 @@ def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, train_step: TrainS
     last: Optional[dict[str, Any]] = None
     stopped_by: Optional[str] = None
     exit_code = 0
+    phase = "step"  # what an out-of-memory stop names: the step or its evaluation
     try:
         if state.step >= t.max_steps:
             log.info("nothing to do: the checkpoint is at step %d and trainer.max_steps=%d", state.step, t.max_steps)
         while state.step < t.max_steps and not any_rank(stop.received is not None, world):
+            phase = f"step {state.step + 1}"
             pending = train_step(poison_loss=debug.nan_loss_at_step == state.step + 1)
             throughput.add(pending.tokens)
             is_last = state.step == t.max_steps
@@ -341,6 +343,7 @@ def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, train_step: TrainS
                 utilization = mfu(tokens_per_s, flops_per_token, t.peak_flops, world.world_size) if device.type == "cuda" else None
                 last = metrics_line(result, state.tokens, tokens_per_s, state.elapsed_s(now), utilization)
                 if should_eval:
+                    phase = f"the evaluation after step {state.step}"
                     last["val_loss"] = evaluate(state.model, val_loader, t.eval_batches * t.grad_accum_steps, device, world)
                 if metrics_logger is not None:
                     with writing(f"the metrics of step {state.step}", Path(metrics_logger.file.name), checkpointer.root.parent):
@@ -374,6 +377,10 @@ def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, train_step: TrainS
         exit_code = EXIT_NON_FINITE
         _finish(checkpointer, world)  # a save in flight holds a finite state (each save reads its step first)
         raise _non_finite_stop(e, state.step, checkpointer, hint) from None
+    except torch.OutOfMemoryError as e:
+        exit_code = EXIT_BAD_INPUT
+        _finish(checkpointer, world)  # a save in flight holds a step that completed
+        raise _out_of_memory_stop(e, phase, cfg, world, device, checkpointer, hint) from None
     finally:
         stop.restore()
         if metrics_logger is not None:
@@ -392,6 +399,40 @@ def _non_finite_stop(error: NonFiniteError, step: int, checkpointer: Checkpointe
     else:
         fix = f"Resume from the newest checkpoint, {newest}, with {change} ({hint(saved=True)})"
     return NonFiniteError(f"{error}; stopped without applying or saving {skipped}. {fix}", error.step)
+
+
+def _out_of_memory_stop(error: torch.OutOfMemoryError, phase: str, cfg: Config, world: World, device: torch.device,
+                        checkpointer: Checkpointer, hint: Callable[..., str]) -> ConfigError:
+    """The error a run stops with when a step (or its evaluation) runs out of GPU memory: the training state was
+    checked at the start (build.check_state_fits), so it is the activations of a micro-batch, and the fixes are the
+    settings that shrink them, the first one keeping the global batch so a resume continues the same batches."""
+    t = cfg.trainer
+    newest = next(iter(list_checkpoints(checkpointer.root)), None)
+    fixes = []
+    if t.batch_size > 1:
+        half = t.batch_size // 2
+        fixes.append(f"trainer.batch_size={half} trainer.grad_accum_steps={t.grad_accum_steps * t.batch_size // half}"
+                     if t.batch_size % 2 == 0 else "a smaller trainer.batch_size with a larger trainer.grad_accum_steps")
+        fixes[-1] += " (the same global batch: a resume continues the same batches)"
+    if cfg.model.impl == "coda" and t.recompute == "none":
+        fixes.append("trainer.recompute=block (each block keeps only its input and recomputes its forward in the backward)")
+    if newest is None:  # a resume keeps the saved seq_len (the data loader refuses another)
+        fixes.append(f"a shorter trainer.seq_len (now {t.seq_len})")
+    if world.world_size == 1:
+        fixes.append("more GPUs: torchrun --nproc-per-node=N train.py ... trainer.parallel=fsdp"
+                     + (" with trainer.batch_size x N x trainer.grad_accum_steps as now" if newest is not None else ""))
+    peak = ""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        peak = f" (peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB allocated of the GPU's {total / 2**30:.1f})"
+    tried = next((part for part in str(error).split(". ") if part.startswith("Tried to allocate")), None)  # torch's words
+    what = f" ({tried[0].lower()}{tried[1:]})" if tried else ""
+    resume = (f"the newest checkpoint, {newest}, is intact; resume from it with one of these ({hint(saved=True)})"
+              if newest is not None else f"no checkpoint of this run exists yet; start it again with one of these "
+              f"({hint(saved=False)})")
+    return ConfigError(f"{phase} ran out of GPU memory{what}{peak}. The training state fit at the start, so a "
+                       f"micro-batch's activations ({t.batch_size} x {t.seq_len} tokens) did not; {resume}: "
+                       + "; ".join(fixes) + ".")
 
 
 def _save(checkpointer: Checkpointer, state: TrainState, world: World) -> Optional[Path]:
