@@ -395,8 +395,9 @@ def test_a_step_out_of_gpu_memory_stops_with_the_settings_that_shrink_its_activa
     monkeypatch.setattr(TrainStep, "__call__", step_or_oom)
     oom_at["step"] = 1
     with pytest.raises(ConfigError, match=r"step 1 ran out of GPU memory .*no checkpoint of this run exists yet; start it "
-                                          r"again with one of these .*a shorter trainer.seq_len \(now 32\)"):
+                                          r"again with one of these .*a shorter trainer.seq_len \(now 32\)") as error:
         train_in_process(tmp_path / "fresh", *command)
+    assert "trainer.batch_size=2 trainer.grad_accum_steps=2;" in str(error.value)  # no resume to speak of
 
 
 def test_resuming_with_a_lower_lr_after_a_nan_keeps_the_diverged_runs_metrics_aside(tiny, tmp_path):

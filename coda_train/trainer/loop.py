@@ -413,7 +413,8 @@ def _out_of_memory_stop(error: torch.OutOfMemoryError, phase: str, cfg: Config, 
         half = t.batch_size // 2
         fixes.append(f"trainer.batch_size={half} trainer.grad_accum_steps={t.grad_accum_steps * t.batch_size // half}"
                      if t.batch_size % 2 == 0 else "a smaller trainer.batch_size with a larger trainer.grad_accum_steps")
-        fixes[-1] += " (the same global batch: a resume continues the same batches)"
+        if newest is not None:
+            fixes[-1] += " (the same global batch: the resume continues the same batches)"
     if cfg.model.impl == "coda" and t.recompute == "none":
         fixes.append("trainer.recompute=block (each block keeps only its input and recomputes its forward in the backward)")
     if newest is None:  # a resume keeps the saved seq_len (the data loader refuses another)
@@ -421,16 +422,16 @@ def _out_of_memory_stop(error: torch.OutOfMemoryError, phase: str, cfg: Config, 
     if world.world_size == 1:
         fixes.append("more GPUs: torchrun --nproc-per-node=N train.py ... trainer.parallel=fsdp"
                      + (" with trainer.batch_size x N x trainer.grad_accum_steps as now" if newest is not None else ""))
-    peak = ""
+    peak = None
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        peak = f" (peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB allocated of the GPU's {total / 2**30:.1f})"
+        peak = f"peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB allocated of the GPU's {total / 2**30:.1f}"
     tried = next((part for part in str(error).split(". ") if part.startswith("Tried to allocate")), None)  # torch's words
-    what = f" ({tried[0].lower()}{tried[1:]})" if tried else ""
+    what = "; ".join(part for part in (tried and f"{tried[0].lower()}{tried[1:]}", peak) if part)
     resume = (f"the newest checkpoint, {newest}, is intact; resume from it with one of these ({hint(saved=True)})"
               if newest is not None else f"no checkpoint of this run exists yet; start it again with one of these "
               f"({hint(saved=False)})")
-    return ConfigError(f"{phase} ran out of GPU memory{what}{peak}. The training state fit at the start, so a "
+    return ConfigError(f"{phase} ran out of GPU memory{f' ({what})' if what else ''}. The training state fit at the start, so a "
                        f"micro-batch's activations ({t.batch_size} x {t.seq_len} tokens) did not; {resume}: "
                        + "; ".join(fixes) + ".")
 
