@@ -510,6 +510,40 @@ def test_a_stop_on_one_rank_stops_every_rank_through_the_host_side_control_group
         assert json.loads((tmp_path / f"seen.{rank}").read_text()) == [True, False, True]
 
 
+def _refusal_worker(rank: int, store: str, out: str) -> None:
+    """A per-rank check that refuses on rank 1 only (its own GPU's free memory, say): both ranks stop with a
+    ConfigError, rank 1 with its own, rank 0 with rank 1's named; a check passing everywhere passes everywhere."""
+    import torch.distributed as dist
+
+    from coda_train.errors import ConfigError
+    from coda_train.trainer.distributed import World, refused_on_any_rank
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    world = World(rank, 2, rank, dist.new_group(backend="gloo"))
+
+    def check() -> None:
+        if rank == 1:
+            raise ConfigError("model x does not fit in the memory of cuda:1 (3.0 GiB free)")
+
+    said = []
+    try:
+        refused_on_any_rank(check, world)
+    except ConfigError as e:
+        said.append(str(e))
+    refused_on_any_rank(lambda: None, world)  # both ranks pass, and the group is still in step
+    Path(f"{out}.{rank}").write_text(json.dumps(said))
+    _end_gloo_worker()
+
+
+def test_a_check_refused_on_one_rank_stops_every_rank(tmp_path):
+    """check_state_fits reads each rank's own GPU: a refusal on one rank alone would leave the others waiting in
+    their next collective (the run dir's broadcast) until its timeout; refused_on_any_rank stops them all at once."""
+    mp.spawn(_refusal_worker, args=(str(tmp_path / "store"), str(tmp_path / "said")), nprocs=2)
+    assert json.loads((tmp_path / "said.1").read_text()) == ["model x does not fit in the memory of cuda:1 (3.0 GiB free)"]
+    assert json.loads((tmp_path / "said.0").read_text()) == [
+        "rank 1 refused the run: model x does not fit in the memory of cuda:1 (3.0 GiB free)"]
+
+
 def test_a_stop_that_begins_on_another_rank_is_logged_in_train_log(tiny, tmp_path, monkeypatch):
     """Rank 0 alone holds train.log: a data error only rank 1 meets (its third batch, here made to fail by a
     sitecustomize) is written there too, naming the rank, and rank 0's broken collective says where to look."""

@@ -8,7 +8,7 @@ import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -170,6 +170,28 @@ def any_rank(flag: bool, world: World) -> bool:
     t = torch.tensor(float(flag))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world.control_group)
     return bool(t.item())
+
+
+def refused_on_any_rank(check: Callable[[], None], world: World) -> None:
+    """Run a per-rank check that raises ConfigError (each rank's own GPU, e.g. its free memory) so that every rank
+    stops when one refuses: a rank stopping alone would leave the others waiting in their next collective until its
+    timeout. A refusing rank raises its own error, the others the first refusing rank's, named. Host-side, over
+    world.control_group."""
+    if not world.distributed:
+        check()
+        return
+    mine: Optional[ConfigError] = None
+    try:
+        check()
+    except ConfigError as e:
+        mine = e
+    said: list[Optional[str]] = [None] * world.world_size
+    dist.all_gather_object(said, None if mine is None else str(mine), group=world.control_group)
+    if mine is not None:
+        raise mine
+    first = next(((rank, text) for rank, text in enumerate(said) if text is not None), None)
+    if first is not None:
+        raise ConfigError(f"rank {first[0]} refused the run: {first[1]}")
 
 
 def from_main(obj: Any, world: World) -> Any:

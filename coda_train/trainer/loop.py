@@ -33,7 +33,7 @@ from .checkpoint import (CHECKPOINTS_DIR, CheckpointError, Checkpointer, check_c
                          find_resume_checkpoint, list_checkpoints, restore, resumes, resumes_newest_good, set_aside_newer)
 from .device import pick_compute_dtype, pick_device
 from .distributed import (World, any_rank, barrier, check_fsdp_options, close_world, data_parallel, from_main, init_world,
-                          process_device, resolve_parallel)
+                          process_device, refused_on_any_rank, resolve_parallel)
 from .graphs import use_cuda_graphs
 from .metrics import METRICS_FILE, MetricsLogger, Throughput, check_logger, metrics_line, mfu, rewind_metrics
 from .optim import apply_config_after_resume, lr_multiplier, wsd_decay_steps
@@ -186,7 +186,8 @@ def train(cfg: Config, run_dir: Path, sweep_dir: Optional[Path] = None) -> RunEn
             check_fsdp_options(parallel, cfg.trainer.fsdp_reshard_after_forward)
             check_ckpt_async(cfg.trainer.ckpt_async, parallel)
             if llama is not None:  # else its shape is its checkpoint's: checked once that is found (_train)
-                check_state_fits(cfg, llama, process_device(device, world), compute_dtype, world.world_size, parallel)
+                refused_on_any_rank(lambda: check_state_fits(cfg, llama, process_device(device, world), compute_dtype,
+                                                             world.world_size, parallel), world)
             cuda_graphs = use_cuda_graphs(cfg.trainer.cuda_graphs, cfg.model.impl, device, parallel)
             own_dir, run_dir = run_dir, from_main(run_dir, world)
             if own_dir != run_dir and own_dir.is_dir() and not any(own_dir.iterdir()):
@@ -236,7 +237,7 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
     data_from_checkpoint = (shape is not None and cfg.data.tokenizer is None) or tokenizer_gone  # its tokenizer is gone
     if shape is not None:
         llama = check_model_before_data(cfg, backend, resuming=True, init_from_shape=shape)
-        check_state_fits(cfg, llama, device, compute_dtype, world.world_size, parallel)
+        refused_on_any_rank(lambda: check_state_fits(cfg, llama, device, compute_dtype, world.world_size, parallel), world)
         if world.is_main:
             log.warning("model.init_from=%s holds no config.json any more: this resumed run takes the model's shape%s "
                         "from its checkpoint %s", cfg.model.init_from,
