@@ -38,7 +38,7 @@ from coda_train.errors import ConfigError
 from coda_train.trainer.checkpoint import resumes
 from coda_train.trainer.loop import (CONFIG_FILE, EXIT_BAD_INPUT, EXIT_NON_FINITE, STOP_ERRORS, exit_code,
                                      recorded_config, train)
-from coda_train.trainer.rundir import check_run_dir_path
+from coda_train.trainer.rundir import EarlyWarnings, check_run_dir_path
 
 log = logging.getLogger("train")
 register_configs()
@@ -68,8 +68,9 @@ def main(cfg: DictConfig) -> None:
         except ConfigError as e:
             log.error("%s", e)
             raise
-        say_preset_unused(config, list(hydra_config.overrides.task))
-        end = train(config, Path(hydra_config.runtime.output_dir), sweep_dir)
+        with EarlyWarnings().attached() as early:  # train.log gets what is said before the run holds its dir
+            say_preset_unused(config, list(hydra_config.overrides.task))
+            end = train(config, Path(hydra_config.runtime.output_dir), sweep_dir, early)
     except STOP_ERRORS as e:  # train() logged it; kernels.BackendError is a ConfigError
         code = exit_code(e)
         remove_if_made_here_and_empty(Path(hydra_config.runtime.output_dir))

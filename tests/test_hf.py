@@ -311,6 +311,8 @@ def test_a_preset_chosen_beside_init_from_is_said_to_be_unused(exported, tiny, t
         assert (f"{choice} and model.init_from={exported} both choose the model: the run takes model.init_from's "
                 "shape and weights, and the preset llama3_1b is not used") in out, out[-3000:]
         assert f"Drop {choice}, or drop model.init_from to train llama3_1b from scratch" in out
+        log = (run_dir / "train.log").read_text()  # said before the run held its dir, and in its log all the same
+        assert log.count("the preset llama3_1b is not used") == 1 and log.index("is not used") < log.index("step 1")
         recorded = yaml.safe_load((run_dir / "config.yaml").read_text())
         assert recorded["model"]["preset"] == "llama3_1b" and recorded["resolved_model"]["dim"] == 64
 

@@ -363,6 +363,18 @@ def test_nan_loss_stops_without_checkpointing_it(tiny, tmp_path):
     assert metrics(tmp_path)[-1]["step"] == 7
 
 
+def test_warnings_before_the_run_holds_its_dir_are_in_train_log_too(tiny, tmp_path):
+    """What a run says before it holds its dir (here trainer.parallel=ddp in one process) reaches the console at once
+    and train.log as the run opens it, once, before the first step; the next run of the dir appends its own."""
+    command = (*tiny, "trainer.max_steps=2", "trainer.parallel=ddp", "trainer.eval_every=0")
+    train_in_process(tmp_path, *command)
+    log = (tmp_path / "train.log").read_text()
+    assert log.count("trainer.parallel=ddp needs several processes, and this run is one") == 1, log
+    assert "[WARNING] - trainer.parallel=ddp needs several processes" in log
+    train_in_process(tmp_path, *command[:-2], "trainer.max_steps=3", "trainer.parallel=ddp")
+    assert (tmp_path / "train.log").read_text().count("needs several processes") == 2
+
+
 def test_a_step_out_of_gpu_memory_stops_with_the_settings_that_shrink_its_activations(tiny, tmp_path, monkeypatch):
     """The training state is checked before data preparation; a micro-batch's activations can still run out of GPU
     memory. That stops the run with a ConfigError (exit code 1) naming the step, torch's allocation and the fixes, the

@@ -37,7 +37,7 @@ from .distributed import (World, any_rank, barrier, check_fsdp_options, close_wo
 from .graphs import use_cuda_graphs
 from .metrics import METRICS_FILE, MetricsLogger, Throughput, check_logger, metrics_line, mfu, rewind_metrics
 from .optim import apply_config_after_resume, lr_multiplier, wsd_decay_steps
-from .rundir import RunDirError, continue_hint, hold_run_dir, log_in_run_dir, writing
+from .rundir import EarlyWarnings, RunDirError, continue_hint, hold_run_dir, log_in_run_dir, writing
 from .state import TrainState
 from .step import NonFiniteError, TrainStep, evaluate
 
@@ -160,14 +160,18 @@ class RunEnd:
     stopped_by: Optional[str] = None
 
 
-def train(cfg: Config, run_dir: Path, sweep_dir: Optional[Path] = None) -> RunEnd:
+def train(cfg: Config, run_dir: Path, sweep_dir: Optional[Path] = None, early: Optional[EarlyWarnings] = None) -> RunEnd:
     """Train per cfg, writing into run_dir; returns how the run ended (RunEnd). sweep_dir: the multirun sweep this
     run is a job of (its stop messages then say to run the sweep again, which continues every job's own dir).
     Under torchrun every rank calls this; rank 0's run_dir is used and only rank 0 writes (holding
-    its lock). A STOP_ERRORS error is logged (console, and train.log once the dir is held), then raised."""
+    its lock). A STOP_ERRORS error is logged (console, and train.log once the dir is held), then raised. early: the
+    caller's collector of the warnings it logged before (train.py's); the warnings before the run dir is held are
+    written into train.log as it is opened."""
     world: Optional[World] = None
     holding = False  # the run dir is held (its train.log exists): where a stop on any rank is logged
     with contextlib.ExitStack() as held:  # process group and run dir, released after the stop reason is logged
+        if early is None:
+            early = held.enter_context(EarlyWarnings().attached())
         try:
             check_config(cfg)
             check_logger(cfg.logger)
@@ -192,7 +196,9 @@ def train(cfg: Config, run_dir: Path, sweep_dir: Optional[Path] = None) -> RunEn
             own_dir, run_dir = run_dir, from_main(run_dir, world)
             if own_dir != run_dir and own_dir.is_dir() and not any(own_dir.iterdir()):
                 own_dir.rmdir()  # the dir hydra timed for this rank alone, unused: rank 0's is the run's
-            held.enter_context(hold_run_dir(run_dir, world))  # before anything reads or writes the run dir
+            held.enter_context(hold_run_dir(run_dir, world, early))  # before anything reads or writes the run dir
+            logging.getLogger().removeHandler(early)  # in train.log now (rank 0); no rank keeps collecting
+            early.records.clear()
             holding = True
             result = _train(cfg, run_dir, backend, process_device(device, world), compute_dtype, world, parallel,
                             cuda_graphs, sweep_dir)

@@ -168,10 +168,36 @@ def _run_log_handler(run_dir: Path) -> _RunLogFile:
     return handler
 
 
+class EarlyWarnings(logging.Handler):
+    """The WARNING and higher records logged before a run holds its dir (the checks and notes before it: a
+    trainer.parallel that cannot apply, a preset beside model.init_from), kept until hold_run_dir writes them into
+    train.log, so the run's own log says all that its console said about it. On the root logger while attached."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    @contextlib.contextmanager
+    def attached(self) -> Iterator["EarlyWarnings"]:
+        logging.getLogger().addHandler(self)
+        try:
+            yield self
+        finally:
+            logging.getLogger().removeHandler(self)
+
+
 @contextlib.contextmanager
-def _run_log(run_dir: Path) -> Iterator[None]:
+def _run_log(run_dir: Path, early: Optional[EarlyWarnings] = None) -> Iterator[None]:
     handler = _run_log_handler(run_dir)
     logging.getLogger().addHandler(handler)
+    if early is not None:  # from now on train.log gets every record itself
+        logging.getLogger().removeHandler(early)
+        for record in early.records:
+            handler.handle(record)
+        early.records.clear()
     try:
         yield
     finally:
@@ -180,9 +206,10 @@ def _run_log(run_dir: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def hold_run_dir(run_dir: Path, world: World) -> Iterator[None]:
+def hold_run_dir(run_dir: Path, world: World, early: Optional[EarlyWarnings] = None) -> Iterator[None]:
     """Rank 0 holds <run_dir>/.lock for the body, removes dead writers' partial checkpoints and logs
-    to train.log; every rank raises if the dir is in use (LockHeldError) or cannot be written (RunDirError)."""
+    to train.log (the `early` warnings first); every rank raises if the dir is in use (LockHeldError) or cannot be
+    written (RunDirError)."""
     with contextlib.ExitStack() as held:
         error: Optional[Exception] = None
         if world.is_main:
@@ -191,7 +218,7 @@ def hold_run_dir(run_dir: Path, world: World) -> Iterator[None]:
                 with writing("the run lock", run_dir / LOCK_FILE, run_dir):
                     run_dir.mkdir(parents=True, exist_ok=True)
                     held.enter_context(exclusive_lock(run_dir / LOCK_FILE, wait=False))
-                    held.enter_context(_run_log(run_dir))
+                    held.enter_context(_run_log(run_dir, early))
                     remove_partial_writes(run_dir / CHECKPOINTS_DIR)
             except LockHeldError as e:
                 error = LockHeldError(f"trainer.run_dir={run_dir} is in use by another training run ({e}). Two runs in one "
