@@ -432,3 +432,16 @@ def test_a_report_of_another_gpu_is_not_overwritten_and_the_chart_follows_the_re
                               str(md)], cwd=tmp_path, capture_output=True, text=True)
     assert refused.returncode == 2 and "is the report of another GPU (NVIDIA H200)" in refused.stderr
     assert md.read_text() == before
+
+
+def test_a_cpu_smoke_run_reports_no_gemm_peak(tmp_path):
+    """bench.py's CPU smoke run times a matmul rate that is no bf16 peak (it takes no MFU against it): the report's
+    shape header names the CPU and leaves the peak out, where a GPU run's header gives it."""
+    gpu, cpu = _result("125m"), _result("125m")
+    cpu["environment"] = dict(cpu["environment"], gpu="CPU (smoke run: not a measurement)", cuda=None)
+    for name, result in (("gpu", gpu), ("cpu", cpu)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(result))
+        _report([tmp_path / f"{name}.json"], tmp_path / f"{name}.md", tmp_path / f"{name}.png", tmp_path)
+    assert "bf16 GEMM peak measured in the same run: " in (tmp_path / "gpu.md").read_text()
+    text = (tmp_path / "cpu.md").read_text()
+    assert "on CPU (smoke run: not a measurement)" in text and "bf16 GEMM peak measured in the same run: " not in text
