@@ -1,7 +1,6 @@
 """Data pipeline: tokenizer, preparation, loader, and every bad input named in issue 3. Tiny corpora; no network."""
 
 import json
-import logging
 import os
 import random
 import subprocess
