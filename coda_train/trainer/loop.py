@@ -197,8 +197,7 @@ def train(cfg: Config, run_dir: Path, sweep_dir: Optional[Path] = None, early: O
             if own_dir != run_dir and own_dir.is_dir() and not any(own_dir.iterdir()):
                 own_dir.rmdir()  # the dir hydra timed for this rank alone, unused: rank 0's is the run's
             held.enter_context(hold_run_dir(run_dir, world, early))  # before anything reads or writes the run dir
-            logging.getLogger().removeHandler(early)  # in train.log now (rank 0); no rank keeps collecting
-            early.records.clear()
+            early.detach()  # in train.log now (rank 0); no rank keeps collecting
             holding = True
             result = _train(cfg, run_dir, backend, process_device(device, world), compute_dtype, world, parallel,
                             cuda_graphs, sweep_dir)

@@ -186,18 +186,20 @@ class EarlyWarnings(logging.Handler):
         try:
             yield self
         finally:
-            logging.getLogger().removeHandler(self)
+            self.detach()
+
+    def detach(self) -> None:
+        """Stop collecting and drop what was kept (once train.log has it, or on a rank that writes none)."""
+        logging.getLogger().removeHandler(self)
+        self.records.clear()
 
 
 @contextlib.contextmanager
 def _run_log(run_dir: Path, early: Optional[EarlyWarnings] = None) -> Iterator[None]:
     handler = _run_log_handler(run_dir)
     logging.getLogger().addHandler(handler)
-    if early is not None:  # from now on train.log gets every record itself
-        logging.getLogger().removeHandler(early)
-        for record in early.records:
-            handler.handle(record)
-        early.records.clear()
+    for record in early.records if early is not None else ():  # from now on train.log gets every record itself
+        handler.handle(record)
     try:
         yield
     finally:
