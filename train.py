@@ -49,10 +49,11 @@ CONFIG_FLAGS = ("--config-name", "-cn", "--config-path", "-cp", "--config-dir", 
 # multirun jobs that stopped on their own input or diverged, as (job number, its run dir, exit code): the sweep
 # goes on with its other jobs (e.g. an lr sweep whose largest lr diverges) and train.py exits with the first code
 failed_jobs: list[tuple[int, str, int]] = []
-# the trainer.run_dir values of the command line that existed before hydra made the rest
+# the trainer.run_dir and hydra.sweep.dir values of the command line that existed before hydra made the rest
 existing_run_dirs: set[Path] = set()
 # the multirun jobs main() was called for, by number: a sweep none of whose jobs got past its checks changed nothing
 started_jobs: list[int] = []
+SWEEP_DIR = "hydra.sweep.dir"  # where a multirun puts its job dirs (<it>/<job number>): trainer.run_dir unless overridden
 SWEEP_RECORD = "multirun.yaml"  # hydra's record of a sweep (its config and command line), written as the sweep starts
 
 
@@ -102,12 +103,12 @@ def remove_if_made_here_and_empty(run_dir: Path) -> None:
         run_dir.rmdir()
 
 
-def run_dir_values(argv: list[str]) -> list[str]:
-    """The trainer.run_dir values of the command line, each of a multirun sweep's (a,b or choice(a,b)) too;
-    null (a fresh timestamped dir) and what hydra cannot parse (it reports that itself) are left out."""
+def run_dir_values(argv: list[str], key: str = "trainer.run_dir") -> list[str]:
+    """The trainer.run_dir values (or another key's) of the command line, each of a multirun sweep's (a,b or
+    choice(a,b)) too; null (a fresh timestamped dir) and what hydra cannot parse (it reports that itself) are left out."""
     values = []
     for arg in argv:
-        if not arg.lstrip("+").startswith("trainer.run_dir="):
+        if not arg.lstrip("+").startswith(f"{key}="):
             continue
         try:
             override = OverridesParser.create().parse_overrides([arg])[0]
@@ -141,12 +142,13 @@ def check_sweep_configs(argv: list[str]) -> None:
         values = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
                   else [o.input_line] for o in parsed if not o.get_key_element().lstrip("+~").startswith("hydra")]
         swept = [o.get_key_element().lstrip("+~") for o in parsed if o.is_sweep_override()]
+        sweep_dirs = run_dir_values(argv, SWEEP_DIR)
         with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent / "configs"), version_base="1.3"):
             for job, overrides in enumerate(itertools.product(*values)):
                 try:
                     cfg = to_dataclass(compose("config", overrides=list(overrides)))
                     check_config(cfg)
-                    check_job_dir_is_this_jobs(cfg, job, swept)
+                    check_job_dir_is_this_jobs(cfg, job, swept, sweep_dirs[0] if len(sweep_dirs) == 1 else None)
                 except (ConfigError, DataError) as e:
                     print(f"multirun job #{job} ({' '.join(overrides)}): {e}; no job of the sweep ran", file=sys.stderr)
                     sys.exit(EXIT_BAD_INPUT)
@@ -158,13 +160,15 @@ def check_sweep_configs(argv: list[str]) -> None:
         return
 
 
-def check_job_dir_is_this_jobs(cfg: Config, job: int, swept: list[str]) -> None:
-    """A sweep into a trainer.run_dir that an earlier sweep used resumes each job dir's run (trainer.resume=auto):
-    job #i's dir must hold a run of job #i's swept values, not another sweep's job #i (an eager run continued as coda,
-    and compared as coda). Its config.yaml says which values it ran with."""
-    if cfg.trainer.run_dir is None or cfg.trainer.resume != "auto":
+def check_job_dir_is_this_jobs(cfg: Config, job: int, swept: list[str], sweep_dir: Optional[str] = None) -> None:
+    """A sweep into a trainer.run_dir (or a hydra.sweep.dir, `sweep_dir`, which hydra then uses instead) that an
+    earlier sweep used resumes each job dir's run (trainer.resume=auto): job #i's dir must hold a run of job #i's swept
+    values, not another sweep's job #i (an eager run continued as coda, and compared as coda). Its config.yaml says
+    which values it ran with."""
+    parent, named = (sweep_dir, SWEEP_DIR) if sweep_dir is not None else (cfg.trainer.run_dir, "trainer.run_dir")
+    if parent is None or cfg.trainer.resume != "auto":
         return
-    job_dir = Path(cfg.trainer.run_dir).expanduser() / str(job)
+    job_dir = Path(parent).expanduser() / str(job)
     if not resumes("auto", job_dir) or not (job_dir / CONFIG_FILE).is_file():
         return
     try:
@@ -176,8 +180,8 @@ def check_job_dir_is_this_jobs(cfg: Config, job: int, swept: list[str]) -> None:
     other = {k: OmegaConf.select(previous, k) for k in keys if OmegaConf.select(previous, k) != OmegaConf.select(now, k)}
     if other:
         raise ConfigError(f"its dir {job_dir} holds a run of {', '.join(f'{k}={v}' for k, v in other.items())}, which "
-                          "this job would resume as its own; sweep into a new trainer.run_dir, or sweep the values "
-                          "that run used")
+                          f"this job would resume as its own; sweep into a new {named}, or sweep the values that "
+                          "run used")
 
 
 def refuse_a_sweep_under_torchrun(argv: list[str]) -> None:
@@ -206,10 +210,10 @@ def end_worker(code: object) -> None:
 
 
 def sweep_record(argv: list[str]) -> Optional[tuple[Path, Optional[bytes]]]:
-    """A multirun into one trainer.run_dir, its sweep dir: that dir's multirun.yaml and its bytes before hydra rewrites
-    it (None: there is none yet); None for any other command line (a fresh timestamped sweep dir, or a file that
-    cannot be read, which is left as hydra leaves it)."""
-    values = run_dir_values(argv)
+    """A multirun into one trainer.run_dir or hydra.sweep.dir, its sweep dir: that dir's multirun.yaml and its bytes
+    before hydra rewrites it (None: there is none yet); None for any other command line (a fresh timestamped sweep dir,
+    or a file that cannot be read, which is left as hydra leaves it)."""
+    values = run_dir_values(argv, SWEEP_DIR) or run_dir_values(argv)  # hydra.sweep.dir wins over config.yaml's default
     if not {"-m", "--multirun"} & set(argv) or len(set(values)) != 1:
         return None
     path = Path(values[0]).expanduser() / SWEEP_RECORD
@@ -236,7 +240,8 @@ def launch(argv: list[str]) -> None:
     """The checks of the whole command line, then the run or sweep; a sweep's failed jobs set the exit code."""
     refuse_a_sweep_under_torchrun(argv)
     check_run_dirs(argv)
-    existing_run_dirs.update(Path(v).expanduser().absolute() for v in run_dir_values(argv) if Path(v).expanduser().is_dir())
+    existing_run_dirs.update(Path(v).expanduser().absolute() for v in run_dir_values(argv) + run_dir_values(argv, SWEEP_DIR)
+                             if Path(v).expanduser().is_dir())
     check_sweep_configs(argv)
     record = sweep_record(argv)
     try:

@@ -274,6 +274,27 @@ def test_a_sweep_into_an_earlier_sweeps_dir_resumes_only_runs_of_its_own_values(
     assert [len(metrics(tmp_path / job)) for job in "01"] == [3, 3]
 
 
+def test_a_sweep_into_an_earlier_hydra_sweep_dir_is_checked_as_one_into_its_run_dir(tiny, tmp_path):
+    """hydra.sweep.dir=DIR (hydra's own way to name a sweep's dir) puts the job dirs in DIR as trainer.run_dir=DIR
+    does: another sweep's job #i there is not resumed as this one's (it was, with a warning), a sweep whose every job
+    is refused at its start leaves DIR's multirun.yaml as it was, and the same sweep again continues its runs."""
+    sweep = ("-m", *tiny, "trainer.eval_every=0", f"hydra.sweep.dir={tmp_path}")
+    first = run_train(*sweep, "trainer.max_steps=2", "model.impl=eager,coda", timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    record = (tmp_path / "multirun.yaml").read_bytes()
+    swapped = run_train(*sweep, "trainer.max_steps=3", "model.impl=coda,eager")
+    assert swapped.returncode == 1, swapped.stderr[-3000:]
+    assert (f"its dir {tmp_path / '0'} holds a run of model.impl=eager, which this job would resume as its own; sweep "
+            "into a new hydra.sweep.dir" in swapped.stderr), swapped.stderr[-3000:]
+    refused = run_train(*sweep, "trainer.max_steps=3", "trainer.seq_len=16", "model.impl=eager,coda")
+    assert refused.returncode == 1 and "trainer.seq_len: saved 32 vs now 16" in refused.stdout + refused.stderr
+    assert (tmp_path / "multirun.yaml").read_bytes() == record
+    assert [len(metrics(tmp_path / job)) for job in "01"] == [2, 2]
+    again = run_train(*sweep, "trainer.max_steps=3", "model.impl=eager,coda", timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert [len(metrics(tmp_path / job)) for job in "01"] == [3, 3]
+
+
 def test_a_refused_sweep_leaves_the_sweep_dirs_record_as_it_was(tiny, tmp_path):
     """hydra writes multirun.yaml (the sweep's config and command line) into the sweep dir as a sweep starts: a sweep
     into an earlier sweep's trainer.run_dir that hydra cannot compose (an unknown option or key), or whose every job is
