@@ -53,7 +53,11 @@ failed_jobs: list[tuple[int, str, int]] = []
 existing_run_dirs: set[Path] = set()
 # the multirun jobs main() was called for, by number: a sweep none of whose jobs got past its checks changed nothing
 started_jobs: list[int] = []
+# each multirun job's run dir so far, and its job number: a second job in one dir would resume the first's run as its own
+job_dirs: dict[Path, int] = {}
 SWEEP_DIR = "hydra.sweep.dir"  # where a multirun puts its job dirs (<it>/<job number>): trainer.run_dir unless overridden
+RUN_DIR = "hydra.run.dir"  # a single run's dir: trainer.run_dir unless overridden
+SWEEP_SUBDIR = "hydra.sweep.subdir"  # a job's dir under the sweep dir: ${hydra.job.num} unless overridden
 SWEEP_RECORD = "multirun.yaml"  # hydra's record of a sweep (its config and command line), written as the sweep starts
 
 
@@ -66,6 +70,8 @@ def main(cfg: DictConfig) -> None:
     try:
         try:
             config = to_dataclass(cfg)
+            if sweep_dir is not None:
+                check_job_dir_is_its_own(Path(hydra_config.runtime.output_dir), hydra_config.job.num)
         except ConfigError as e:
             log.error("%s", e)
             raise
@@ -82,6 +88,16 @@ def main(cfg: DictConfig) -> None:
         return
     if end.stopped_by:  # saved and stopped: exit now, so a multirun sweep stops too instead of starting its next job
         sys.exit(0)
+
+
+def check_job_dir_is_its_own(run_dir: Path, job: int) -> None:
+    """A sweep whose hydra.sweep.subdir (or swept trainer.run_dir) puts two jobs in one dir: the later job would resume
+    the earlier one's finished run (trainer.resume=auto), change its settings and train nothing. ConfigError."""
+    earlier = job_dirs.setdefault(run_dir.absolute(), job)
+    if earlier != job:
+        raise ConfigError(f"multirun job #{job}'s run dir {run_dir} is job #{earlier}'s too, and this job would resume that "
+                          f"run as its own: give each job a dir of its own (leave {SWEEP_SUBDIR} unset: its default, "
+                          "${hydra.job.num}, is the job's number; or make it name every swept value, e.g. lr${optim.lr})")
 
 
 def say_preset_unused(config: Config, overrides: list[str]) -> None:
@@ -121,13 +137,16 @@ def run_dir_values(argv: list[str], key: str = "trainer.run_dir") -> list[str]:
 
 def check_run_dirs(argv: list[str]) -> None:
     """Hydra makes trainer.run_dir before main() runs, and one it cannot make (a file, an empty path that would be
-    the current directory, a read-only place) stops it with a traceback or worse: each value is checked first."""
-    for value in run_dir_values(argv):
-        try:
-            check_run_dir_path(value)
-        except STOP_ERRORS as e:
-            print(e, file=sys.stderr)
-            sys.exit(exit_code(e))
+    the current directory, a read-only place) stops it with a traceback or worse: each value is checked first, and
+    so is each of hydra's own dir keys that this command uses instead (hydra.sweep.dir in a sweep, else hydra.run.dir)."""
+    hydra_dir = SWEEP_DIR if {"-m", "--multirun"} & set(argv) else RUN_DIR
+    for key in ("trainer.run_dir", hydra_dir):
+        for value in run_dir_values(argv, key):
+            try:
+                check_run_dir_path(value, key)
+            except STOP_ERRORS as e:
+                print(e, file=sys.stderr)
+                sys.exit(exit_code(e))
 
 
 def check_sweep_configs(argv: list[str]) -> None:
@@ -143,12 +162,20 @@ def check_sweep_configs(argv: list[str]) -> None:
                   else [o.input_line] for o in parsed if not o.get_key_element().lstrip("+~").startswith("hydra")]
         swept = [o.get_key_element().lstrip("+~") for o in parsed if o.is_sweep_override()]
         sweep_dirs = run_dir_values(argv, SWEEP_DIR)
+        subdirs = run_dir_values(argv, SWEEP_SUBDIR)
+        jobs = len(list(itertools.product(*values)))
+        if jobs > 1 and subdirs and "${" not in subdirs[-1]:
+            print(f"{SWEEP_SUBDIR}={subdirs[-1]} puts all {jobs} jobs of the sweep in one dir, where each would resume the "
+                  "one before as its own run; leave it unset (its default, ${hydra.job.num}, is the job's number) or make "
+                  "it name every swept value (e.g. lr${optim.lr}); no job of the sweep ran", file=sys.stderr)
+            sys.exit(EXIT_BAD_INPUT)
         with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent / "configs"), version_base="1.3"):
             for job, overrides in enumerate(itertools.product(*values)):
                 try:
                     cfg = to_dataclass(compose("config", overrides=list(overrides)))
                     check_config(cfg)
-                    check_job_dir_is_this_jobs(cfg, job, swept, sweep_dirs[0] if len(sweep_dirs) == 1 else None)
+                    if not subdirs:  # job #i's dir is <sweep dir>/i, where an earlier sweep's job #i ran
+                        check_job_dir_is_this_jobs(cfg, job, swept, sweep_dirs[0] if len(sweep_dirs) == 1 else None)
                 except (ConfigError, DataError) as e:
                     print(f"multirun job #{job} ({' '.join(overrides)}): {e}; no job of the sweep ran", file=sys.stderr)
                     sys.exit(EXIT_BAD_INPUT)

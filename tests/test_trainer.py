@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -293,6 +294,39 @@ def test_a_sweep_into_an_earlier_hydra_sweep_dir_is_checked_as_one_into_its_run_
     again = run_train(*sweep, "trainer.max_steps=3", "model.impl=eager,coda", timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert [len(metrics(tmp_path / job)) for job in "01"] == [3, 3]
+
+
+def test_a_sweep_whose_jobs_share_one_dir_is_refused(tiny, tmp_path):
+    """A hydra.sweep.subdir that does not differ by job put every job in one dir, where the second job resumed the
+    first's finished run with its settings changed, trained nothing and exited 0. A constant one is refused before any
+    job; one that resolves alike for two jobs refuses the later job; one naming the swept values gives each its own."""
+    sweep = ("-m", *tiny, "trainer.eval_every=0", "trainer.max_steps=2", "optim.lr=1e-3,2e-3")
+    constant = run_train(*sweep, "hydra.sweep.subdir=same", f"trainer.run_dir={tmp_path / 'a'}")
+    assert constant.returncode == 1, constant.stderr[-3000:]
+    assert "hydra.sweep.subdir=same puts all 2 jobs of the sweep in one dir" in constant.stderr
+    assert not (tmp_path / "a").exists()
+    shared = run_train(*sweep, "hydra.sweep.subdir=${trainer.max_steps}", f"trainer.run_dir={tmp_path / 'b'}", timeout=300)
+    out = shared.stdout + shared.stderr
+    assert shared.returncode == 1 and f"multirun job #1's run dir {tmp_path / 'b' / '2'} is job #0's too" in out, out[-3000:]
+    assert len(metrics(tmp_path / "b" / "2")) == 2
+    assert yaml.safe_load((tmp_path / "b" / "2" / "config.yaml").read_text())["optim"]["lr"] == 1e-3
+    named = run_train(*sweep, "hydra.sweep.subdir=lr${optim.lr}", f"trainer.run_dir={tmp_path / 'c'}", timeout=300)
+    assert named.returncode == 0, named.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "c").iterdir() if p.is_dir()) == ["lr0.001", "lr0.002"]
+
+
+def test_hydras_own_run_and_sweep_dirs_are_checked_before_hydra_makes_them(tmp_path):
+    """hydra.run.dir and hydra.sweep.dir take trainer.run_dir's place as the dir hydra makes: one under a file or
+    where this user cannot write stopped hydra with a traceback (a sweep's with two)."""
+    (tmp_path / "a_file").write_text("kept")
+    for args in ((f"hydra.run.dir={tmp_path / 'a_file'}",), ("-m", f"hydra.sweep.dir={tmp_path / 'a_file' / 'x'}")):
+        result = run_train("trainer.max_steps=2", *args)
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        assert f"{args[-1]}: {tmp_path / 'a_file'} is a file, not a directory" in result.stderr
+    result = run_train("-m", "trainer.max_steps=2", "hydra.sweep.dir=/proc/nope")
+    assert result.returncode == 4 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "hydra.sweep.dir=/proc/nope cannot be used" in result.stderr and "choose another hydra.sweep.dir" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"] and (tmp_path / "a_file").read_text() == "kept"
 
 
 def test_a_refused_sweep_leaves_the_sweep_dirs_record_as_it_was(tiny, tmp_path):

@@ -36,25 +36,26 @@ class RunDirError(RuntimeError):
     and the fix."""
 
 
-def _fix(e: OSError, run_dir: Path) -> str:
+def _fix(e: OSError, run_dir: Path, key: str = "trainer.run_dir") -> str:
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return ("Free space on that filesystem (or raise the quota), or move the run dir to one with room and point "
-                "trainer.run_dir there; a checkpoint needs about as much as the previous one, and up to "
+                f"{key} there; a checkpoint needs about as much as the previous one, and up to "
                 "trainer.keep_last + 1 of them exist at once")
     if e.errno == errno.EROFS:
         return ("The filesystem is mounted read-only: remount it read-write, or copy the run dir to a writable "
-                "place and point trainer.run_dir there")
+                f"place and point {key} there")
     if e.errno in (errno.EACCES, errno.EPERM):
-        return f"This user may not write there: fix the ownership or permissions of {run_dir}, or choose another trainer.run_dir"
-    return f"Check that filesystem ({errno.errorcode.get(e.errno, 'unknown error')}), or choose another trainer.run_dir"
+        return f"This user may not write there: fix the ownership or permissions of {run_dir}, or choose another {key}"
+    return f"Check that filesystem ({errno.errorcode.get(e.errno, 'unknown error')}), or choose another {key}"
 
 
-def check_run_dir_not_empty(value: Optional[str]) -> None:
-    """An empty trainer.run_dir, which hydra would take for the current directory: ConfigError."""
+def check_run_dir_not_empty(value: Optional[str], key: str = "trainer.run_dir") -> None:
+    """An empty trainer.run_dir (or hydra.run.dir / hydra.sweep.dir, `key`), which hydra would take for the current
+    directory: ConfigError."""
     if value is not None and not value.strip():
-        raise ConfigError(f"trainer.run_dir={value!r} is empty, which would make the current directory ({Path.cwd()}) "
-                          "the run dir and overwrite its files: name a directory (e.g. trainer.run_dir=runs/x), or leave "
-                          "trainer.run_dir unset for a fresh timestamped one")
+        raise ConfigError(f"{key}={value!r} is empty, which would make the current directory ({Path.cwd()}) "
+                          f"the run dir and overwrite its files: name a directory (e.g. {key}=runs/x), or leave "
+                          f"{key} unset for a fresh timestamped one")
 
 
 def check_run_dir_is_empty_or_a_run(run_dir: Path) -> None:
@@ -69,24 +70,25 @@ def check_run_dir_is_empty_or_a_run(run_dir: Path) -> None:
                           "a new or empty directory, or the run dir of an earlier run")
 
 
-def check_run_dir_path(value: str) -> None:
-    """What hydra needs to make trainer.run_dir=value, checked before it tries (where it cannot, it stops with a
-    traceback): a non-empty path whose nearest existing ancestor is a directory this user can create files in.
-    ConfigError (exit 1) or RunDirError (exit 4) naming the fix; nothing is written."""
-    check_run_dir_not_empty(value)
+def check_run_dir_path(value: str, key: str = "trainer.run_dir") -> None:
+    """What hydra needs to make trainer.run_dir=value (or the dir of another `key`: hydra.run.dir, hydra.sweep.dir),
+    checked before it tries (where it cannot, it stops with a traceback): a non-empty path whose nearest existing
+    ancestor is a directory this user can create files in. ConfigError (exit 1) or RunDirError (exit 4) naming the
+    fix; nothing is written."""
+    check_run_dir_not_empty(value, key)
     path = Path(value).expanduser().absolute()
     existing = next(p for p in (path, *path.parents) if os.path.lexists(p))  # the run dir, or where it would be made
     if existing.is_symlink() and not existing.exists():
-        raise ConfigError(f"trainer.run_dir={path}: {existing} is a link to {os.readlink(existing)}, which does not "
+        raise ConfigError(f"{key}={path}: {existing} is a link to {os.readlink(existing)}, which does not "
                           "exist; make that directory, remove the link, or name another directory")
     if not existing.is_dir():
-        raise ConfigError(f"trainer.run_dir={path}: {existing} is a file, not a directory; name a new or existing "
+        raise ConfigError(f"{key}={path}: {existing} is a file, not a directory; name a new or existing "
                           "directory (a run's files go there)")
     try:  # tried, not os.access: that says yes to root even where mkdir fails (/proc, a read-only mount)
         os.rmdir(tempfile.mkdtemp(prefix=".write-test-", dir=existing))
     except OSError as e:
-        raise RunDirError(f"trainer.run_dir={path} cannot be used: this user cannot create files in {existing} "
-                          f"({e.strerror or e}); nothing was written. {_fix(e, existing)}") from e
+        raise RunDirError(f"{key}={path} cannot be used: this user cannot create files in {existing} "
+                          f"({e.strerror or e}); nothing was written. {_fix(e, existing, key)}") from e
 
 
 def sweep_jobs(path: Path, holds: Callable[[Path], bool]) -> list[Path]:
