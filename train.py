@@ -35,9 +35,10 @@ from coda_train.config import Config, check_config, register_configs, to_datacla
 from coda_train.data import DataError
 from coda_train.durable import write_synced
 from coda_train.errors import ConfigError
-from coda_train.trainer.checkpoint import resumes
+from coda_train.trainer.checkpoint import CHECKPOINTS_DIR, list_checkpoints, resumes
 from coda_train.trainer.loop import (CONFIG_FILE, EXIT_BAD_INPUT, EXIT_NON_FINITE, STOP_ERRORS, exit_code,
                                      recorded_config, train)
+from coda_train.trainer.metrics import METRICS_FILE
 from coda_train.trainer.rundir import EarlyWarnings, check_run_dir_path
 
 log = logging.getLogger("train")
@@ -51,8 +52,10 @@ CONFIG_FLAGS = ("--config-name", "-cn", "--config-path", "-cp", "--config-dir", 
 failed_jobs: list[tuple[int, str, int]] = []
 # the trainer.run_dir and hydra.sweep.dir values of the command line that existed before hydra made the rest
 existing_run_dirs: set[Path] = set()
-# the multirun jobs main() was called for, by number: a sweep none of whose jobs got past its checks changed nothing
+# the multirun jobs main() was called for, by number, and those that stopped with exit 1 having changed nothing in
+# their run dir: a sweep all of whose jobs were refused so leaves the sweep dir's record as it was
 started_jobs: list[int] = []
+refused_jobs: list[int] = []
 # each multirun job's run dir so far, and its job number: a second job in one dir would resume the first's run as its own
 job_dirs: dict[Path, int] = {}
 SWEEP_DIR = "hydra.sweep.dir"  # where a multirun puts its job dirs (<it>/<job number>): trainer.run_dir unless overridden
@@ -65,29 +68,42 @@ SWEEP_RECORD = "multirun.yaml"  # hydra's record of a sweep (its config and comm
 def main(cfg: DictConfig) -> None:
     hydra_config = HydraConfig.get()
     sweep_dir = Path(hydra_config.sweep.dir) if hydra_config.mode == RunMode.MULTIRUN else None
+    run_dir = Path(hydra_config.runtime.output_dir)
     if sweep_dir is not None:
         started_jobs.append(hydra_config.job.num)
+    before = runs_record(run_dir)
     try:
         try:
             config = to_dataclass(cfg)
             if sweep_dir is not None:
-                check_job_dir_is_its_own(Path(hydra_config.runtime.output_dir), hydra_config.job.num)
+                check_job_dir_is_its_own(run_dir, hydra_config.job.num)
         except ConfigError as e:
             log.error("%s", e)
             raise
         with EarlyWarnings().attached() as early:  # train.log gets what is said before the run holds its dir
             say_preset_unused(config, list(hydra_config.overrides.task))
-            end = train(config, Path(hydra_config.runtime.output_dir), sweep_dir, early)
+            end = train(config, run_dir, sweep_dir, early)
     except STOP_ERRORS as e:  # train() logged it; kernels.BackendError is a ConfigError
         code = exit_code(e)
-        remove_if_made_here_and_empty(Path(hydra_config.runtime.output_dir))
+        remove_if_made_here_and_empty(run_dir)
         if sweep_dir is None or code not in (EXIT_BAD_INPUT, EXIT_NON_FINITE):  # a stop signal or a full disk ends a sweep
             sys.exit(code)
-        failed_jobs.append((hydra_config.job.num, hydra_config.runtime.output_dir, code))
+        failed_jobs.append((hydra_config.job.num, str(run_dir), code))
+        if code == EXIT_BAD_INPUT and runs_record(run_dir) == before:  # refused at its start, not stopped mid-run
+            refused_jobs.append(hydra_config.job.num)
         log.error("multirun job #%d stopped (exit code %d); the sweep goes on with its next job", hydra_config.job.num, code)
         return
     if end.stopped_by:  # saved and stopped: exit now, so a multirun sweep stops too instead of starting its next job
         sys.exit(0)
+
+
+def runs_record(run_dir: Path) -> tuple[Optional[tuple[int, int]], list[str]]:
+    """What a run leaves of its steps in run_dir: its metrics.jsonl (size, modification time) and its checkpoints'
+    names. A job that stops with exit 1 mid-run (a step out of GPU memory) has changed it; one refused at its start not."""
+    metrics = run_dir / METRICS_FILE
+    stat = metrics.stat() if metrics.is_file() else None
+    return ((stat.st_size, stat.st_mtime_ns) if stat else None,
+            sorted(p.name for p in list_checkpoints(run_dir / CHECKPOINTS_DIR)))
 
 
 def check_job_dir_is_its_own(run_dir: Path, job: int) -> None:
@@ -274,8 +290,7 @@ def launch(argv: list[str]) -> None:
     try:
         main()
     finally:  # also when a later job's stop signal or unwritable run dir ends the sweep (sys.exit)
-        refused = [job for job, _, code in failed_jobs if code == EXIT_BAD_INPUT]
-        if record is not None and refused == started_jobs:  # no job, or each refused at its start (exit 1: nothing trained)
+        if record is not None and refused_jobs == started_jobs:  # no job, or each refused at its start (nothing trained)
             keep_sweep_record(*record)
         for job, run_dir, code in failed_jobs:
             print(f"multirun job #{job} ({run_dir}) stopped with exit code {code} (its reason is logged above)",

@@ -315,6 +315,18 @@ def test_a_sweep_whose_jobs_share_one_dir_is_refused(tiny, tmp_path):
     assert sorted(p.name for p in (tmp_path / "c").iterdir() if p.is_dir()) == ["lr0.001", "lr0.002"]
 
 
+def test_a_sweep_whose_jobs_all_stop_with_1_after_training_keeps_its_record(tiny, tmp_path):
+    """Exit 1 mid-run (a step out of GPU memory) leaves the steps trained before it and their checkpoints: a sweep
+    whose every job stopped so changed its job dirs, and keeps the multirun.yaml that says how they were run (it was
+    removed as for a sweep whose every job was refused at its start)."""
+    result = run_train("-m", *tiny, "trainer.eval_every=0", "trainer.max_steps=4", "trainer.ckpt_every=2",
+                       "debug.out_of_memory_at_step=3", "model.impl=eager,coda", f"trainer.run_dir={tmp_path}", timeout=300)
+    out = result.stdout + result.stderr
+    assert result.returncode == 1 and "step 3 ran out of GPU memory" in out, out[-3000:]
+    assert [len(metrics(tmp_path / job)) for job in "01"] == [2, 2]
+    assert "model.impl=eager,coda" in (tmp_path / "multirun.yaml").read_text()
+
+
 def test_hydras_own_run_and_sweep_dirs_are_checked_before_hydra_makes_them(tmp_path):
     """hydra.run.dir and hydra.sweep.dir take trainer.run_dir's place as the dir hydra makes: one under a file or
     where this user cannot write stopped hydra with a traceback (a sweep's with two)."""

@@ -336,6 +336,8 @@ def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, train_step: TrainS
             log.info("nothing to do: the checkpoint is at step %d and trainer.max_steps=%d", state.step, t.max_steps)
         while state.step < t.max_steps and not any_rank(stop.received is not None, world):
             phase = f"step {state.step + 1}"
+            if debug.out_of_memory_at_step == state.step + 1:
+                raise torch.OutOfMemoryError(f"CUDA out of memory (debug.out_of_memory_at_step={state.step + 1})")
             pending = train_step(poison_loss=debug.nan_loss_at_step == state.step + 1)
             throughput.add(pending.tokens)
             is_last = state.step == t.max_steps
