@@ -513,6 +513,28 @@ def test_starting_again_with_a_lower_lr_after_a_nan_before_any_checkpoint_keeps_
     assert [m["step"] for m in metrics(tmp_path)] == list(range(1, 9))
 
 
+def test_starting_again_with_another_model_or_from_another_runs_checkpoint_keeps_the_earlier_metrics(
+        tiny, straight_run, tmp_path):
+    """A run dir with metrics but no checkpoint: starting again with another model shape redoes every step on another
+    trajectory (its lines were deleted: only optim, trainer and kernels settings were compared), and starting from
+    another run's checkpoint at step N makes every earlier line another trajectory's (lines up to N stayed, mixed
+    into the new run's). Both are kept aside, whole."""
+    command = (*tiny, "trainer.ckpt_every=0", "trainer.log_every=1", "trainer.eval_every=0")
+    with pytest.raises(NonFiniteError):
+        train_in_process(tmp_path, *command, "trainer.max_steps=4", "debug.nan_loss_at_step=3")
+    first = metrics(tmp_path)
+    train_in_process(tmp_path, *command, "trainer.max_steps=2", "model.n_layers=1")
+    (aside,) = tmp_path.glob("metrics.replaced-step_00000000-*.jsonl")
+    assert [json.loads(line) for line in aside.read_text().splitlines()] == first and len(first) == 2
+    one_layer = metrics(tmp_path)
+    shutil.rmtree(tmp_path / "checkpoints")  # as if stopped before its first checkpoint
+    start = straight_run / "checkpoints" / f"step_{N:08d}"
+    train_in_process(tmp_path, *command, f"trainer.max_steps={N + 2}", f"trainer.resume={start}")
+    assert [m["step"] for m in metrics(tmp_path)] == [N + 1, N + 2]
+    kept = [[json.loads(line) for line in p.read_text().splitlines()] for p in tmp_path.glob("metrics.replaced-*.jsonl")]
+    assert sorted(kept, key=len) == [first, one_layer] or sorted(kept, key=len) == [one_layer, first]
+
+
 def test_a_run_started_from_another_runs_checkpoint_is_told_to_start_from_it_again(tiny, straight_run, tmp_path):
     """It stops on a NaN before saving a checkpoint of its own: trainer.resume=auto would start from random weights,
     so the message names the checkpoint it started from; following it continues from there."""

@@ -441,6 +441,17 @@ def test_a_run_dir_holding_other_files_is_refused_before_anything_is_written(tin
     assert result.returncode == 1, result.stderr
     assert f"trainer.run_dir={own} holds files that are not a training run's (config.yaml)" in result.stdout + result.stderr
     assert snapshot(own) == before and sorted(p.name for p in own.iterdir()) == ["config.yaml"]
+    # another tool's config.yaml beside a metrics.jsonl (a run's name): the run took it for its own and dropped the lines
+    (own / "metrics.jsonl").write_text('{"step": 100, "loss": 0.1}\nepoch 3 done\n')
+    before = snapshot(own)
+    result = run_train(*tiny, f"trainer.run_dir={own}", "trainer.max_steps=1")
+    assert result.returncode == 1, result.stderr
+    assert f"holds a config.yaml that is not a training run's (config.yaml, metrics.jsonl)" in result.stdout + result.stderr
+    (own / "config.yaml").unlink()  # a metrics.jsonl alone: every run writes its config.yaml beside it
+    before = snapshot(own)
+    result = run_train(*tiny, f"trainer.run_dir={own}", "trainer.max_steps=1")
+    assert result.returncode == 1 and "holds a metrics.jsonl without the config.yaml" in result.stdout + result.stderr
+    assert snapshot(own) == before
     (tmp_path / "empty").mkdir()
     train_in_process(tmp_path / "empty", *tiny, "trainer.max_steps=1", "trainer.eval_every=0")
     train_in_process(tmp_path / "empty", *tiny, "trainer.max_steps=2", "trainer.eval_every=0")  # an earlier run's dir

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-import yaml
 from omegaconf import OmegaConf
 
 from coda_train.config import Config, check_config
@@ -37,7 +36,8 @@ from .distributed import (World, any_rank, barrier, check_fsdp_options, close_wo
 from .graphs import use_cuda_graphs
 from .metrics import METRICS_FILE, MetricsLogger, Throughput, check_logger, metrics_line, mfu, rewind_metrics
 from .optim import apply_config_after_resume, lr_multiplier, wsd_decay_steps
-from .rundir import EarlyWarnings, RunDirError, continue_hint, hold_run_dir, log_in_run_dir, writing
+from .rundir import (CONFIG_FILE, EarlyWarnings, RunDirError, continue_hint, hold_run_dir, log_in_run_dir,
+                     read_run_config, writing)
 from .state import TrainState
 from .step import NonFiniteError, TrainStep, evaluate
 
@@ -60,7 +60,6 @@ def exit_code(error: Exception) -> int:
     return EXIT_RUN_DIR if isinstance(error, RunDirError) else EXIT_BAD_INPUT
 
 
-CONFIG_FILE = "config.yaml"  # the run's settings, written at every start
 # what a resumed run may change and is told about: the model's shape is checked against the checkpoint instead
 _RESUME_ANNOUNCED = ("optim", "trainer", "kernels", "model.impl")
 # settings that differ between a checkpoint and the run that resumes it without affecting the trajectory
@@ -97,15 +96,24 @@ def recorded_config(cfg: Config, run_dir: Path) -> dict[str, Any]:
     return config
 
 
+# settings that change neither the model, the data's tokens nor the steps: not "other settings" for the metrics kept
+_SAME_TRAJECTORY = _RESUME_IGNORED | _SAME_STEPS | {"data.cache_dir", "data.num_proc", "data.verify_shards", "kernels.tune"}
+
+
+def _flat(config: dict[str, Any]) -> dict[str, Any]:
+    return {f"{group}.{k}": v for group, values in config.items() if isinstance(values, dict) for k, v in values.items()}
+
+
 def logged_under_other_settings(run_dir: Path, cfg: Config) -> bool:
     """Whether the run that last wrote run_dir's metrics took other steps than cfg does, by its settings (its
-    config.yaml, written at every start; unreadable counts as other): the lines a resumed run redoes are then
-    another trajectory's."""
-    try:
-        previous = OmegaConf.to_container(OmegaConf.load(run_dir / CONFIG_FILE))
-    except (OSError, yaml.YAMLError):
+    config.yaml, written at every start; unreadable or not a run's counts as other): any model, data, optim, trainer or
+    kernels value that shapes the steps, so the lines a resumed or restarted run redoes are then another trajectory's."""
+    previous = read_run_config(run_dir / CONFIG_FILE)
+    if previous is None:
         return True
-    return not isinstance(previous, dict) or bool(set(_changed_settings(previous, cfg)) - _SAME_STEPS)
+    before, now = _flat(previous), _flat(recorded_config(cfg, run_dir))
+    return any(k in before and before[k] != v for k, v in now.items()
+               if k not in _SAME_TRAJECTORY and not k.startswith(("logger.", "debug.")))
 
 
 def changes_since_checkpoint(saved: dict[str, Any], cfg: Config, step: int) -> list[str]:
@@ -293,10 +301,12 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
             if state.step < t.max_steps:  # else nothing to do: the files stay as the run that took the steps left them
                 if resume_from is not None:
                     set_aside_newer(checkpointer.root, resume_from.step, damaged=resumes_newest_good(t.resume))
-                # the lines after the checkpoint (all of them without one) are redone; where they are another
-                # trajectory's (an explicitly named older checkpoint, or settings changed since the run that logged
-                # them, e.g. a lower lr after a divergence) they are kept aside
-                rewind_metrics(run_dir / METRICS_FILE, state.step, keep_dropped=(
+                # the lines after the checkpoint (all of them without one, or from another run's checkpoint, whose
+                # steps before it were logged elsewhere) are redone; where they are another trajectory's (an explicitly
+                # named checkpoint, or settings changed since the run that logged them, e.g. a lower lr after a
+                # divergence) they are kept aside
+                own = resume_from is None or (run_dir / CHECKPOINTS_DIR).resolve() in resume_from.path.resolve().parents
+                rewind_metrics(run_dir / METRICS_FILE, state.step if own else 0, keep_dropped=(
                     resume_from is not None and not resumes_newest_good(t.resume)) or logged_under_other_settings(run_dir, cfg))
                 (run_dir / CONFIG_FILE).write_text(OmegaConf.to_yaml({**config, "resolved_model": meta["model"]}))
             if cfg.model.impl == "coda" and backend == "cute":  # the cute backend means a Hopper GPU here

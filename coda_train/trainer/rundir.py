@@ -17,6 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+import yaml
+
 from coda_train.durable import LockHeldError, exclusive_lock
 from coda_train.errors import ConfigError
 
@@ -28,6 +30,8 @@ log = logging.getLogger(__name__)
 
 LOCK_FILE = ".lock"
 LOG_FILE = "train.log"
+CONFIG_FILE = "config.yaml"  # the run's settings, written at every start
+RUN_GROUPS = ("model", "data", "optim", "trainer")  # the groups every run's config.yaml has (coda_train/config.py)
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # hydra's, as on the console
 
 
@@ -58,14 +62,31 @@ def check_run_dir_not_empty(value: Optional[str], key: str = "trainer.run_dir") 
                           f"{key} unset for a fresh timestamped one")
 
 
+def read_run_config(path: Path) -> Optional[dict]:
+    """A training run's config.yaml as a dict; None where it cannot be read or is another tool's (not a mapping with
+    the run's config groups)."""
+    try:
+        config = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    return config if isinstance(config, dict) and all(isinstance(config.get(g), dict) for g in RUN_GROUPS) else None
+
+
 def check_run_dir_is_empty_or_a_run(run_dir: Path) -> None:
     """An existing run dir must be empty or a run's (it holds train.log, metrics.jsonl, checkpoints/, or the lock of
-    a run killed as it began): a run writes config.yaml, metrics.jsonl and train.log there, over any of the user's
-    files of those names. ConfigError."""
+    a run killed as it began; a config.yaml there is a run's, and metrics.jsonl comes with one): a run writes
+    config.yaml, metrics.jsonl and train.log there, over any of the user's files of those names, and drops
+    metrics.jsonl lines it cannot read as its own. ConfigError."""
     entries = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
-    if entries and not {LOG_FILE, METRICS_FILE, CHECKPOINTS_DIR, LOCK_FILE} & set(entries):
+    foreign_config = CONFIG_FILE in entries and read_run_config(run_dir / CONFIG_FILE) is None
+    orphan_metrics = METRICS_FILE in entries and CONFIG_FILE not in entries
+    no_run_file = not {LOG_FILE, METRICS_FILE, CHECKPOINTS_DIR, LOCK_FILE} & set(entries)
+    if entries and (no_run_file or foreign_config or orphan_metrics):
         shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
-        raise ConfigError(f"trainer.run_dir={run_dir} holds files that are not a training run's ({shown}); a run writes "
+        why = ("files that are not a training run's" if no_run_file else
+               f"a {CONFIG_FILE} that is not a training run's" if foreign_config else
+               f"a {METRICS_FILE} without the {CONFIG_FILE} every run writes beside it")
+        raise ConfigError(f"trainer.run_dir={run_dir} holds {why} ({shown}); a run writes "
                           "config.yaml, metrics.jsonl and train.log there and would overwrite files of those names: name "
                           "a new or empty directory, or the run dir of an earlier run")
 
