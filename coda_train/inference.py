@@ -23,6 +23,7 @@ from coda_train.errors import ConfigError
 from coda_train.model import LlamaConfig, build_model
 from coda_train.model.eager import EagerLlama
 from coda_train.model.hf import check_tokenizer_fits
+from coda_train.model.weights import LlamaWeights
 from coda_train.trainer.checkpoint import (CHECKPOINTS_DIR, META_FILE, Checkpoint, CheckpointError, list_checkpoints,
                                            load_model_state, newest_good_checkpoint, recorded_prepared_data, saved_model,
                                            verify_checkpoint)
@@ -117,7 +118,8 @@ def open_checkpoint(path: str | Path, tokenizer: Optional[str] = None,
                     check: Optional[Callable[[LlamaConfig, dict[str, Any]], None]] = None) -> TrainedCheckpoint:
     """The checkpoint at `path` (see find_checkpoint) with its tokenizer: the run's prepared data's
     (see run_prepared_data), or `tokenizer` (a tokenizer.json or HF directory). The
-    tokenizer must be the one the model was trained with (same fingerprint, ids within the vocab).
+    tokenizer must be the one the model was trained with (same fingerprint, ids within the vocab), and the weights
+    fit the model meta.json describes (check_weights_fit).
     check(model_config, run_config), where given, refuses the caller's arguments that depend on the
     checkpoint (ConfigError) before the weights are loaded and any data is prepared, and, where the checkpoint's
     meta.json reads, before its weights are checksummed (minutes at 8B); so is another tokenizer, where meta.json
@@ -140,6 +142,7 @@ def open_checkpoint(path: str | Path, tokenizer: Optional[str] = None,
     if check is not None:  # again: the checkpoint found may be an older one (a newer one damaged)
         check(model_config, run_config)
     state = load_model_state(ckpt, meta)
+    check_weights_fit(ckpt, state["model"], model_config)  # before the data is prepared and anything is written
     data = None
     if tokenizer is None:
         data = run_prepared_data(meta)
@@ -151,6 +154,27 @@ def open_checkpoint(path: str | Path, tokenizer: Optional[str] = None,
                              ckpt)
     check_tokenizer_fits(tok, model_config, str(tokenizer_file))
     return TrainedCheckpoint(ckpt, meta, model_config, state["model"], tok, tokenizer_file, eos_token, eos_id, data)
+
+
+def check_weights_fit(ckpt: Path, weights: dict[str, torch.Tensor], model_config: LlamaConfig) -> None:
+    """CheckpointError naming the tensors whose names or shapes are not those of the model meta.json records (one of
+    the two edited or replaced): loading them would fail inside torch, or an export silently drop layers."""
+    with torch.device("meta"):  # names and shapes only: no memory, no init work
+        expected = {name: tuple(t.shape) for name, t in LlamaWeights(model_config).state_dict().items()}
+    found = {name: tuple(t.shape) for name, t in weights.items()}
+    missing = [name for name in expected if name not in found]
+    unexpected = [name for name in found if name not in expected]
+    reshaped = [f"{name} {found[name]} instead of {expected[name]}" for name in expected
+                if name in found and found[name] != expected[name]]
+    if not (missing or unexpected or reshaped):
+        return
+    shape = ", ".join(f"{k}={getattr(model_config, k)}" for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
+                                                                   "vocab_size", "tie_embeddings"))
+    wrong = "; ".join(f"{what}: {', '.join(names[:6])}{f' and {len(names) - 6} more' if len(names) > 6 else ''}"
+                      for what, names in (("missing", missing), ("unexpected", unexpected), ("wrong shapes", reshaped)) if names)
+    raise CheckpointError(f"checkpoint {ckpt}: its weights do not fit the model its {META_FILE} describes ({shape}): "
+                          f"{wrong} ({META_FILE}'s \"model\" or the weights edited by hand or by another tool); restore "
+                          f"the {META_FILE} the run wrote, or choose another checkpoint; nothing was written")
 
 
 def run_prepared_data(meta: dict[str, Any]) -> PreparedData:

@@ -157,6 +157,17 @@ def test_large_export_is_sharded_by_huggingface_hub_and_loads(tmp_path, hf_load_
         assert torch.equal(imported.state_dict()[name], tensor), name
 
 
+
+def test_exported_files_are_readable_by_others(tmp_path):
+    """safetensors writes its files 0600: every file of an export, each shard too, is 0644 in a 0755 directory."""
+    cfg, model = tiny_model()
+    tokenizer = tokenizer_file(tmp_path)
+    for out, max_shard_size in ((tmp_path / "whole", "5GB"), (tmp_path / "sharded", "100KB")):
+        export_hf(model.state_dict(), cfg, out, tokenizer_file=tokenizer, eos_token=EOS_TOKEN, max_shard_size=max_shard_size)
+        assert list(out.glob("*.safetensors")) and out.stat().st_mode & 0o777 == 0o755
+        assert {file.name: file.stat().st_mode & 0o777 for file in out.iterdir()} == \
+            {file.name: 0o644 for file in out.iterdir()}
+
 # ---- import: transformers -> ours ---------------------------------------------------------
 
 def hf_llama(tmp_path: Path, tie: bool, **overrides) -> tuple[Path, torch.nn.Module]:
@@ -595,6 +606,20 @@ def test_top_k_and_top_p_keep_the_right_tokens():
     assert torch.allclose(next_token_distribution(logits, 0.5, None, None), torch.softmax(logits / 0.5, 0))
 
 
+
+def test_a_tiny_temperature_samples_the_greedy_token(trained_run):
+    """logits / 1e-40 overflowed float32 (inf - inf in softmax: a NaN distribution, multinomial's traceback); the
+    largest logit is 0 before dividing, so the others go to -inf and the most likely token takes all the mass."""
+    logits = torch.tensor([1.5, 7.25, -3.0, 7.0, float("-inf")])
+    assert torch.equal(next_token_distribution(logits, 1e-40, None, None), torch.tensor([0.0, 1.0, 0.0, 0.0, 0.0]))
+    assert torch.equal(next_token_distribution(logits, 1e-40, 2, 0.5), torch.tensor([0.0, 1.0, 0.0, 0.0, 0.0]))
+    ckpt = open_checkpoint(trained_run)
+    model = load_eager_model(ckpt, torch.device("cpu"), torch.float32)
+    prompt = ckpt.tokenizer.encode("def ", add_special_tokens=False).ids
+    greedy = list(generate(model, prompt, 16, temperature=0.0, vocab_limit=300))
+    assert list(generate(model, prompt, 16, temperature=1e-40, generator=torch.Generator().manual_seed(0),
+                         vocab_limit=300)) == greedy
+
 def test_sample_script_streams_a_seeded_continuation(trained_run):
     args = (str(trained_run), "--prompt", "def ", "--max-new-tokens", "20", "--seed", "5", "--top-k", "40")
     first, second = run_script("sample.py", *args), run_script("sample.py", *args)
@@ -672,6 +697,32 @@ def test_a_tokenizer_that_does_not_match_the_model_is_refused(trained_run, tmp_p
         export_hf(model.state_dict(), cfg, tmp_path / "out", tokenizer_file=big, eos_token=EOS_TOKEN)
     assert not (tmp_path / "out").exists()
 
+
+
+def test_a_checkpoint_whose_meta_json_does_not_fit_its_weights_is_refused_by_every_tool(trained_run, tmp_path):
+    """meta.json's "model" edited (it is not checksummed, the weights are): export wrote a model without the layers
+    past n_layers and exited 0, or failed with a KeyError; eval and sample failed inside load_state_dict. Each tool
+    now names the tensors that do not fit, before anything is written."""
+    ckpt = find_checkpoint(trained_run).path
+    copy = tmp_path / "run" / "checkpoints" / ckpt.name
+    shutil.copytree(ckpt, copy)
+    saved = json.loads((copy / "meta.json").read_text())
+
+    def edit_model(**model) -> None:
+        (copy / "meta.json").write_text(json.dumps({**saved, "model": {**saved["model"], **model}}))
+
+    for model, named in (({"n_layers": 3}, "missing: layers.2.attn_norm, layers.2.w_qkv"),
+                         ({"ffn_dim": 96}, "wrong shapes: layers.0.w_gate_up (256, 64) instead of (192, 64)")):
+        edit_model(**model)
+        with pytest.raises(CheckpointError, match=re.escape(named)):
+            open_checkpoint(tmp_path / "run")
+    edit_model(n_layers=1)
+    for script, args in (("export_hf.py", ["--out", str(tmp_path / "out")]), ("eval.py", []), ("sample.py", [])):
+        result = run_script(script, str(tmp_path / "run"), *args)
+        assert result.returncode == 1 and f"checkpoint {copy}: its weights do not fit the model its meta.json describes" \
+            in result.stderr and "unexpected: layers.1.attn_norm" in result.stderr, (script, result.stderr[-2000:])
+        assert "Traceback" not in result.stderr and result.stdout == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 def test_export_refuses_a_non_empty_output_dir(trained_run, tmp_path):
     (tmp_path / "keep.txt").write_text("mine")

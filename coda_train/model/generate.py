@@ -15,7 +15,9 @@ from .eager import EagerLlama, KVCache
 def next_token_distribution(logits: Tensor, temperature: float, top_k: Optional[int], top_p: Optional[float]) -> Tensor:
     """Probabilities (fp32) of a 1-D logits vector after temperature, then top-k, then top-p (nucleus)
     filtering; temperature must be > 0 (0 is greedy and handled by the caller)."""
-    logits = logits.float() / temperature
+    logits = logits.float()
+    # the largest logit becomes 0 before dividing: a tiny temperature sends the others to -inf, never any to +inf
+    logits = (logits - logits.max()) / temperature
     if top_k is not None and top_k < logits.numel():
         kth_largest = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))

@@ -280,7 +280,10 @@ def export_hf(state_dict: dict[str, Tensor], cfg: LlamaConfig, out_dir: str | Pa
         shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
         transformers.GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=eos_id,
                                       suppress_tokens=padding_ids).save_pretrained(tmp)
-        tmp.chmod(0o755)  # mkdtemp makes it private; the export is for others to read
+        # the export is for others to read: mkdtemp makes the dir private, safetensors its weight files (0600)
+        tmp.chmod(0o755)
+        for file in tmp.iterdir():
+            file.chmod(0o644)
         if out.exists():
             out.rmdir()  # empty (checked above)
         os.rename(tmp, out)
