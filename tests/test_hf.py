@@ -157,7 +157,6 @@ def test_large_export_is_sharded_by_huggingface_hub_and_loads(tmp_path, hf_load_
         assert torch.equal(imported.state_dict()[name], tensor), name
 
 
-
 def test_exported_files_are_readable_by_others(tmp_path):
     """safetensors writes its files 0600: every file of an export, each shard too, is 0644 in a 0755 directory."""
     cfg, model = tiny_model()
@@ -167,6 +166,7 @@ def test_exported_files_are_readable_by_others(tmp_path):
         assert list(out.glob("*.safetensors")) and out.stat().st_mode & 0o777 == 0o755
         assert {file.name: file.stat().st_mode & 0o777 for file in out.iterdir()} == \
             {file.name: 0o644 for file in out.iterdir()}
+
 
 # ---- import: transformers -> ours ---------------------------------------------------------
 
@@ -606,7 +606,6 @@ def test_top_k_and_top_p_keep_the_right_tokens():
     assert torch.allclose(next_token_distribution(logits, 0.5, None, None), torch.softmax(logits / 0.5, 0))
 
 
-
 def test_a_tiny_temperature_samples_the_greedy_token(trained_run):
     """logits / 1e-40 overflowed float32 (inf - inf in softmax: a NaN distribution, multinomial's traceback); the
     largest logit is 0 before dividing, so the others go to -inf and the most likely token takes all the mass."""
@@ -619,6 +618,7 @@ def test_a_tiny_temperature_samples_the_greedy_token(trained_run):
     greedy = list(generate(model, prompt, 16, temperature=0.0, vocab_limit=300))
     assert list(generate(model, prompt, 16, temperature=1e-40, generator=torch.Generator().manual_seed(0),
                          vocab_limit=300)) == greedy
+
 
 def test_sample_script_streams_a_seeded_continuation(trained_run):
     args = (str(trained_run), "--prompt", "def ", "--max-new-tokens", "20", "--seed", "5", "--top-k", "40")
@@ -698,7 +698,6 @@ def test_a_tokenizer_that_does_not_match_the_model_is_refused(trained_run, tmp_p
     assert not (tmp_path / "out").exists()
 
 
-
 def test_a_checkpoint_whose_meta_json_does_not_fit_its_weights_is_refused_by_every_tool(trained_run, tmp_path):
     """meta.json's "model" edited (it is not checksummed, the weights are): export wrote a model without the layers
     past n_layers and exited 0, or failed with a KeyError; eval and sample failed inside load_state_dict. Each tool
@@ -723,6 +722,7 @@ def test_a_checkpoint_whose_meta_json_does_not_fit_its_weights_is_refused_by_eve
             in result.stderr and "unexpected: layers.1.attn_norm" in result.stderr, (script, result.stderr[-2000:])
         assert "Traceback" not in result.stderr and result.stdout == ""
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
 
 def test_export_refuses_a_non_empty_output_dir(trained_run, tmp_path):
     (tmp_path / "keep.txt").write_text("mine")
