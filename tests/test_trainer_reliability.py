@@ -24,7 +24,7 @@ from coda_train.durable import LockHeldError, exclusive_lock
 from coda_train.errors import ConfigError
 from coda_train.model import preset
 from coda_train.trainer import checkpoint as checkpoint_module
-from coda_train.trainer.build import check_model_before_data, check_state_fits, data_config, data_of_changed_corpus
+from coda_train.trainer.build import check_model_before_data, check_state_fits, data_config, resumed_runs_prepared_data
 from coda_train.trainer.checkpoint import (Checkpoint, CheckpointError, list_checkpoints, save_checkpoint, set_aside_newer,
                                            verify_checkpoint)
 from coda_train.trainer.distributed import World
@@ -482,6 +482,28 @@ def test_a_resume_with_nothing_to_do_leaves_the_run_as_it_was(tiny, tmp_path):
     assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == ["step_00000002"]
 
 
+def test_a_resume_from_another_directory_takes_the_data_it_prepared(tiny, tmp_path, monkeypatch, caplog):
+    """A relative data.cache_dir (the default is data_cache) names another folder from another working directory: the
+    resumed run prepared its corpus there again (hours for a large one) though its checkpoint records the folder."""
+    run = (*tiny, "data.cache_dir=cache", "trainer.eval_every=0")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    train_in_process(tmp_path / "run", *run, "trainer.max_steps=2")
+
+    def no_preparation(*args, **kwargs):
+        raise AssertionError("the run's data was prepared again")
+
+    monkeypatch.setattr("coda_train.trainer.loop.prepare", no_preparation)
+    monkeypatch.chdir(tmp_path / "b")
+    with caplog.at_level("INFO"):
+        train_in_process(tmp_path / "run", *run, "trainer.max_steps=3")
+    assert [m["step"] for m in metrics(tmp_path / "run")] == [1, 2, 3]
+    assert (f"data.cache_dir=cache holds no prepared copy of this run's data: it continues on the folder it prepared, "
+            f"{tmp_path / 'a' / 'cache'}") in caplog.text
+    assert not (tmp_path / "b" / "cache").exists()
+
+
 def test_a_resume_after_its_corpus_changed_continues_on_the_data_it_prepared(tiny, tmp_path, monkeypatch, caplog):
     """A document appended to the corpus (or the corpus gone): the resumed run takes the folder it prepared, where its
     data order's windows are, instead of preparing the changed corpus (hours) for the loader to refuse."""
@@ -503,7 +525,7 @@ def test_a_resume_after_its_corpus_changed_continues_on_the_data_it_prepared(tin
     newest = list_checkpoints(tmp_path / "run" / "checkpoints")[0]
     checkpoint = Checkpoint(newest, verify_checkpoint(newest))
     caplog.clear()
-    assert data_of_changed_corpus(checkpoint, data_config(compose_config(tmp_path, *run)), World(1, 2)) is not None
+    assert resumed_runs_prepared_data(checkpoint, data_config(compose_config(tmp_path, *run)), World(1, 2)) is not None
     assert "continues on the data it prepared" not in caplog.text
     corpus.unlink()
     train_in_process(tmp_path / "run", *run, "trainer.max_steps=4")

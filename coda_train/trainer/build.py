@@ -19,6 +19,7 @@ import torch
 from coda_train.config import Config, TrainerConfig, resolve_model_config
 from coda_train.data import DataConfig, DataError, PreparedData, TokenLoader, prepared_folder
 from coda_train.data.loader import GLOBAL_BATCH, global_batch_refusal
+from coda_train.data.shards import MANIFEST
 from coda_train.data.tokenizer import fingerprint, load_tokenizer, tokenizer_file
 from coda_train.errors import ConfigError
 from coda_train.model import LlamaConfig, build_model, kernel_shape_errors
@@ -159,27 +160,36 @@ def _changed_corpus_settings(checkpoint: Checkpoint, data: DataConfig) -> list[s
     return changed
 
 
-def data_of_changed_corpus(checkpoint: Checkpoint, data: DataConfig, world: World) -> Optional[PreparedData]:
+def resumed_runs_prepared_data(checkpoint: Checkpoint, data: DataConfig, world: World) -> Optional[PreparedData]:
     """A resumed run's data (its settings compared with the checkpoint's before: check_resume_before_data) where
     data.source's files changed since the run prepared them (sizes or mtimes, files added or removed, moved) or are
     gone, or one of _CORPUS_SETTINGS changed: the folder the run prepared, while it reads, with a warning that says
     which (from the main rank). Its windows are the ones the run's data order indexes; the changed corpus would be
-    prepared first (hours for a large one), then refused by the loader. None where the corpus is as the run prepared
-    it, or its folder is gone or unreadable: prepare(data) then."""
+    prepared first (hours for a large one), then refused by the loader. The same folder where the corpus is as the run
+    prepared it but data.cache_dir holds no copy (a relative one, resumed from another directory), which would
+    otherwise be prepared again. None where data.cache_dir holds it, or the run's folder is gone or unreadable:
+    prepare(data) then."""
     recorded = checkpoint.meta.get("prepared_data")
     if recorded is None:
         return None
+    why: Optional[str] = None  # None: the same data, prepared in another data.cache_dir than this run's
     try:
-        if prepared_folder(data).name == Path(recorded).name:
-            return None
-        why = "its files changed since the run prepared them"
+        folder = prepared_folder(data)
+        if folder.name == Path(recorded).name:
+            if (folder / MANIFEST).is_file() or recorded_prepared_folder(checkpoint.meta) is None:
+                return None  # prepare() reuses it in data.cache_dir, or prepares it again where the run's is gone
+        else:
+            why = "its files changed since the run prepared them"
     except DataError:  # the corpus is gone or unreadable
         why = "it cannot be read now"
     try:
         prepared = recorded_prepared_data(checkpoint.meta, data.verify_shards)
     except DataError:  # damaged, or of another format: preparing again says what is wrong
         return None
-    if prepared is not None and world.is_main:  # every rank takes the folder; one says so
+    if prepared is not None and world.is_main and why is None:  # e.g. a relative data.cache_dir, run from elsewhere
+        log.info("data.cache_dir=%s holds no prepared copy of this run's data: it continues on the folder it prepared, %s",
+                 data.cache_dir, recorded)
+    elif prepared is not None and world.is_main:  # every rank takes the folder; one says so
         if changed := _changed_corpus_settings(checkpoint, data):
             what, new_run = f"this run's data settings differ from the checkpoint's ({', '.join(changed)})", "with them"
         else:

@@ -26,8 +26,8 @@ from coda_train.model.liger import require_liger
 
 from .build import (build_loader, build_train_state, check_compute, check_missing_tokenizer_is_the_runs,
                     check_model_before_data, check_resume_before_data, check_state_fits, checkpoint_data, data_config,
-                    data_of_changed_corpus, init_from_missing, init_from_shape, recorded_init_from, report_untuned_gemms,
-                    resolve_model, tokenizer_missing, tune_untuned_gemms)
+                    init_from_missing, init_from_shape, recorded_init_from, report_untuned_gemms, resolve_model,
+                    resumed_runs_prepared_data, tokenizer_missing, tune_untuned_gemms)
 from .checkpoint import (CHECKPOINTS_DIR, CheckpointError, Checkpointer, check_ckpt_async, check_same_model,
                          find_resume_checkpoint, list_checkpoints, restore, resumes, resumes_newest_good, set_aside_newer)
 from .device import pick_compute_dtype, pick_device
@@ -266,7 +266,7 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
             log.warning("data.tokenizer=%s does not exist any more: this resumed run continues on the data it prepared "
                         "with it, %s, which holds a copy of it", cfg.data.tokenizer, data.path)
     else:  # a resumed run whose corpus changed continues on the data it prepared
-        prepared = data_of_changed_corpus(resume_from, data_config(cfg), world) if resume_from is not None else None
+        prepared = resumed_runs_prepared_data(resume_from, data_config(cfg), world) if resume_from is not None else None
         data = prepared or prepare(data_config(cfg))
     # both loaders before the model: a split too small for one batch stops the run before any GPU work
     train_loader = build_loader(data, "train", t, world)
