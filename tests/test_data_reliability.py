@@ -424,6 +424,18 @@ def test_mixed_formats_under_one_glob_are_refused(tmp_path, corpus):
     assert not (tmp_path / "cache").exists()
 
 
+def test_a_cache_dir_inside_the_source_folder_is_not_read_as_corpus(tmp_path):
+    """data.cache_dir under data.source's folder: the next start read the prepared files (manifest.json, the shards)
+    as corpus ("mixes formats ['json', 'text']"; with data.format=text the shards' bytes tokenized as documents)."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for i, doc in enumerate(make_docs()):
+        (folder / f"{i:02d}.txt").write_text(doc + "\n")
+    for fmt in ("auto", "text"):
+        first = prepare(config(folder, folder / "cache", format=fmt))
+        assert prepare(config(folder, folder / "cache", format=fmt)).path == first.path
+
+
 def test_a_tokenizer_file_that_cannot_serve_is_refused_before_tokenizing(tmp_path, corpus):
     malformed = tmp_path / "broken.json"
     malformed.write_text('{"model": {"type": "BPE", "vocab": ')

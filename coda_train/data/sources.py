@@ -103,7 +103,9 @@ def resolve_source(cfg: DataConfig) -> Source:
         return Source("builtin", "text", tuple(files))
     if cfg.format == "hub" or (cfg.format == "auto" and not _looks_local(cfg.source)):
         return Source(_slug(cfg.source), "hub", hub_name=cfg.source)
-    files = _expand_files(cfg.source)
+    # data.cache_dir inside the source's folder: its prepared files are not corpus
+    cache = Path(cfg.cache_dir).expanduser().resolve()
+    files = [f for f in _expand_files(cfg.source) if cache not in Path(f).parents]
     if not files:
         raise DataError(
             f"no files match data.source={cfg.source!r} (cwd {os.getcwd()}); check the path or glob, "
