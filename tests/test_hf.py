@@ -731,6 +731,16 @@ def test_export_refuses_a_non_empty_output_dir(trained_run, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
 
 
+def test_an_export_to_a_link_goes_where_it_points(tmp_path):
+    """--out naming a link to an empty dir passed the check, then failed to publish (a folder renamed onto the link)
+    with "free space or choose another --out"."""
+    cfg, model = tiny_model()
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    out = export_hf(model.state_dict(), cfg, tmp_path / "link", tokenizer_file=tokenizer_file(tmp_path), eos_token=EOS_TOKEN)
+    assert out == tmp_path / "target" and (tmp_path / "link").is_symlink() and (tmp_path / "link" / "config.json").is_file()
+
+
 def test_export_errors_leave_no_temp_folder(trained_run, tmp_path, monkeypatch):
     """A bad --max-shard-size is refused before any write; a write that fails (a full disk) removes the
     half-written folder and says so in one line."""

@@ -233,6 +233,8 @@ def check_export(out_dir: str | Path, max_shard_size: int | str) -> Path:
     `hf` extra installed; ConfigError naming the fix otherwise. Needs no checkpoint: callers run it before opening one."""
     _require_hf()
     out = Path(out_dir)
+    if out.is_symlink():  # the export goes where the link points: it is published by renaming a folder onto that path
+        out = out.resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} exists and is not an empty directory; choose a new --out (nothing was written)")
     above = next(p for p in out.absolute().parents if p.exists())  # where the export's folders would be made
