@@ -452,6 +452,14 @@ def test_a_run_dir_holding_other_files_is_refused_before_anything_is_written(tin
     result = run_train(*tiny, f"trainer.run_dir={own}", "trainer.max_steps=1")
     assert result.returncode == 1 and "holds a metrics.jsonl without the config.yaml" in result.stdout + result.stderr
     assert snapshot(own) == before
+    # a run's dir (train.log and the lock) whose config.yaml was damaged or deleted still resumes
+    (tmp_path / "run").mkdir()
+    train_in_process(tmp_path / "run", *tiny, "trainer.max_steps=1", "trainer.eval_every=0")
+    (tmp_path / "run" / "config.yaml").write_text("{cut sh")
+    train_in_process(tmp_path / "run", *tiny, "trainer.max_steps=2", "trainer.eval_every=0")
+    (tmp_path / "run" / "config.yaml").unlink()
+    train_in_process(tmp_path / "run", *tiny, "trainer.max_steps=3", "trainer.eval_every=0")
+    assert steps_logged(tmp_path / "run") == [1, 2, 3]
     (tmp_path / "empty").mkdir()
     train_in_process(tmp_path / "empty", *tiny, "trainer.max_steps=1", "trainer.eval_every=0")
     train_in_process(tmp_path / "empty", *tiny, "trainer.max_steps=2", "trainer.eval_every=0")  # an earlier run's dir

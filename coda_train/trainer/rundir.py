@@ -74,12 +74,13 @@ def read_run_config(path: Path) -> Optional[dict]:
 
 def check_run_dir_is_empty_or_a_run(run_dir: Path) -> None:
     """An existing run dir must be empty or a run's (it holds train.log, metrics.jsonl, checkpoints/, or the lock of
-    a run killed as it began; a config.yaml there is a run's, and metrics.jsonl comes with one): a run writes
-    config.yaml, metrics.jsonl and train.log there, over any of the user's files of those names, and drops
-    metrics.jsonl lines it cannot read as its own. ConfigError."""
+    a run killed as it began; without train.log and the lock, which every run leaves, a config.yaml there must be a
+    run's and a metrics.jsonl come with one): a run writes config.yaml, metrics.jsonl and train.log there, over any of
+    the user's files of those names, and drops metrics.jsonl lines it cannot read as its own. ConfigError."""
     entries = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
-    foreign_config = CONFIG_FILE in entries and read_run_config(run_dir / CONFIG_FILE) is None
-    orphan_metrics = METRICS_FILE in entries and CONFIG_FILE not in entries
+    held_before = bool({LOG_FILE, LOCK_FILE} & set(entries))  # a run held it: its config.yaml may be damaged, not foreign
+    foreign_config = not held_before and CONFIG_FILE in entries and read_run_config(run_dir / CONFIG_FILE) is None
+    orphan_metrics = not held_before and METRICS_FILE in entries and CONFIG_FILE not in entries
     no_run_file = not {LOG_FILE, METRICS_FILE, CHECKPOINTS_DIR, LOCK_FILE} & set(entries)
     if entries and (no_run_file or foreign_config or orphan_metrics):
         shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
