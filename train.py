@@ -179,14 +179,14 @@ def check_sweep_configs(argv: list[str]) -> None:
         swept = [o.get_key_element().lstrip("+~") for o in parsed if o.is_sweep_override()]
         sweep_dirs = run_dir_values(argv, SWEEP_DIR)
         subdirs = run_dir_values(argv, SWEEP_SUBDIR)
-        jobs = len(list(itertools.product(*values)))
-        if jobs > 1 and subdirs and "${" not in subdirs[-1]:
-            print(f"{SWEEP_SUBDIR}={subdirs[-1]} puts all {jobs} jobs of the sweep in one dir, where each would resume the "
+        jobs = list(itertools.product(*values))
+        if len(jobs) > 1 and subdirs and "${" not in subdirs[-1]:
+            print(f"{SWEEP_SUBDIR}={subdirs[-1]} puts all {len(jobs)} jobs of the sweep in one dir, where each would resume the "
                   "one before as its own run; leave it unset (its default, ${hydra.job.num}, is the job's number) or make "
                   "it name every swept value (e.g. lr${optim.lr}); no job of the sweep ran", file=sys.stderr)
             sys.exit(EXIT_BAD_INPUT)
         with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent / "configs"), version_base="1.3"):
-            for job, overrides in enumerate(itertools.product(*values)):
+            for job, overrides in enumerate(jobs):
                 try:
                     cfg = to_dataclass(compose("config", overrides=list(overrides)))
                     check_config(cfg)

@@ -70,13 +70,13 @@ _SAME_STEPS = {"trainer.log_every", "trainer.eval_every", "trainer.eval_batches"
                "trainer.ckpt_async", "trainer.peak_flops"}
 
 
+def _flat(config: dict[str, Any]) -> dict[str, Any]:
+    return {f"{group}.{k}": v for group, values in config.items() if isinstance(values, dict) for k, v in values.items()}
+
+
 def _announced_settings(config: dict[str, Any]) -> dict[str, Any]:
-    flat = {}
-    for name in _RESUME_ANNOUNCED:
-        group, _, key = name.partition(".")
-        values = config.get(group) if isinstance(config.get(group), dict) else {}
-        flat.update({f"{group}.{k}": v for k, v in values.items() if (not key or k == key)})
-    return flat
+    flat = _flat(config)
+    return {k: v for name in _RESUME_ANNOUNCED for k, v in flat.items() if k == name or k.startswith(f"{name}.")}
 
 
 def _changed_settings(saved: dict[str, Any], cfg: Config) -> dict[str, tuple[Any, Any]]:
@@ -100,18 +100,15 @@ def recorded_config(cfg: Config, run_dir: Path) -> dict[str, Any]:
 _SAME_TRAJECTORY = _RESUME_IGNORED | _SAME_STEPS | {"data.cache_dir", "data.num_proc", "data.verify_shards", "kernels.tune"}
 
 
-def _flat(config: dict[str, Any]) -> dict[str, Any]:
-    return {f"{group}.{k}": v for group, values in config.items() if isinstance(values, dict) for k, v in values.items()}
-
-
-def logged_under_other_settings(run_dir: Path, cfg: Config) -> bool:
-    """Whether the run that last wrote run_dir's metrics took other steps than cfg does, by its settings (its
-    config.yaml, written at every start; unreadable or not a run's counts as other): any model, data, optim, trainer or
-    kernels value that shapes the steps, so the lines a resumed or restarted run redoes are then another trajectory's."""
+def logged_under_other_settings(run_dir: Path, config: dict[str, Any]) -> bool:
+    """Whether the run that last wrote run_dir's metrics took other steps than this one's `config` (recorded_config),
+    by its settings (its config.yaml, written at every start; unreadable or not a run's counts as other): any model,
+    data, optim, trainer or kernels value that shapes the steps, so the lines a resumed or restarted run redoes are then
+    another trajectory's."""
     previous = read_run_config(run_dir / CONFIG_FILE)
     if previous is None:
         return True
-    before, now = _flat(previous), _flat(recorded_config(cfg, run_dir))
+    before, now = _flat(previous), _flat(config)
     return any(k in before and before[k] != v for k, v in now.items()
                if k not in _SAME_TRAJECTORY and not k.startswith(("logger.", "debug.")))
 
@@ -307,7 +304,7 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
                 # divergence) they are kept aside
                 own = resume_from is None or (run_dir / CHECKPOINTS_DIR).resolve() in resume_from.path.resolve().parents
                 rewind_metrics(run_dir / METRICS_FILE, state.step if own else 0, keep_dropped=(
-                    resume_from is not None and not resumes_newest_good(t.resume)) or logged_under_other_settings(run_dir, cfg))
+                    resume_from is not None and not resumes_newest_good(t.resume)) or logged_under_other_settings(run_dir, config))
                 (run_dir / CONFIG_FILE).write_text(OmegaConf.to_yaml({**config, "resolved_model": meta["model"]}))
             if cfg.model.impl == "coda" and backend == "cute":  # the cute backend means a Hopper GPU here
                 report_untuned_gemms(llama, t, gpu_key(torch.cuda.get_device_name(device)), run_dir)
