@@ -50,7 +50,7 @@ CONFIG_FLAGS = ("--config-name", "-cn", "--config-path", "-cp", "--config-dir", 
 # multirun jobs that stopped on their own input or diverged, as (job number, its run dir, exit code): the sweep
 # goes on with its other jobs (e.g. an lr sweep whose largest lr diverges) and train.py exits with the first code
 failed_jobs: list[tuple[int, str, int]] = []
-# the trainer.run_dir and hydra.sweep.dir values of the command line that existed before hydra made the rest
+# the run dir values of the command line (run_dir_keys) that existed before hydra made the rest
 existing_run_dirs: set[Path] = set()
 # the multirun jobs main() was called for, by number, and those that stopped with exit 1 having changed nothing in
 # their run dir: a sweep all of whose jobs were refused so leaves the sweep dir's record as it was
@@ -151,12 +151,17 @@ def run_dir_values(argv: list[str], key: str = "trainer.run_dir") -> list[str]:
     return values
 
 
+def run_dir_keys(argv: list[str]) -> tuple[str, str]:
+    """The keys whose values name the dir hydra makes for this command: trainer.run_dir, and hydra's own that it uses
+    instead (hydra.sweep.dir in a sweep, else hydra.run.dir)."""
+    return "trainer.run_dir", SWEEP_DIR if {"-m", "--multirun"} & set(argv) else RUN_DIR
+
+
 def check_run_dirs(argv: list[str]) -> None:
     """Hydra makes trainer.run_dir before main() runs, and one it cannot make (a file, an empty path that would be
-    the current directory, a read-only place) stops it with a traceback or worse: each value is checked first, and
-    so is each of hydra's own dir keys that this command uses instead (hydra.sweep.dir in a sweep, else hydra.run.dir)."""
-    hydra_dir = SWEEP_DIR if {"-m", "--multirun"} & set(argv) else RUN_DIR
-    for key in ("trainer.run_dir", hydra_dir):
+    the current directory, a read-only place) stops it with a traceback or worse: each value of run_dir_keys is
+    checked first."""
+    for key in run_dir_keys(argv):
         for value in run_dir_values(argv, key):
             try:
                 check_run_dir_path(value, key)
@@ -283,7 +288,7 @@ def launch(argv: list[str]) -> None:
     """The checks of the whole command line, then the run or sweep; a sweep's failed jobs set the exit code."""
     refuse_a_sweep_under_torchrun(argv)
     check_run_dirs(argv)
-    existing_run_dirs.update(Path(v).expanduser().absolute() for v in run_dir_values(argv) + run_dir_values(argv, SWEEP_DIR)
+    existing_run_dirs.update(Path(v).expanduser().absolute() for key in run_dir_keys(argv) for v in run_dir_values(argv, key)
                              if Path(v).expanduser().is_dir())
     check_sweep_configs(argv)
     record = sweep_record(argv)

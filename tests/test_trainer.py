@@ -571,6 +571,8 @@ def test_a_refused_start_leaves_no_dir_it_made(tiny, tmp_path):
         result = run_train(*tiny, "optim.lr=-1", f"trainer.run_dir={run_dir}")
         assert result.returncode == 1 and "optim.lr=-1.0 must be > 0" in result.stdout + result.stderr, result.stderr[-2000:]
     assert not made.exists() and existing.is_dir()
+    result = run_train(*tiny, "optim.lr=-1", f"hydra.run.dir={existing}")  # hydra's own key for the dir: it was removed
+    assert result.returncode == 1 and existing.is_dir(), result.stderr[-2000:]
 
 
 def test_an_empty_run_dir_is_refused_before_the_current_directory_is_touched(tiny, tmp_path):
