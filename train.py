@@ -24,6 +24,7 @@ from typing import Optional
 import hydra
 import yaml
 from hydra import compose, initialize_config_dir
+from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import QuotedString
@@ -208,6 +209,23 @@ def check_sweep_configs(argv: list[str]) -> None:
         return
 
 
+def check_printed_config(argv: list[str]) -> None:
+    """`--cfg job` (or all) prints the composed config and runs nothing: its values are checked first as a run's start
+    checks them, so a config it prints is one training takes (it printed optim.lr=nan or +trainer.max_step=3 and exited
+    0). A sweep's jobs are check_sweep_configs'; another config (--config-name, ...) is left to hydra."""
+    args = get_args_parser().parse_known_args(argv)[0]  # hydra's own parser: --cfg/-c, --package, the overrides
+    if args.cfg not in ("job", "all") or args.multirun or args.config_name or args.config_path or args.config_dir:
+        return
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent / "configs"), version_base="1.3"):
+        try:
+            check_config(to_dataclass(compose("config", overrides=args.overrides)))
+        except (ConfigError, DataError) as e:
+            print(f"{e}; --cfg prints the config once that is fixed", file=sys.stderr)
+            sys.exit(EXIT_BAD_INPUT)
+        except HydraException:  # an unknown key or option: hydra's own message follows
+            return
+
+
 def check_job_dir_is_this_jobs(cfg: Config, job: int, swept: list[str], sweep_dir: Optional[str] = None) -> None:
     """A sweep into a trainer.run_dir (or a hydra.sweep.dir, `sweep_dir`, which hydra then uses instead) that an
     earlier sweep used resumes each job dir's run (trainer.resume=auto): job #i's dir must hold a run of job #i's swept
@@ -288,6 +306,7 @@ def launch(argv: list[str]) -> None:
     """The checks of the whole command line, then the run or sweep; a sweep's failed jobs set the exit code."""
     refuse_a_sweep_under_torchrun(argv)
     check_run_dirs(argv)
+    check_printed_config(argv)
     existing_run_dirs.update(Path(v).expanduser().absolute() for key in run_dir_keys(argv) for v in run_dir_values(argv, key)
                              if Path(v).expanduser().is_dir())
     check_sweep_configs(argv)

@@ -259,6 +259,20 @@ def test_a_bad_value_in_a_sweeps_later_job_stops_the_sweep_before_its_first_job(
     assert not (tmp_path / "sweep").exists()
 
 
+def test_cfg_job_checks_the_values_it_would_print(tmp_path):
+    """`--cfg job` shows the config a run would take: a value the run would refuse stops it with the run's message
+    (it printed optim.lr=nan and an unknown +key, and exited 0); a good config still prints whole."""
+    for override, said in [("optim.lr=nan", "optim.lr=nan is not a finite number"),
+                           ("trainer.progress_bar=yes", "trainer.progress_bar='yes' is not a boolean"),
+                           ("+trainer.max_step=3", "unknown config keys ['trainer.max_step']")]:
+        refused = run_train("--cfg", "job", override, f"trainer.run_dir={tmp_path / 'run'}")
+        assert refused.returncode == 1 and refused.stdout == "", (override, refused.stdout + refused.stderr)
+        assert said in refused.stderr and "--cfg prints the config once that is fixed" in refused.stderr, refused.stderr
+    shown = run_train("-c", "job", "optim.lr=2e-3", f"trainer.run_dir={tmp_path / 'run'}")
+    assert shown.returncode == 0 and "lr: 0.002" in shown.stdout, shown.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_sweep_into_an_earlier_sweeps_dir_resumes_only_runs_of_its_own_values(tiny, tmp_path):
     """Job #i resumes the run in <run_dir>/i: where that run has other values of the swept keys (another sweep's job
     #i), the sweep stops before its first job, naming them; the same sweep again continues its runs."""
