@@ -6,7 +6,8 @@
 
 Exit codes: 0 finished, or stopped by SIGTERM/SIGINT after saving a checkpoint, or during data preparation
 (a multirun stops too; run again with the trainer.run_dir the message names to continue); 1 bad input (config,
-data, backend, checkpoint, or the run dir in use by another run; nothing trained); 3 the loss or gradient norm
+data, backend, checkpoint, or the run dir in use by another run; nothing trained), or a step out of GPU memory
+mid-run (its checkpoints up to the last saved step kept); 3 the loss or gradient norm
 became non-finite (that state is not saved); 4 a file of the run dir could not be written, or the run dir cannot
 be made (disk full, read-only, permissions; the newest checkpoint is intact: fix the cause and run again to
 continue). In a multirun, every job's config is checked before the first job runs (a bad value stops the sweep

@@ -31,8 +31,8 @@ training step (forward, backward, grad clip, AdamW, zero_grad: what train.py's s
 ms, tokens/s, MFU (model FLOPs with
 causal attention counted as half, against the bf16 GEMM peak measured in the same run), peak memory
 (the variant's own: the model, its step and what it keeps, not what earlier variants left allocated;
-total, and above the fp32 weights), and the ratios to coda and to the floor. --profile adds the
-per-op breakdown of a coda step (kernel time by op, launches per step, GPU idle from the timeline).
+total, and above the fp32 weights), and the ratios to coda and to the floor. --profile-steps N (default 3; 0:
+none) adds the per-op breakdown of a coda step (kernel time by op, launches per step, GPU idle from the timeline).
 The target ratio, CODA / the floor back to back, is also taken in pairs (--paired-rounds, after the
 variants): the faster-launching CODA variant asked for (coda-graphs, else coda) and the floor's
 sequence, built side by side and timed in turn, round after round, the first of each pair alternating,
