@@ -879,6 +879,31 @@ def test_wandb_logger_runs_offline_without_network_or_key(tiny, tmp_path):
     assert "Traceback" not in online.stderr and not (tmp_path / "online" / "metrics.jsonl").exists()
 
 
+def test_wandb_mode_in_the_environment_wins_over_logger_mode(tmp_path, monkeypatch):
+    """WANDB_MODE=offline (or disabled) keeps wandb off the network whatever logger.mode says, as check_logger lets
+    logger.mode=online through without a key then: passed explicitly, logger.mode overrode the variable in
+    wandb.init."""
+    from coda_train.trainer.metrics import LoggerConfig, MetricsLogger, check_logger
+
+    for key in [k for k in os.environ if k.startswith("WANDB_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: no key
+    online = LoggerConfig(name="wandb", mode="online")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    check_logger(online)
+    logger = MetricsLogger(tmp_path, online, {}, resumed=False, progress_bar=False, initial=0, total=1)
+    logger.close()
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    check_logger(online)
+    off = tmp_path / "disabled"
+    off.mkdir()
+    logger = MetricsLogger(off, online, {}, resumed=False, progress_bar=False, initial=0, total=1)
+    assert logger.wandb_run is None
+    logger.close()
+    assert sorted(p.name for p in off.iterdir()) == ["metrics.jsonl"]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the message is for a machine without a GPU")
 def test_device_cuda_without_a_gpu_names_the_fix():
     from coda_train.trainer.device import pick_device

@@ -118,9 +118,16 @@ def _wandb_has_key() -> bool:
     return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
 
 
+def _wandb_mode_from_env() -> Optional[str]:
+    """offline or disabled where the environment's WANDB_MODE asks for no network (dryrun is wandb's old name for
+    offline): it wins over logger.mode, which wandb.init would otherwise take over the variable; else None."""
+    mode = os.environ.get("WANDB_MODE")
+    return {"offline": "offline", "dryrun": "offline", "disabled": "disabled"}.get(mode or "")
+
+
 def check_logger(cfg: LoggerConfig) -> None:
     """logger=wandb with logger.mode=online needs an API key: refused at start, not after data and model."""
-    if cfg.name == "wandb" and cfg.mode == "online" and os.environ.get("WANDB_MODE") != "offline" and not _wandb_has_key():
+    if cfg.name == "wandb" and cfg.mode == "online" and _wandb_mode_from_env() is None and not _wandb_has_key():
         raise ConfigError("logger.mode=online needs a wandb API key and found none (WANDB_API_KEY, or ~/.netrc from "
                           "`wandb login`); log in, or use logger.mode=auto (online when a key and the server are there, "
                           "else offline) or logger.mode=offline (`wandb sync` later)")
@@ -146,11 +153,17 @@ class MetricsLogger:
     def _start_wandb(run_dir: Path, cfg: LoggerConfig, config: dict[str, Any], resumed: bool):
         import wandb
 
-        mode = cfg.mode
+        mode = _wandb_mode_from_env() or cfg.mode
+        if mode == "disabled":
+            log.info("wandb: disabled by WANDB_MODE=disabled; metrics go to %s only", run_dir / METRICS_FILE)
+            return None
         if mode == "auto":  # never block on a network that is not there
-            mode = "online" if os.environ.get("WANDB_MODE") != "offline" and _wandb_has_key() and _wandb_server_answers() else "offline"
+            mode = "online" if _wandb_has_key() and _wandb_server_answers() else "offline"
+            reason = "no API key or no connection"
+        else:
+            reason = f"WANDB_MODE={os.environ['WANDB_MODE']}" if _wandb_mode_from_env() else "logger.mode=offline"
         if mode == "offline":
-            log.info("wandb: offline mode (no API key or no connection); sync later with `wandb sync %s/wandb`", run_dir)
+            log.info("wandb: offline mode (%s); sync later with `wandb sync %s/wandb`", reason, run_dir)
         # the run id is stored in the run dir, so a resumed run continues the same wandb run
         id_file = run_dir / "wandb_id.txt"
         run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
