@@ -239,6 +239,24 @@ def test_stop_signal_saves_a_resumable_checkpoint(tiny, tmp_path, stop_signal):
     assert [m["step"] for m in metrics(tmp_path)][-3:] == [step, step + 1, step + 2]
 
 
+def test_a_repeated_sigterm_does_not_cut_the_stop_short():
+    """SIGTERM often comes twice: a scheduler (Slurm, systemd) signals every process, and torchrun forwards the one it
+    gets to its workers. The second must not end a worker at once (no checkpoint, the other ranks' collectives cut);
+    a second Ctrl-C (SIGINT) still does. Signals to itself in a child, whose death is the failure."""
+    code = ("import os, signal\n"
+            "from coda_train.trainer.loop import StopSignal\n"
+            "stop = StopSignal()\n"
+            "for _ in range(2):\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "print('stopping on', signal.Signals(stop.received).name)\n"
+            "os.kill(os.getpid(), signal.SIGINT)\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout == "stopping on SIGTERM\n", (result.returncode, result.stderr)
+    twice = subprocess.run([sys.executable, "-c", code.replace("SIGTERM", "SIGINT")], cwd=REPO, capture_output=True,
+                           text=True, timeout=60)
+    assert twice.returncode != 0 and "KeyboardInterrupt" in twice.stderr and not twice.stdout
+
+
 def test_a_stop_signal_ends_a_multirun_sweep_too(tiny, tmp_path):
     """SIGTERM/SIGINT saves and exits 0 from the whole sweep: the next job does not start."""
     result = run_train("-m", *tiny, "model.impl=eager,coda", "trainer.max_steps=100", "trainer.ckpt_every=0",

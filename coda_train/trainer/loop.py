@@ -141,15 +141,18 @@ def changes_since_checkpoint(saved: dict[str, Any], cfg: Config, step: int) -> l
 
 class StopSignal:
     """Turns the first SIGTERM/SIGINT into a request to checkpoint and stop after the current step;
-    a second one gets the default behaviour (immediate exit)."""
+    a second SIGINT (Ctrl-C again) gets the default behaviour (immediate exit). A repeated SIGTERM is the same
+    request: under torchrun a worker gets both the scheduler's (Slurm, systemd signal every process) and torchrun's."""
 
     def __init__(self):
         self.received: Optional[int] = None
         self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def _handle(self, signum, frame) -> None:
-        self.received = signum
-        signal.signal(signum, self._previous[signum])
+        if self.received is None:
+            self.received = signum
+        if signum == signal.SIGINT:
+            signal.signal(signum, self._previous[signum])
 
     def restore(self) -> None:
         for s, handler in self._previous.items():
