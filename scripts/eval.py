@@ -6,18 +6,20 @@
 
 By default it evaluates the run's own prepared data (`--split`, the val split unless told otherwise),
 in windows of the run's trainer.seq_len: every window of the split, so the loss does not depend on --batch-size
-(--max-batches N reads the first N batches of --batch-size windows). With --text, each file is one document, tokenized with the
-checkpoint's tokenizer and followed by EOS, as preparation does. The eager model computes the loss,
-whatever impl trained the checkpoint (one parameter layout).
+(--max-batches N reads the first N batches of --batch-size windows). With --text, each file is one document
+(.gz, .bz2 and .xz decompressed), tokenized with the checkpoint's tokenizer and followed by EOS, as preparation
+does. The eager model computes the loss, whatever impl trained the checkpoint (one parameter layout).
 """
 
 from __future__ import annotations
 
+import lzma
 import math
 import sys
 from pathlib import Path
 
 from coda_train.data import DataError, PreparedData, TokenLoader
+from coda_train.data.sources import DECOMPRESSORS
 from coda_train.data.tokenizer import fingerprint
 from coda_train.errors import ConfigError
 from coda_train.inference import (checkpoint_parser, load_eager_model, log_progress_to_stderr, mean_loss, open_checkpoint,
@@ -36,12 +38,17 @@ def check_counts(args) -> None:
 
 
 def read_texts(files: list[str]) -> list[str]:
+    """Each file as one document, read as data.source reads a text file: .gz, .bz2 and .xz decompressed (their bytes
+    are no text), newlines universal."""
     texts = []
     for file in files:
         try:
-            texts.append(Path(file).read_text(encoding="utf-8", errors="replace"))
-        except OSError as e:
-            raise ConfigError(f"cannot read --text {file}: {e.strerror or e}; pass readable text files") from e
+            with DECOMPRESSORS.get(Path(file).suffix, open)(file, "rb") as f:
+                data = f.read()
+        except (OSError, EOFError, lzma.LZMAError) as e:  # unreadable, or a damaged archive
+            raise ConfigError(f"cannot read --text {file}: {getattr(e, 'strerror', None) or e}; pass readable text "
+                              "files") from e
+        texts.append(data.decode("utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n"))
     return texts
 
 

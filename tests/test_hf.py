@@ -519,6 +519,24 @@ def test_eval_script_reports_loss_and_perplexity_of_the_val_split_and_of_text_fi
     assert f"{count:,} tokens in windows of 16" in result.stdout and loss == pytest.approx(expected, abs=1e-4)
 
 
+def test_eval_reads_compressed_text_files_as_preparation_does(trained_run, tmp_path):
+    """--text doc.py.gz (or .bz2, .xz) is the document inside, as data.source reads it: its compressed bytes were
+    evaluated as text, a loss over noise with no word. A damaged one is refused naming it."""
+    import gzip
+
+    plain, packed = tmp_path / "doc.py", tmp_path / "doc.py.gz"
+    plain.write_text(TEXT * 12)
+    packed.write_bytes(gzip.compress((TEXT * 12).encode()))
+    results = [run_script("eval.py", str(trained_run), "--text", str(f), "--seq-len", "16", "--device", "cpu")
+               for f in (plain, packed)]
+    assert all(r.returncode == 0 for r in results), results[1].stderr[-3000:]
+    assert results[1].stdout.splitlines()[1:] == results[0].stdout.splitlines()[1:]
+    cut = tmp_path / "cut.py.gz"
+    cut.write_bytes(packed.read_bytes()[:40])
+    result = run_script("eval.py", str(trained_run), "--text", str(cut), "--seq-len", "16", "--device", "cpu")
+    assert result.returncode != 0 and f"cannot read --text {cut}" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_eval_reads_the_runs_own_folder_after_its_corpus_changed_or_moved(tiny, tmp_path):
     """The run's prepared folder, recorded in its checkpoint, serves eval after the corpus changed and even after
     it moved away; with the folder gone too, the data prepared again with a new BPE is refused (--tokenizer) instead
