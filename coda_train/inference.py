@@ -114,6 +114,9 @@ def _check_trained_tokenizer(tok: Tokenizer, tokenizer_file: Path, trained_with:
                           f"{ckpt} was trained with ({trained_with[:12]}); pass the run's own tokenizer.json")
 
 
+PRUNED_RETRIES = 3  # how often open_checkpoint takes a run's newest checkpoint again when the one it read was pruned
+
+
 def open_checkpoint(path: str | Path, tokenizer: Optional[str] = None,
                     check: Optional[Callable[[LlamaConfig, dict[str, Any]], None]] = None) -> TrainedCheckpoint:
     """The checkpoint at `path` (see find_checkpoint) with its tokenizer: the run's prepared data's
@@ -134,14 +137,22 @@ def open_checkpoint(path: str | Path, tokenizer: Optional[str] = None,
             check(unverified_model, unverified_meta["config"])
         if tokenizer is not None:
             _check_trained_tokenizer(tok, tokenizer_file, unverified_meta.get("tokenizer"), newest)
-    ckpt, meta = find_checkpoint(path)
-    model_config = saved_model(ckpt, meta)
-    if not isinstance(run_config := meta.get("config"), dict):
-        raise CheckpointError(f"checkpoint {ckpt}: {META_FILE} lacks a usable run config; restore it, or choose "
-                              "another checkpoint")
-    if check is not None:  # again: the checkpoint found may be an older one (a newer one damaged)
-        check(model_config, run_config)
-    state = load_model_state(ckpt, meta)
+    for attempt in range(PRUNED_RETRIES + 1):
+        ckpt, meta = find_checkpoint(path)
+        model_config = saved_model(ckpt, meta)
+        if not isinstance(run_config := meta.get("config"), dict):
+            raise CheckpointError(f"checkpoint {ckpt}: {META_FILE} lacks a usable run config; restore it, or choose "
+                                  "another checkpoint")
+        if check is not None:  # again: the checkpoint found may be an older one (a newer one damaged)
+            check(model_config, run_config)
+        try:
+            state = load_model_state(ckpt, meta)
+            break
+        except CheckpointError:
+            # a run still training pruned it (trainer.keep_last) after saving a newer one: take the run's newest again
+            if ckpt.exists() or ckpt == Path(path) or attempt == PRUNED_RETRIES:
+                raise
+            log.info("checkpoint %s was removed while it was read (the run saved a newer one); reading its newest", ckpt)
     check_weights_fit(ckpt, state["model"], model_config)  # before the data is prepared and anything is written
     data = None
     if tokenizer is None:

@@ -28,6 +28,7 @@ from coda_train.inference import (find_checkpoint, load_eager_model, mean_loss, 
                                   text_windows)
 from coda_train.model import LlamaConfig, build_model  # noqa: E402
 from coda_train.model.eager import KVCache  # noqa: E402
+from coda_train.trainer.checkpoint import list_checkpoints  # noqa: E402
 from coda_train.model.generate import generate, next_token_distribution  # noqa: E402
 from coda_train.model.hf import (export_hf, from_hf_state_dict, hf_weight_files, llama_config_from_hf,  # noqa: E402
                                  load_hf_weights, to_hf_state_dict)
@@ -517,6 +518,38 @@ def test_eval_script_reports_loss_and_perplexity_of_the_val_split_and_of_text_fi
     loss = float(re.search(r"loss ([\d.]+)", result.stdout).group(1))
     expected, count = mean_loss(model, text_windows(ckpt, [TEXT * 12], 16, 4), torch.device("cpu"))
     assert f"{count:,} tokens in windows of 16" in result.stdout and loss == pytest.approx(expected, abs=1e-4)
+
+
+@pytest.mark.parametrize("pruned_in", ["verify_checkpoint", "load_model_state"])
+def test_a_checkpoint_pruned_while_a_tool_reads_it_gives_way_to_the_runs_newest(trained_run, tmp_path, monkeypatch,
+                                                                                 caplog, pruned_in):
+    """eval / sample / export beside a run still training (trainer.keep_last): the run saves a newer checkpoint and
+    prunes the one the tool took while it checksums or loads it. The tool takes the newest again; it failed with
+    "state.pt cannot be read", or called the pruned one damaged."""
+    import coda_train.inference as inference
+    import coda_train.trainer.checkpoint as checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    newest = list_checkpoints(run / "checkpoints")[0]
+    older = newest.with_name("step_00000006")  # the same weights as an earlier step's checkpoint
+    shutil.copytree(newest, older)
+    meta = json.loads((older / "meta.json").read_text())
+    (older / "meta.json").write_text(json.dumps({**meta, "step": 6}))
+    staged = newest.rename(tmp_path / newest.name)  # not yet saved when the tool lists the run's checkpoints
+    module = checkpoint if pruned_in == "verify_checkpoint" else inference
+    real = getattr(module, pruned_in)
+
+    def save_newer_and_prune(path, *args):
+        if path == older and older.exists():
+            staged.rename(newest)
+            shutil.rmtree(older)
+        return real(path, *args)
+    monkeypatch.setattr(module, pruned_in, save_newer_and_prune)
+    with caplog.at_level(logging.INFO):
+        opened = open_checkpoint(run)
+    assert opened.path == newest and not older.exists()
+    assert "damaged" not in caplog.text, caplog.text
 
 
 def test_eval_reads_compressed_text_files_as_preparation_does(trained_run, tmp_path):

@@ -417,12 +417,16 @@ def load_model_state(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
 
 def newest_good_checkpoint(root: Path) -> Optional[Checkpoint]:
     """The newest checkpoint under root that verifies; damaged ones are skipped with a warning."""
-    for path in list_checkpoints(root):
-        try:
-            return Checkpoint(path, verify_checkpoint(path))
-        except CheckpointError as e:
-            log.warning("skipping damaged checkpoint: %s", e)
-    return None
+    while True:
+        for path in list_checkpoints(root):
+            try:
+                return Checkpoint(path, verify_checkpoint(path))
+            except CheckpointError as e:
+                if not path.exists():  # pruned by a run still saving (keep_last) beside a tool reading it: list again
+                    break
+                log.warning("skipping damaged checkpoint: %s", e)
+        else:
+            return None
 
 
 def resumes(resume: str, run_dir: Path) -> bool:
