@@ -318,6 +318,13 @@ def test_bad_json_line_names_file_and_line(tmp_path, mode):
     assert documents_in(data, "train") == [d for i, d in enumerate(docs) if i != 5]
 
 
+@pytest.mark.parametrize("line, named", [(b"null", "null"), (b'["a"]', "array"), (b'"text"', "string"), (b"3", "number")])
+def test_a_json_line_that_is_no_object_is_named_in_jsons_words(tmp_path, line, named):
+    source = jsonl_with_line(tmp_path / "corpus.jsonl", make_docs(4), 2, line)
+    with pytest.raises(DataError, match=rf"{source}:3 holds a JSON {named}, not an object"):
+        prepare(config(source, tmp_path / "cache", val_fraction=0.0))
+
+
 # --- signals and concurrent runs ---------------------------------------------------------------------------------
 
 PREPARE = [sys.executable, "-m", "coda_train.data.prepare"]

@@ -21,7 +21,7 @@ from coda_train.trainer.checkpoint import CheckpointError, list_checkpoints, loa
 from test_trainer import REPO, metrics, run_train, train_in_process
 
 # float32 on CPU: 2 ranks sum the gradient of 2+2 sequences in another order than one process does;
-# measured relative differences: loss <= 1e-7, grad_norm <= 3e-7
+# measured relative differences: loss <= 1e-7, grad_norm <= 3e-7 under DDP and about 3e-5 under FSDP2 (2026-12-06)
 LOSS_RTOL, GRAD_NORM_RTOL = 1e-5, 1e-4
 STEPS = ["trainer.max_steps=6", "trainer.eval_every=3", "trainer.ckpt_every=0"]
 

@@ -241,9 +241,12 @@ def _json_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -
             yield _json_object(row, where)
 
 
+_JSON_TYPES = {type(None): "null", bool: "boolean", int: "number", float: "number", str: "string", list: "array"}
+
+
 def _json_object(row, where: str) -> tuple[str, dict]:
     if not isinstance(row, dict):
-        raise DataError(f"{where} holds a JSON {type(row).__name__}, not an object; each document must be an object like "
+        raise DataError(f"{where} holds a JSON {_JSON_TYPES.get(type(row), type(row).__name__)}, not an object; each document must be an object like "
                         f'{{"text": "..."}}')
     return where, row
 
