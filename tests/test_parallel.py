@@ -112,6 +112,7 @@ def test_eval_sample_and_export_read_an_fsdp_checkpoint(fsdp_straight, tmp_path)
         result = subprocess.run([sys.executable, f"scripts/{script}", str(fsdp_straight), *args], cwd=REPO,
                                 capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, (script, result.stderr[-2000:])
+        assert "torch.distributed is" not in result.stderr, (script, result.stderr[-2000:])  # one process is meant
 
 
 def test_fsdp_run_killed_resumes_on_two_and_on_one_process(tiny, fsdp_straight, tmp_path):

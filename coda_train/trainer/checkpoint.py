@@ -31,6 +31,7 @@ one whose meta.json was edited may be repairable, so only the user deletes them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -40,6 +41,7 @@ import os
 import re
 import shutil
 import signal
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -339,6 +341,15 @@ def _remove_on_main(tmp: Path, world: World) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _one_process_is_meant():
+    """torch.distributed.checkpoint warns that it assumes one process wherever no process group exists, even when told
+    so (no_dist): a sharded checkpoint read by the tools or resumed by one process is meant so, so the warning goes."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
+        yield
+
+
 def restore(state: TrainState, checkpoint: Checkpoint) -> None:
     """Load a verified checkpoint into state, whichever layout it has and however many processes wrote
     it: state.pt (whole tensors) or shards/ (resharded to this run's processes by torch.distributed.checkpoint)."""
@@ -348,7 +359,8 @@ def restore(state: TrainState, checkpoint: Checkpoint) -> None:
             state.load_state_dict(load_state(path))
             return
         sharded = state.sharded_state_dict()
-        dcp.load(sharded, storage_reader=FileSystemReader(path / SHARDS_DIR))
+        with _one_process_is_meant():
+            dcp.load(sharded, storage_reader=FileSystemReader(path / SHARDS_DIR))
         state.load_sharded_state_dict(sharded)
         state.load_run_state_dict(torch.load(path / RUN_STATE_FILE, map_location="cpu", weights_only=True))
     except DataError as e:  # the data order cannot continue: this run's data settings differ, not the checkpoint
@@ -407,7 +419,8 @@ def load_model_state(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
         model = {key.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
                  for key, m in saved.items() if key.startswith("model.") and hasattr(m, "size")}
         template = {"model": model}
-        dcp.load(template, storage_reader=reader, no_dist=True)
+        with _one_process_is_meant():
+            dcp.load(template, storage_reader=reader, no_dist=True)
         run_state = torch.load(path / RUN_STATE_FILE, map_location="cpu", weights_only=True)
     except Exception as e:  # dcp and torch.load raise many types for damaged files
         raise CheckpointError(f"checkpoint {path}: its shards cannot be read into whole tensors ({type(e).__name__}: "
