@@ -19,6 +19,7 @@ import itertools
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -54,6 +55,9 @@ CONFIG_FLAGS = ("--config-name", "-cn", "--config-path", "-cp", "--config-dir", 
 failed_jobs: list[tuple[int, str, int]] = []
 # the run dir values of the command line (run_dir_keys) that existed before hydra made the rest
 existing_run_dirs: set[Path] = set()
+# the dirs above those run dirs, and above configs/config.yaml's default ones (outputs/<date>/, multirun/<date>/), that did
+# not exist before: hydra makes them with the run dir, and a start refused leaves none of them behind
+new_parent_dirs: set[Path] = set()
 # the multirun jobs main() was called for, by number, and those that stopped with exit 1 having changed nothing in
 # their run dir: a sweep all of whose jobs were refused so leaves the sweep dir's record as it was
 started_jobs: list[int] = []
@@ -132,9 +136,23 @@ def say_preset_unused(config: Config, overrides: list[str]) -> None:
 
 
 def remove_if_made_here_and_empty(run_dir: Path) -> None:
-    """A start refused before it wrote anything leaves no dir behind that hydra made for it (one that existed stays)."""
+    """A start refused before it wrote anything leaves no dir behind that hydra made for it (one that existed stays),
+    nor the new dirs above it that hold nothing else."""
     if run_dir.absolute() not in existing_run_dirs and run_dir.is_dir() and not any(run_dir.iterdir()):
         run_dir.rmdir()
+        for parent in run_dir.absolute().parents:
+            if parent not in new_parent_dirs or not parent.is_dir() or any(parent.iterdir()):
+                break
+            parent.rmdir()
+
+
+def record_existing_dirs(argv: list[str]) -> None:
+    """existing_run_dirs and new_parent_dirs, before hydra makes any dir."""
+    values = [Path(v).expanduser().absolute() for key in run_dir_keys(argv) for v in run_dir_values(argv, key)]
+    existing_run_dirs.update(path for path in values if path.is_dir())
+    today = time.strftime("%Y-%m-%d")  # hydra's ${now:...} is local time too
+    for path in values + [Path("outputs", today, "run").absolute(), Path("multirun", today, "sweep").absolute()]:
+        new_parent_dirs.update(itertools.takewhile(lambda parent: not parent.exists(), path.parents))
 
 
 def run_dir_values(argv: list[str], key: str = "trainer.run_dir") -> list[str]:
@@ -308,8 +326,7 @@ def launch(argv: list[str]) -> None:
     refuse_a_sweep_under_torchrun(argv)
     check_run_dirs(argv)
     check_printed_config(argv)
-    existing_run_dirs.update(Path(v).expanduser().absolute() for key in run_dir_keys(argv) for v in run_dir_values(argv, key)
-                             if Path(v).expanduser().is_dir())
+    record_existing_dirs(argv)
     check_sweep_configs(argv)
     record = sweep_record(argv)
     try:

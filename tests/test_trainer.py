@@ -595,14 +595,19 @@ def test_cli_rejects_unknown_and_ill_typed_keys_before_training(tmp_path):
 
 
 def test_a_refused_start_leaves_no_dir_it_made(tiny, tmp_path):
-    """A bad value (exit 1, README's table: nothing changed) removes the run dir hydra made for it; a dir that
-    existed before stays."""
-    made, existing = tmp_path / "new", tmp_path / "existing"
-    existing.mkdir()
-    for run_dir in (made, existing):
+    """A bad value (exit 1, README's table: nothing changed) removes the run dir hydra made for it, and the new dirs
+    above it (they were left behind: the default's outputs/<date>/, or a/b of a/b/c); a dir that existed before stays."""
+    made, existing = tmp_path / "new" / "a" / "b", tmp_path / "existing"
+    (existing / "x").mkdir(parents=True)
+    for run_dir in (made, existing, existing / "x" / "y" / "z"):
         result = run_train(*tiny, "optim.lr=-1", f"trainer.run_dir={run_dir}")
         assert result.returncode == 1 and "optim.lr=-1.0 must be > 0" in result.stdout + result.stderr, result.stderr[-2000:]
-    assert not made.exists() and existing.is_dir()
+    assert not (tmp_path / "new").exists() and list(existing.rglob("*")) == [existing / "x"]
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    result = subprocess.run([sys.executable, str(REPO / "train.py"), *tiny, "optim.lr=-1"], cwd=elsewhere,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and list(elsewhere.iterdir()) == [], result.stderr[-2000:]  # no outputs/<date>/
     result = run_train(*tiny, "optim.lr=-1", f"hydra.run.dir={existing}")  # hydra's own key for the dir: it was removed
     assert result.returncode == 1 and existing.is_dir(), result.stderr[-2000:]
 
