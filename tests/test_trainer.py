@@ -3,6 +3,7 @@ exit codes, multirun), in-process train() for the bad-input errors. One tiny cor
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import io
 import json
@@ -766,6 +767,24 @@ def test_resume_with_another_vocabulary_names_the_tokenizer_not_the_model_settin
     assert "Run with its tokenizer (data.vocab_size=300): vocab_size follows the tokenizer's vocabulary" in message
     with pytest.raises(CheckpointError, match="Run with the checkpoint's model settings and its tokenizer"):
         check_same_model(checkpoint, dataclasses.replace(llama, vocab_size=512, dim=32))
+
+
+def test_resume_of_another_shape_names_the_model_init_from_the_checkpoint_started_from(straight_run):
+    """A run begun from a Hugging Face directory, resumed without model.init_from (or the other way round): the shape
+    came from that directory (or the preset), so the message names model.init_from, not data.vocab_size."""
+    checkpoint = find_resume_checkpoint("auto", straight_run)
+    llama = LlamaConfig(**checkpoint.meta["model"])
+    meta = copy.deepcopy(checkpoint.meta)
+    meta["config"]["model"]["init_from"] = "/models/my-llama"
+    from_hf = checkpoint._replace(meta=meta)
+    with pytest.raises(CheckpointError, match=r"Run with model.init_from=/models/my-llama \(the checkpoint's run started "
+                                              r"from it, and took its shape and tokenizer\) to continue it"):
+        check_same_model(from_hf, dataclasses.replace(llama, vocab_size=512, dim=32))
+    with pytest.raises(CheckpointError, match=r"Run with no model.init_from \(the checkpoint's run started from the "
+                                              r"preset's random weights\)"):
+        check_same_model(checkpoint, dataclasses.replace(llama, dim=32), init_from="/models/my-llama")
+    with pytest.raises(CheckpointError, match="Run with the checkpoint's model settings to continue it"):
+        check_same_model(from_hf, dataclasses.replace(llama, dim=32), init_from="/models/my-llama")
 
 
 def test_resumes_tells_the_early_checks_whether_a_checkpoint_will_be_continued(tmp_path, straight_run):

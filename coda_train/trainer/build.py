@@ -250,7 +250,8 @@ def check_resume_before_data(cfg: Config, checkpoint: Checkpoint, world_size: in
                                   "start fresh; nothing was prepared or deleted")
     # a vocabulary that follows the tokenizer is checked with the data (the tokenizer is read there); any other field now
     vocab = checkpoint.meta["model"].get("vocab_size", 1) if cfg.model.vocab_size is None else 1
-    check_same_model(checkpoint, resolve_model_config(cfg.model, vocab, cfg.trainer.seq_len, init_from_shape))
+    check_same_model(checkpoint, resolve_model_config(cfg.model, vocab, cfg.trainer.seq_len, init_from_shape),
+                     recorded_init_from(cfg) if cfg.model.init_from is not None else None)
 
 
 def _shape_errors(cfg: Config, llama: LlamaConfig, backend: str) -> list[str]:

@@ -525,15 +525,21 @@ def recorded_prepared_folder(meta: dict[str, Any]) -> Optional[Path]:
     return Path(folder) if folder is not None and (Path(folder) / MANIFEST).is_file() else None
 
 
-def check_same_model(checkpoint: Checkpoint, model: LlamaConfig) -> None:
-    """The checkpoint's model (its meta's "model" fields) is `model`, up to RESUME_MAY_CHANGE."""
+def check_same_model(checkpoint: Checkpoint, model: LlamaConfig, init_from: Optional[str] = None) -> None:
+    """The checkpoint's model (its meta's "model" fields) is `model`, up to RESUME_MAY_CHANGE; init_from: this run's
+    model.init_from as its config records it (absolute), None where it sets none."""
     saved = checkpoint.meta["model"]
     diffs = {k: (saved.get(k), v) for k, v in dataclasses.asdict(model).items()
              if k not in RESUME_MAY_CHANGE and saved.get(k) != v}
     if diffs:
         detail = ", ".join(f"{k}: checkpoint {a!r} vs this run {b!r}" for k, (a, b) in diffs.items())
+        started = ((checkpoint.meta.get("config") or {}).get("model") or {}).get("init_from")
         settings = ["the checkpoint's model settings"] if set(diffs) != {"vocab_size"} else []
-        if "vocab_size" in diffs:  # most often no model.* setting changed, but the tokenizer did
+        if started != init_from:  # the shape (vocab included) came from that directory, or from the preset: say which
+            settings = [f"model.init_from={started} (the checkpoint's run started from it, and took its shape and "
+                        "tokenizer)" if started else "no model.init_from (the checkpoint's run started from the "
+                        "preset's random weights)"]
+        elif "vocab_size" in diffs:  # most often no model.* setting changed, but the tokenizer did
             data = checkpoint.meta.get("config", {}).get("data", {})
             saved = ", ".join(f"data.{k}={data[k]}" for k in ("vocab_size", "tokenizer") if data.get(k) is not None)
             settings.append(f"its tokenizer ({saved or 'its data.* settings'}): vocab_size follows the tokenizer's "
