@@ -75,7 +75,7 @@ def read_run(run_dir: Path) -> Run:
             sys.exit(f"error: {path}:{n} is not a metrics line of train.py ({problem}); the metrics file is damaged "
                      "or another tool's: pass run directories written by train.py")
         rows.append(row)
-    train = [r for r in rows if "loss" in r]
+    train = [r for r in rows if r.get("loss") is not None]  # a line of val_loss alone (loss null) is no training step
     if not train:
         sys.exit(f"error: {path} has no training steps logged")
     # A resumed run may log a step twice (from before the crash and after): keep the last.

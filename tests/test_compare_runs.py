@@ -228,3 +228,18 @@ def test_a_run_given_as_dot_is_named_by_its_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path / "mine")
     assert [row["run"] for row in compare_runs.main([".", "../other"])] == ["eager (mine)", "eager (other)"]
     assert (tmp_path / "compare.json").is_file() and not (tmp_path / "mine" / "compare.json").exists()
+
+
+def test_a_line_with_a_null_loss_is_no_training_step(tmp_path):
+    """Another tool's metrics may log validation on its own line with "loss": null: that line gives the val loss
+    only; taken as a training step its NaN loss blanked the final loss and every |Δ| column."""
+    compare_runs = compare_runs_module()
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [{"step": s, "loss": 5.0 - 0.1 * s} for s in range(1, 6)] + [{"step": 5, "loss": None, "val_loss": 4.0}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    read = compare_runs.read_run(run)
+    assert list(read.steps) == [1, 2, 3, 4, 5] and not np.isnan(read.loss).any()
+    assert list(read.val_steps) == [5] and list(read.val_loss) == [4.0]
+    row = compare_runs.compare([read, read], 1)[1]
+    assert row["final_train_loss"] == pytest.approx(4.5) and row["mean_abs_dloss"] == 0.0
