@@ -112,6 +112,17 @@ def test_a_loaded_tokenizers_truncation_and_padding_do_not_cut_documents(docs):
     assert cuts_at_newlines(ours) and not cuts_at_newlines(loaded)
 
 
+def test_a_special_tokens_text_inside_a_document_is_text_not_that_token(docs):
+    """A document quoting "<|endoftext|>" (a page about tokenizers) is encoded as that text: recognized as the special
+    token, it ended the document early as EOS, silently. The tokenizer (its fingerprint) is left as it was."""
+    tokenizer = train_bpe(docs, vocab_size=300)
+    before = tokenizer.to_str()
+    text = f"a page quoting {EOS_TOKEN} in its text"
+    tokens, lengths = encode_documents(tokenizer, [text, "next"], 0, np.dtype(np.uint32))
+    assert tokens[0] != 0 and list(np.flatnonzero(tokens == 0)) == [lengths[0] - 1, len(tokens) - 1]
+    assert tokenizer.decode(tokens[: lengths[0] - 1].tolist()) == text and tokenizer.to_str() == before
+
+
 def test_tokenizer_round_trip(docs):
     tokenizer = train_bpe(docs, vocab_size=300)
     assert tokenizer.token_to_id(EOS_TOKEN) == 0

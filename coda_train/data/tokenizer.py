@@ -135,14 +135,16 @@ def _ids(tokenizer: Tokenizer, texts: list[str], dtype: np.dtype) -> list[np.nda
 
 
 def for_documents(tokenizer: Tokenizer) -> Tokenizer:
-    """The tokenizer, or a copy without the truncation or padding a loaded tokenizer.json may carry (HF files often
-    do): a document is encoded whole, never cut to max_length or padded. The tokenizer itself (its fingerprint) is
-    left as it is."""
-    if tokenizer.truncation is None and tokenizer.padding is None:
+    """The tokenizer, or a copy, as documents are encoded: whole, never cut to max_length or padded (a loaded
+    tokenizer.json may carry truncation or padding; HF files often do), and a special token's text inside a document
+    (a web page quoting "<|endoftext|>") encoded as the text it is, not as that token: else it would end the document
+    early as EOS, silently. The tokenizer itself (its fingerprint) is left as it is."""
+    if tokenizer.truncation is None and tokenizer.padding is None and tokenizer.encode_special_tokens:
         return tokenizer
     copy = Tokenizer.from_str(tokenizer.to_str())
     copy.no_truncation()
     copy.no_padding()
+    copy.encode_special_tokens = True
     return copy
 
 
