@@ -150,7 +150,8 @@ def test_prepared_documents_round_trip_and_split(prepared, docs):
 
 
 def test_prepare_is_deterministic_across_processes_and_reused(tmp_path, docs):
-    source = write_jsonl(tmp_path / "corpus.jsonl", [{"text": d} for d in docs])
+    # one document quotes the EOS token's text: worker processes encode it as text too (for_documents)
+    source = write_jsonl(tmp_path / "corpus.jsonl", [{"text": d} for d in docs] + [{"text": f"quoting {EOS_TOKEN} here"}])
     serial = prepare(config(source, tmp_path / "a", num_proc=1))
     parallel = prepare(config(source, tmp_path / "b", num_proc=2))
     assert serial.path.name == parallel.path.name  # folder named by inputs, not by num_proc

@@ -511,7 +511,8 @@ def _init_worker(tokenizer_json: str, eos_id: int, dtype: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism; also silences the after-fork warning
-    _worker = (Tokenizer.from_str(tokenizer_json), eos_id, np.dtype(dtype))  # _tokenize sent it without truncation
+    # as _tokenize's: for_documents once here, since to_str() keeps no encode_special_tokens (a copy per chunk otherwise)
+    _worker = (for_documents(Tokenizer.from_str(tokenizer_json)), eos_id, np.dtype(dtype))
 
 
 def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
