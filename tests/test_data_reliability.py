@@ -1,6 +1,7 @@
 """Data pipeline under faults: damaged shards, hostile text, bad rows, signals, concurrent runs, mistyped paths."""
 
 import bz2
+import contextlib
 import gzip
 import json
 import logging
@@ -25,7 +26,7 @@ from coda_train.data import DataConfig, DataError, PreparedData, TokenLoader, pr
 from coda_train.data import shards as shards_module
 from coda_train.data.sources import resolve_source
 from coda_train.data.tokenizer import EOS_TOKEN, MAX_PIECE_BYTES, load_tokenizer, train_bpe
-from coda_train.durable import LockHeldError, exclusive_lock
+from coda_train.durable import LockHeldError, exclusive_lock, lock_holder
 
 WORDS = "the model reads a token stream while loss falls seed rank epoch shard naïve 日本語 def return (x)".split()
 
@@ -374,6 +375,29 @@ def test_stopping_a_preparation_leaves_nothing_that_blocks_the_next(tmp_path, ho
     assert again.returncode == 0, again.stderr
     assert [p.name for p in cache.iterdir()] == [next(cache.glob("big-*")).name]  # no temp folder, no lock file
     assert PreparedData.open(next(cache.glob("big-*")), verify="always").manifest["num_documents"] > 0
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="forked workers (and so inherited lock files) are Linux's")
+def test_a_kill_9_of_the_preparing_process_alone_leaves_no_lock_held(tmp_path):
+    # the OOM killer kills one process, not the group: its forked workers shared its lock file and must not outlive it
+    source, tokenizer = big_corpus(tmp_path, 8)
+    cache = tmp_path / "cache"
+    args = ["--source", str(source), "--tokenizer", str(tokenizer), "--cache-dir", str(cache), "--num-proc", "2"]
+    run = subprocess.Popen([*PREPARE, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(lambda: any((t / "train_00000.bin").exists() for t in temp_folders(cache)))  # the worker pool is running
+    workers = [int(pid) for pid in Path(f"/proc/{run.pid}/task/{run.pid}/children").read_text().split()]
+    try:
+        assert len(workers) == 2
+        os.kill(run.pid, signal.SIGKILL)
+        run.wait(timeout=60)
+        lock = next(cache.glob(".*.lock"))
+        wait_for(lambda: lock_holder(lock) is None, seconds=10)  # before: held by the orphaned workers for ever
+        again = subprocess.run([*PREPARE, *args], capture_output=True, text=True, timeout=120)
+        assert again.returncode == 0 and "waiting for" not in again.stderr, again.stderr
+    finally:
+        for pid in workers:  # before the fix they would linger
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_concurrent_preparations_take_turns_and_share_one_result(tmp_path):

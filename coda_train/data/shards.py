@@ -461,7 +461,7 @@ def _tokenize(
         return
     context = mp.get_context("fork" if sys.platform == "linux" else "spawn")
     # an executor, not mp.Pool: a worker killed by a signal or the OOM killer breaks it cleanly instead of deadlocking
-    pool = ProcessPoolExecutor(num_proc, context, _init_worker, (tokenizer.to_str(), eos_id, dtype.str))
+    pool = ProcessPoolExecutor(num_proc, context, _init_worker, (tokenizer.to_str(), eos_id, dtype.str, os.getpid()))
     try:
         pending: deque = deque()
         for texts in chunks:
@@ -504,8 +504,9 @@ def _chunks(docs: Iterator[str]) -> Iterator[list[str]]:
 _worker: tuple = ()
 
 
-def _init_worker(tokenizer_json: str, eos_id: int, dtype: str) -> None:
+def _init_worker(tokenizer_json: str, eos_id: int, dtype: str, parent: int) -> None:
     global _worker
+    _die_with_parent(parent)
     # Ctrl-C and SIGTERM reach the whole process group; the parent stops the pool in order. A worker killed
     # mid-task can leave the executor's feeder thread blocked on a full pipe, hanging the parent's shutdown.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -513,6 +514,20 @@ def _init_worker(tokenizer_json: str, eos_id: int, dtype: str) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism; also silences the after-fork warning
     # as _tokenize's: for_documents once here, since to_str() keeps no encode_special_tokens (a copy per chunk otherwise)
     _worker = (for_documents(Tokenizer.from_str(tokenizer_json)), eos_id, np.dtype(dtype))
+
+
+def _die_with_parent(parent: int) -> None:
+    """A forked worker shares its parent's open files, the cache-dir and run-dir locks among them: left waiting for
+    work after a kill -9 (the OOM killer) of its parent, it would hold those flocks forever, and the next run would
+    wait on the lock of a dead pid. So the kernel kills it with its parent (Linux; spawned workers share no files)."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the prctl: no signal will come
+        os._exit(1)
 
 
 def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
