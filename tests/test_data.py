@@ -394,6 +394,20 @@ def test_loader_refuses_incompatible_state_and_tiny_splits(prepared):
         TokenLoader(prepared, "train", batch_size=10**6, seq_len=16, seed=0, rank=0, world_size=2)
 
 
+def test_an_empty_val_split_names_the_val_fraction_that_holds_one_out(tmp_path, docs):
+    # a text file is one document: no data.val_fraction holds it out, and none of the tiny-split fixes helps
+    book = tmp_path / "book.txt"
+    book.write_text("\n".join(docs))
+    data = prepare(config(book, tmp_path / "cache"))
+    with pytest.raises(DataError, match=r"val split .* is empty: its corpus is one document .* cut the file into several"):
+        TokenLoader(data, "val", batch_size=1, seq_len=8, seed=0)
+    few = write_jsonl(tmp_path / "few.jsonl", [{"text": d} for d in docs[:5]])
+    with pytest.raises(DataError, match=r"data.val_fraction=0.1 of its 5 documents holds out none.* "
+                                        r"data.val_fraction=0.2 or larger, or trainer.eval_every=0"):
+        TokenLoader(prepare(config(few, tmp_path / "cache")), "val", batch_size=1, seq_len=8, seed=0)
+    assert prepare(config(few, tmp_path / "cache", val_fraction=0.2)).manifest["splits"]["val"]["num_documents"] == 1
+
+
 # --- bad input ---------------------------------------------------------------------------------------------------
 
 

@@ -38,6 +38,20 @@ def global_batch_refusal(saved: tuple[int, int, int], now: tuple[int, int, int])
     return (global_batch(*saved), global_batch(*now)), fix
 
 
+def _empty_val_split(data: PreparedData) -> str:
+    """Why a prepared folder's val split holds no document, and the data.val_fraction that holds one out."""
+    documents, fraction = data.manifest["num_documents"], data.manifest["inputs"]["val_fraction"]
+    if documents == 1:
+        return (f"the val split of {data.path} is empty: its corpus is one document (a text file is one document, "
+                f"whatever its size) and data.val_fraction holds out whole documents, so no value of it gives a val "
+                f"split; cut the file into several (e.g. split -n l/100 FILE part_) and set data.source to them, or set "
+                f"trainer.eval_every=0 (no validation)")
+    suggested = np.ceil(1000 / documents) / 1000  # >= 1 / documents: document i is held out when floor((i+1)f) steps up
+    return (f"the val split of {data.path} is empty: data.val_fraction={fraction} of its {documents} documents holds out "
+            f"none (it holds out whole documents: none of fewer than 1 / data.val_fraction); set "
+            f"data.val_fraction={suggested:g} or larger, or trainer.eval_every=0 (no validation)")
+
+
 class TokenLoader:
     """Window w of a shard holds tokens [w*seq_len, w*seq_len + seq_len + 1): inputs and their next-token targets.
 
@@ -67,6 +81,8 @@ class TokenLoader:
         # micro-steps per epoch: whole optimizer steps, so an epoch uses the first (N // (B*W*A)) * B*W*A windows of
         # its permutation, the same for every layout of one optimizer batch (and no step straddles two epochs)
         self.steps_per_epoch = self.windows_per_rank // (batch_size * accum_steps) * accum_steps
+        if self.steps_per_epoch == 0 and split == "val" and data.manifest["splits"]["val"]["num_documents"] == 0:
+            raise DataError(_empty_val_split(data))  # no batch size or seq_len helps there, nor always a larger fraction
         if self.steps_per_epoch == 0:
             # a larger val split is taken from the train split: the fraction moves opposite ways for the two
             more = ("more data or a smaller data.val_fraction" if split == "train" else
