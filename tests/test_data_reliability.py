@@ -455,6 +455,17 @@ def test_mixed_formats_under_one_glob_are_refused(tmp_path, corpus):
     assert not (tmp_path / "cache").exists()
 
 
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_parquet_files_read_as_text_or_json_are_refused_naming_data_format(tmp_path, fmt):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": make_docs(5)}), tmp_path / "corpus.parquet")
+    with pytest.raises(DataError, match=rf"data.format={fmt} reads .*corpus.parquet .* set data.format=parquet"):
+        prepare(config(tmp_path / "corpus.parquet", tmp_path / "cache", format=fmt))
+    assert prepare(config(tmp_path / "corpus.parquet", tmp_path / "cache")).manifest["num_documents"] == 5
+
+
 def test_a_cache_dir_inside_the_source_folder_is_not_read_as_corpus(tmp_path):
     """data.cache_dir under data.source's folder: the next start read the prepared files (manifest.json, the shards)
     as corpus ("mixes formats ['json', 'text']"; with data.format=text the shards' bytes tokenized as documents)."""

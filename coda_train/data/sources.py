@@ -118,6 +118,10 @@ def resolve_source(cfg: DataConfig) -> Source:
                         f"such files); unpack it first ({tool}), or compress files one by one as .gz, .bz2 or .xz, which "
                         "are read as they are")
     fmt = cfg.format
+    # Parquet is binary: read as text or JSON it gives U+FFFD garbage (trained on, with only a decode warning)
+    if fmt in ("text", "json") and (parquet := [f for f in files if _format_suffix(f) == ".parquet"]):
+        raise DataError(f"data.format={fmt} reads {parquet[0]} ({len(parquet)} .parquet files) as {fmt}, but Parquet is "
+                        f"binary; set data.format=parquet (or auto), or narrow data.source to the {fmt} files")
     if fmt == "auto":
         formats = {FORMAT_BY_SUFFIX.get(_format_suffix(f), "text") for f in files}
         if len(formats) > 1:
