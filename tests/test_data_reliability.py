@@ -464,6 +464,10 @@ def test_parquet_files_read_as_text_or_json_are_refused_naming_data_format(tmp_p
     with pytest.raises(DataError, match=rf"data.format={fmt} reads .*corpus.parquet .* set data.format=parquet"):
         prepare(config(tmp_path / "corpus.parquet", tmp_path / "cache", format=fmt))
     assert prepare(config(tmp_path / "corpus.parquet", tmp_path / "cache")).manifest["num_documents"] == 5
+    jsonl = tmp_path / "corpus.jsonl"  # the other way round: the message names data.format too
+    jsonl.write_text("".join(json.dumps({"text": d}) + "\n" for d in make_docs(5)))
+    with pytest.raises(DataError, match=r"not Parquet \(data.format=parquet reads every file as Parquet: set data.format=auto"):
+        prepare(config(jsonl, tmp_path / "cache2", format="parquet"))
 
 
 def test_a_cache_dir_inside_the_source_folder_is_not_read_as_corpus(tmp_path):

@@ -269,7 +269,8 @@ def _parquet_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool
                 yield f"{file} row {row}", {cfg.text_field: value}
         counts.bytes_read += os.path.getsize(file)  # progress of Parquet moves file by file
     except (OSError, pa.ArrowException) as e:
-        raise DataError(f"could not read documents from {file}: {e}; the file is damaged or not Parquet") from e
+        other = "" if _format_suffix(file) == ".parquet" else " (data.format=parquet reads every file as Parquet: set data.format=auto or the files' format)"
+        raise DataError(f"could not read documents from {file}: {e}; the file is damaged or not Parquet{other}") from e
 
 
 def _hub_rows(source: Source, cfg: DataConfig) -> Iterator[tuple[str, dict]]:
