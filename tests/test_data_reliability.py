@@ -400,6 +400,20 @@ def test_a_kill_9_of_the_preparing_process_alone_leaves_no_lock_held(tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
+def test_a_killed_preparation_of_other_data_leaves_no_temp_folder_for_good(tmp_path):
+    """A temp folder of another prepared folder (data since changed, so never prepared again) is removed by the next
+    preparation in that cache dir, unless a live run holds that folder's lock (it is writing there)."""
+    cache = tmp_path / "cache"
+    dead, busy = cache / ".tmp-old-0123abcd-k2j4h5g6", cache / ".tmp-other-4567cdef-a1b2c3d4"
+    for folder in (dead, busy):
+        folder.mkdir(parents=True)
+        (folder / "train_00000.bin").write_bytes(b"\0" * 64)
+    source = write_jsonl(tmp_path / "corpus.jsonl", [{"text": d} for d in make_docs(6)])
+    with exclusive_lock(cache / ".other-4567cdef.lock", wait=False):  # a live run preparing "other"
+        prepare(config(source, cache))
+    assert not dead.exists() and busy.is_dir()
+
+
 def test_concurrent_preparations_take_turns_and_share_one_result(tmp_path):
     source, tokenizer = big_corpus(tmp_path, 2)
     cache = tmp_path / "cache"

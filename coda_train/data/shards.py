@@ -17,7 +17,7 @@ from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import asdict
 from pathlib import Path
 from typing import Iterator, Optional
@@ -25,7 +25,7 @@ from typing import Iterator, Optional
 import numpy as np
 from tokenizers import Tokenizer
 
-from ..durable import exclusive_lock, fsync_dir, sha256_file, write_synced
+from ..durable import LockHeldError, exclusive_lock, fsync_dir, sha256_file, write_synced
 from .config import DataConfig, DataError
 from .progress import Progress
 from .sources import DECOMPRESSORS, DocumentCounts, Source, iter_documents, resolve_source
@@ -263,12 +263,21 @@ TMP_PREFIX = ".tmp-"  # hidden, and without a manifest: never taken for a finish
 
 
 def _remove_dead_temp_folders(cache_dir: Path, name: str) -> None:
-    """Temp folders of `name` left by killed runs; called under the lock of `name`, so no live run is writing them."""
-    dead = [p for p in cache_dir.glob(f"{TMP_PREFIX}{name}-*") if p.is_dir()]
-    for folder in dead:
-        shutil.rmtree(folder, ignore_errors=True)
-    if dead:
-        log.info("removed %d unfinished temp folder(s) of %s left by a stopped run", len(dead), name)
+    """Temp folders left by killed runs: those of `name` (called under its lock, so no live run is writing them), and
+    those of any other prepared folder whose lock is free (a live run preparing it holds it): else a killed preparation
+    of data since changed would keep its partial shards for good."""
+    by_folder: dict[str, list[Path]] = {}
+    for tmp in cache_dir.glob(f"{TMP_PREFIX}*-*"):
+        if tmp.is_dir():  # named <TMP_PREFIX><prepared folder>-<mkdtemp's suffix, no dash>
+            by_folder.setdefault(tmp.name[len(TMP_PREFIX):].rsplit("-", 1)[0], []).append(tmp)
+    for folder, dead in by_folder.items():
+        try:
+            with nullcontext() if folder == name else exclusive_lock(cache_dir / f".{folder}.lock", wait=False):
+                for tmp in dead:
+                    shutil.rmtree(tmp, ignore_errors=True)
+        except LockHeldError:  # a live run is preparing that folder
+            continue
+        log.info("removed %d unfinished temp folder(s) of %s left by a stopped run", len(dead), folder)
 
 
 class _StopSignals:
