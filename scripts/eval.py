@@ -16,10 +16,9 @@ from __future__ import annotations
 import lzma
 import math
 import sys
-from pathlib import Path
 
 from coda_train.data import DataError, PreparedData, TokenLoader
-from coda_train.data.sources import DECOMPRESSORS
+from coda_train.data.sources import open_binary, universal_newlines
 from coda_train.data.tokenizer import fingerprint
 from coda_train.errors import ConfigError
 from coda_train.inference import (checkpoint_parser, load_eager_model, log_progress_to_stderr, mean_loss, open_checkpoint,
@@ -43,12 +42,12 @@ def read_texts(files: list[str]) -> list[str]:
     texts = []
     for file in files:
         try:
-            with DECOMPRESSORS.get(Path(file).suffix, open)(file, "rb") as f:
+            with open_binary(file) as f:
                 data = f.read()
         except (OSError, EOFError, lzma.LZMAError) as e:  # unreadable, or a damaged archive
             raise ConfigError(f"cannot read --text {file}: {getattr(e, 'strerror', None) or e}; pass readable text "
                               "files") from e
-        texts.append(data.decode("utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n"))
+        texts.append(universal_newlines(data.decode("utf-8", errors="replace")))
     return texts
 
 

@@ -41,9 +41,14 @@ def _format_suffix(file: str) -> str:
     return Path(path.stem).suffix if path.suffix in DECOMPRESSORS else path.suffix
 
 
-def _open_binary(file: str):
+def open_binary(file: str):
     """The file's bytes, decompressed when its name ends in .gz, .bz2 or .xz."""
     return DECOMPRESSORS.get(Path(file).suffix, open)(file, "rb")
+
+
+def universal_newlines(text: str) -> str:
+    """CR LF and a lone CR as LF, as when a file is opened as text."""
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 @dataclass(frozen=True)
@@ -193,12 +198,12 @@ LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # JSON's "\ud83d" escapes decode
 
 def _text_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -> Iterator[tuple[str, dict]]:
     """One document per file, newlines universal ("\r\n" and "\r" become "\n") as when a file is opened as text."""
-    with _open_binary(file) as f:
+    with open_binary(file) as f:
         data = f.read()
     counts.bytes_read += len(data)
     text = _decode(data, file, 1, cfg, counts, warn)
     if text is not None:
-        yield f"{file}:1", {"text": text.replace("\r\n", "\n").replace("\r", "\n")}
+        yield f"{file}:1", {"text": universal_newlines(text)}
 
 
 UTF8_BOM = b"\xef\xbb\xbf"
@@ -206,7 +211,7 @@ UTF8_BOM = b"\xef\xbb\xbf"
 
 def _json_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -> Iterator[tuple[str, dict]]:
     """JSON Lines (one object per line), or a file holding one JSON array of objects."""
-    with _open_binary(file) as f:
+    with open_binary(file) as f:
         bom = f.read(3) == UTF8_BOM  # a byte-order mark (Windows editors and PowerShell write one) is not JSON
         f.seek(len(UTF8_BOM) if bom else 0)
         is_array = f.read(4096).lstrip()[:1] == b"["
@@ -250,7 +255,8 @@ _JSON_TYPES = {type(None): "null", bool: "boolean", int: "number", float: "numbe
 
 def _json_object(row, where: str) -> tuple[str, dict]:
     if not isinstance(row, dict):
-        raise DataError(f"{where} holds a JSON {_JSON_TYPES.get(type(row), type(row).__name__)}, not an object; each document must be an object like "
+        kind = _JSON_TYPES.get(type(row), type(row).__name__)
+        raise DataError(f"{where} holds a JSON {kind}, not an object; each document must be an object like "
                         f'{{"text": "..."}}')
     return where, row
 
@@ -269,7 +275,8 @@ def _parquet_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool
                 yield f"{file} row {row}", {cfg.text_field: value}
         counts.bytes_read += os.path.getsize(file)  # progress of Parquet moves file by file
     except (OSError, pa.ArrowException) as e:
-        other = "" if _format_suffix(file) == ".parquet" else " (data.format=parquet reads every file as Parquet: set data.format=auto or the files' format)"
+        other = ("" if _format_suffix(file) == ".parquet" else
+                 " (data.format=parquet reads every file as Parquet: set data.format=auto or the files' format)")
         raise DataError(f"could not read documents from {file}: {e}; the file is damaged or not Parquet{other}") from e
 
 
