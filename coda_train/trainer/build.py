@@ -79,9 +79,10 @@ def check_missing_tokenizer_is_the_runs(cfg: Config, checkpoint: Checkpoint) -> 
     raise ConfigError(f"data.tokenizer={cfg.data.tokenizer} does not exist, and the data of checkpoint {checkpoint.path} {fix}")
 
 
-def recorded_init_from(cfg: Config) -> str:
-    """model.init_from as a run's config records it (absolute: a resume from another directory compares the same)."""
-    return str(Path(cfg.model.init_from).expanduser().absolute())
+def recorded_init_from(cfg: Config) -> Optional[str]:
+    """model.init_from as a run's config records it (absolute: a resume from another directory compares the same);
+    None where the run sets none."""
+    return None if cfg.model.init_from is None else str(Path(cfg.model.init_from).expanduser().absolute())
 
 
 def init_from_shape(cfg: Config, checkpoint: Checkpoint) -> LlamaConfig:
@@ -251,7 +252,7 @@ def check_resume_before_data(cfg: Config, checkpoint: Checkpoint, world_size: in
     # a vocabulary that follows the tokenizer is checked with the data (the tokenizer is read there); any other field now
     vocab = checkpoint.meta["model"].get("vocab_size", 1) if cfg.model.vocab_size is None else 1
     check_same_model(checkpoint, resolve_model_config(cfg.model, vocab, cfg.trainer.seq_len, init_from_shape),
-                     recorded_init_from(cfg) if cfg.model.init_from is not None else None)
+                     recorded_init_from(cfg))
 
 
 def _shape_errors(cfg: Config, llama: LlamaConfig, backend: str) -> list[str]:

@@ -91,8 +91,7 @@ def recorded_config(cfg: Config, run_dir: Path) -> dict[str, Any]:
     config = OmegaConf.to_container(OmegaConf.structured(cfg))
     config["trainer"]["run_dir"] = str(run_dir)
     config["data"] = dataclasses.asdict(cfg.data.with_absolute_paths())
-    if cfg.model.init_from is not None:
-        config["model"]["init_from"] = recorded_init_from(cfg)
+    config["model"]["init_from"] = recorded_init_from(cfg)
     return config
 
 
@@ -273,7 +272,7 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
     val_loader = build_loader(data, "val", t, world) if t.eval_every else None
     llama = resolve_model(cfg, data.vocab_size, backend, shape)
     if resume_from is not None:
-        check_same_model(resume_from, llama, recorded_init_from(cfg) if cfg.model.init_from is not None else None)
+        check_same_model(resume_from, llama, recorded_init_from(cfg))
     if cfg.model.impl == "coda" and backend == "cute" and cfg.kernels.tune == "once":  # before the model takes GPU memory
         tune_untuned_gemms(llama, t, gpu_key(torch.cuda.get_device_name(device)), world)
 
