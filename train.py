@@ -46,6 +46,7 @@ from coda_train.trainer.rundir import EarlyWarnings, check_run_dir_path
 
 log = logging.getLogger("train")
 register_configs()
+CONFIG_DIR = str(Path(__file__).resolve().parent / "configs")  # what @hydra.main composes from (config_path="configs")
 # hydra's flags that choose another config than configs/config.yaml
 CONFIG_FLAGS = ("--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd")
 
@@ -210,7 +211,7 @@ def check_sweep_configs(argv: list[str]) -> None:
                   "one before as its own run; leave it unset (its default, ${hydra.job.num}, is the job's number) or make "
                   "it name every swept value (e.g. lr${optim.lr}); no job of the sweep ran", file=sys.stderr)
             sys.exit(EXIT_BAD_INPUT)
-        with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent / "configs"), version_base="1.3"):
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
             for job, overrides in enumerate(jobs):
                 try:
                     cfg = to_dataclass(compose("config", overrides=list(overrides)))
@@ -235,7 +236,7 @@ def check_printed_config(argv: list[str]) -> None:
     args = get_args_parser().parse_known_args(argv)[0]  # hydra's own parser: --cfg/-c, --package, the overrides
     if args.cfg not in ("job", "all") or args.multirun or args.config_name or args.config_path or args.config_dir:
         return
-    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent / "configs"), version_base="1.3"):
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         try:
             check_config(to_dataclass(compose("config", overrides=args.overrides)))
         except (ConfigError, DataError) as e:

@@ -207,7 +207,7 @@ def prepare(cfg: DataConfig) -> PreparedData:
     except OSError as e:
         raise DataError(f"cannot prepare data in data.cache_dir={cache_dir} ({e}); point data.cache_dir at a writable "
                         f"folder (or at the copy that already holds this data)") from e
-    with _StopSignals() as stop, exclusive_lock(cache_dir / f".{final.name}.lock", wait=True):
+    with _StopSignals() as stop, exclusive_lock(_lock_of(cache_dir, final.name), wait=True):
         if final.exists():
             log.info("another run prepared %s while this one waited; reusing it", final)
         else:
@@ -262,6 +262,11 @@ def _build_atomically(
 TMP_PREFIX = ".tmp-"  # hidden, and without a manifest: never taken for a finished folder
 
 
+def _lock_of(cache_dir: Path, name: str) -> Path:
+    """The lock a run holds while it prepares the folder `name` (and its temp folder) in cache_dir."""
+    return cache_dir / f".{name}.lock"
+
+
 def _remove_dead_temp_folders(cache_dir: Path, name: str) -> None:
     """Temp folders left by killed runs: those of `name` (called under its lock, so no live run is writing them), and
     those of any other prepared folder whose lock is free (a live run preparing it holds it): else a killed preparation
@@ -272,7 +277,7 @@ def _remove_dead_temp_folders(cache_dir: Path, name: str) -> None:
             by_folder.setdefault(tmp.name[len(TMP_PREFIX):].rsplit("-", 1)[0], []).append(tmp)
     for folder, dead in by_folder.items():
         try:
-            with nullcontext() if folder == name else exclusive_lock(cache_dir / f".{folder}.lock", wait=False):
+            with nullcontext() if folder == name else exclusive_lock(_lock_of(cache_dir, folder), wait=False):
                 for tmp in dead:
                     shutil.rmtree(tmp, ignore_errors=True)
         except LockHeldError:  # a live run is preparing that folder

@@ -153,7 +153,8 @@ class MetricsLogger:
     def _start_wandb(run_dir: Path, cfg: LoggerConfig, config: dict[str, Any], resumed: bool):
         import wandb
 
-        mode = _wandb_mode_from_env() or cfg.mode
+        env_mode = _wandb_mode_from_env()
+        mode = env_mode or cfg.mode
         if mode == "disabled":
             log.info("wandb: disabled by WANDB_MODE=disabled; metrics go to %s only", run_dir / METRICS_FILE)
             return None
@@ -161,7 +162,7 @@ class MetricsLogger:
             mode = "online" if _wandb_has_key() and _wandb_server_answers() else "offline"
             reason = "no API key or no connection"
         else:
-            reason = f"WANDB_MODE={os.environ['WANDB_MODE']}" if _wandb_mode_from_env() else "logger.mode=offline"
+            reason = f"WANDB_MODE={os.environ['WANDB_MODE']}" if env_mode else "logger.mode=offline"
         if mode == "offline":
             log.info("wandb: offline mode (%s); sync later with `wandb sync %s/wandb`", reason, run_dir)
         # the run id is stored in the run dir, so a resumed run continues the same wandb run
