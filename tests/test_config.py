@@ -189,7 +189,19 @@ def test_schedules_warm_up_then_decay_to_the_floor():
 
     wsd = load("optim.schedule=wsd", "optim.warmup_steps=10", "optim.decay_fraction=0.2", "optim.min_lr_ratio=0.0").optim
     assert [lr_multiplier(s, wsd, 100) for s in (10, 50, 79)] == [1.0, 1.0, 1.0]  # stable phase
-    assert lr_multiplier(90, wsd, 100) == pytest.approx(0.5) and lr_multiplier(100, wsd, 100) == pytest.approx(0.0)
+    assert lr_multiplier(89, wsd, 100) == pytest.approx(0.5) and lr_multiplier(99, wsd, 100) == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize("max_steps, decay_fraction", [(100, 0.2), (10, 0.1), (10, 0.5), (4, 1.0)])
+def test_the_wsd_decay_reaches_the_floor_at_the_run_s_last_step(max_steps, decay_fraction):
+    """Every step of the decay lowers the lr, and the last step the run takes (0-based max_steps - 1) applies min_lr:
+    a decay over one step (10 steps, decay_fraction=0.1) is that step at the floor, not at the peak."""
+    wsd = load("optim.schedule=wsd", "optim.warmup_steps=2", f"optim.decay_fraction={decay_fraction}",
+               "optim.min_lr_ratio=0.1").optim
+    values = [lr_multiplier(s, wsd, max_steps) for s in range(max_steps)]
+    decay_steps = max_steps - max(2, max_steps - round(decay_fraction * max_steps))
+    assert values[-decay_steps - 1] == 1.0 and all(a > b for a, b in zip(values[-decay_steps - 1:], values[-decay_steps:]))
+    assert values[-1] == pytest.approx(0.1)
 
 
 def test_weight_decay_skips_norms_and_the_embedding():

@@ -138,7 +138,8 @@ def lr_multiplier(step: int, cfg: OptimConfig, max_steps: int) -> float:
     decay_start = max(cfg.warmup_steps, max_steps - wsd_decay_steps(cfg, max_steps))
     if step < decay_start:
         return 1.0
-    progress = min(1.0, (step - decay_start) / max(1, max_steps - decay_start))
+    # counted from step + 1, as warmup is: the run's last step (max_steps - 1) applies min_lr, and a 1-step decay decays
+    progress = min(1.0, (step + 1 - decay_start) / max(1, max_steps - decay_start))
     return 1.0 - (1.0 - floor) * progress
 
 
