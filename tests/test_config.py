@@ -185,7 +185,10 @@ def test_schedules_warm_up_then_decay_to_the_floor():
     values = [lr_multiplier(s, cosine, 100) for s in range(100)]
     assert values[0] == pytest.approx(0.1) and values[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(values[9:], values[10:]))  # monotone decay after warmup
+    assert values[10] < 1.0 and values[99] == pytest.approx(0.1)  # the run's last step (0-based 99) at the floor
     assert lr_multiplier(100, cosine, 100) == pytest.approx(0.1)
+    short = load("optim.warmup_steps=9").optim  # one step of decay: that step at the floor, not at the peak
+    assert lr_multiplier(9, short, 10) == pytest.approx(short.min_lr_ratio)
 
     wsd = load("optim.schedule=wsd", "optim.warmup_steps=10", "optim.decay_fraction=0.2", "optim.min_lr_ratio=0.0").optim
     assert [lr_multiplier(s, wsd, 100) for s in (10, 50, 79)] == [1.0, 1.0, 1.0]  # stable phase

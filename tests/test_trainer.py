@@ -841,13 +841,13 @@ def test_changes_on_resume_are_announced_with_what_they_do(tiny, tmp_path):
     assert lines[1] == (f"the cosine schedule now spans 24 steps, not 12: the learning rate at step 13 is {lr[1]:.3g} "
                         f"where the saved run's would be {lr[0]:.3g}; keep trainer.max_steps=12 to continue its schedule")
     assert len(lines) == 2  # the new global batch is the loader's to say (tests/test_data.py)
-    # resumed at the end of warmup with a shorter run: the first resumed step's lr is the saved run's, the next is not
+    # resumed inside warmup with a shorter run: the lr is the saved run's to the end of warmup, then not
     warm = compose_config(tmp_path, *tiny, "trainer.max_steps=40", "optim.warmup_steps=20")
     short = compose_config(tmp_path, *tiny, "trainer.max_steps=22", "optim.warmup_steps=20")
-    lines = changes_since_checkpoint(OmegaConf.to_container(OmegaConf.structured(warm)), short, 20)
-    lr = [short.optim.lr * lr_multiplier(21, short.optim, m) for m in (40, 22)]
+    lines = changes_since_checkpoint(OmegaConf.to_container(OmegaConf.structured(warm)), short, 10)
+    lr = [short.optim.lr * lr_multiplier(20, short.optim, m) for m in (40, 22)]
     assert lines[1] == (f"the cosine schedule now spans 22 steps, not 40: the learning rate follows the saved run's until "
-                        f"step 21, and at step 22 it is {lr[1]:.3g} where the saved run's would be {lr[0]:.3g}; keep "
+                        f"step 20, and at step 21 it is {lr[1]:.3g} where the saved run's would be {lr[0]:.3g}; keep "
                         "trainer.max_steps=40 to continue its schedule")
 
 

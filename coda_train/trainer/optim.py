@@ -133,7 +133,8 @@ def lr_multiplier(step: int, cfg: OptimConfig, max_steps: int) -> float:
         return 1.0
     floor = cfg.min_lr_ratio
     if cfg.schedule == "cosine":
-        progress = min(1.0, (step - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps))
+        # counted from step + 1, as warmup is: the run's last step (max_steps - 1) applies min_lr
+        progress = min(1.0, (step + 1 - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps))
         return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
     decay_start = max(cfg.warmup_steps, max_steps - wsd_decay_steps(cfg, max_steps))
     if step < decay_start:
