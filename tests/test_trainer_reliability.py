@@ -466,9 +466,13 @@ def test_a_run_dir_holding_other_files_is_refused_before_anything_is_written(tin
     assert steps_logged(tmp_path / "empty") == [1, 2]
 
 
-def test_a_warmup_as_long_as_the_run_is_said(tiny, tmp_path, caplog):
-    train_in_process(tmp_path / "run", *tiny, "trainer.max_steps=2", "trainer.eval_every=0", "optim.warmup_steps=500")
-    assert "optim.warmup_steps=500 >= trainer.max_steps=2: the learning rate never reaches optim.lr" in caplog.text
+@pytest.mark.parametrize("warmup_steps, last_lr", [(500, "1.2e-05"), (2, "0.003")])
+def test_a_warmup_as_long_as_the_run_is_said(tiny, tmp_path, caplog, warmup_steps, last_lr):
+    """With the lr the last step applies: a warmup exactly as long as the run reaches optim.lr at its last step."""
+    train_in_process(tmp_path / "run", *tiny, "trainer.max_steps=2", "trainer.eval_every=0",
+                     f"optim.warmup_steps={warmup_steps}", "optim.lr=3e-3")
+    assert (f"optim.warmup_steps={warmup_steps} >= trainer.max_steps=2: the whole run warms up, the learning rate "
+            f"rising to {last_lr} at its last step (optim.lr=0.003), and never decays") in caplog.text
 
 
 def test_a_warmup_that_overlaps_the_wsd_decay_is_said(tiny, tmp_path, caplog):

@@ -231,8 +231,9 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
     t = cfg.trainer
     o, decay_steps = cfg.optim, wsd_decay_steps(cfg.optim, t.max_steps)
     if o.warmup_steps >= t.max_steps and world.is_main:  # allowed (a short test run), but likely a slip
-        log.warning("optim.warmup_steps=%d >= trainer.max_steps=%d: the learning rate never reaches optim.lr=%g",
-                    o.warmup_steps, t.max_steps, o.lr)
+        log.warning("optim.warmup_steps=%d >= trainer.max_steps=%d: the whole run warms up, the learning rate rising "
+                    "to %g at its last step (optim.lr=%g), and never decays", o.warmup_steps, t.max_steps,
+                    o.lr * lr_multiplier(t.max_steps - 1, o, t.max_steps), o.lr)
     elif o.schedule == "wsd" and o.warmup_steps > t.max_steps - decay_steps and world.is_main:  # as likely a slip
         log.warning("optim.warmup_steps=%d overlaps the wsd decay over the last %d of trainer.max_steps=%d steps "
                     "(optim.decay_fraction=%g): the decay starts when warmup ends and takes %d step(s); lower "
