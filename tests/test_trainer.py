@@ -851,6 +851,30 @@ def test_changes_on_resume_are_announced_with_what_they_do(tiny, tmp_path):
                         "trainer.max_steps=40 to continue its schedule")
 
 
+def test_a_changed_schedule_on_resume_is_compared_with_the_saved_run_s_own(tiny, tmp_path):
+    """The saved run's lr comes from its own optim values (not this run's), every setting the schedule follows from
+    counts (not max_steps alone), and a parting past this run's last step is not announced."""
+    from coda_train.trainer.loop import changes_since_checkpoint
+    from coda_train.trainer.optim import lr_multiplier
+
+    saved = compose_config(tmp_path, *tiny, "trainer.max_steps=10", "optim.lr=3e-3")
+    saved_config = OmegaConf.to_container(OmegaConf.structured(saved))
+    now = compose_config(tmp_path, *tiny, "trainer.max_steps=20", "optim.lr=1e-3")
+    lines = changes_since_checkpoint(saved_config, now, 5)
+    old, new = 3e-3 * lr_multiplier(5, saved.optim, 10), 1e-3 * lr_multiplier(5, now.optim, 20)
+    assert lines[1] == (f"the cosine schedule now spans 20 steps, not 10: the learning rate at step 6 is {new:.3g} where "
+                        f"the saved run's would be {old:.3g}; keep trainer.max_steps=10 optim.lr=0.003 to continue its "
+                        "schedule")
+    warmup = compose_config(tmp_path, *tiny, "trainer.max_steps=10", "optim.warmup_steps=8")
+    lines = changes_since_checkpoint(saved_config, warmup, 2)  # the saved run warms up over 4 steps (tiny's)
+    assert lines[1] == (f"the learning rate at step 3 is {3e-3 * 3 / 8:.3g} where the saved run's would be "
+                        f"{3e-3 * 3 / 4:.3g}; keep optim.warmup_steps=4 to continue its schedule")
+    long_warmup = compose_config(tmp_path, *tiny, "trainer.max_steps=100", "optim.warmup_steps=20")
+    shorter = compose_config(tmp_path, *tiny, "trainer.max_steps=10", "optim.warmup_steps=20")
+    assert changes_since_checkpoint(OmegaConf.to_container(OmegaConf.structured(long_warmup)), shorter, 5) == [
+        "settings changed since the checkpoint apply from step 6 on: trainer.max_steps 100 -> 10"]
+
+
 def test_resume_naming_the_run_dir_keeps_the_damaged_checkpoint_it_skips(tiny, straight_run, tmp_path):
     """trainer.resume=<run dir> takes the newest good checkpoint as auto does: a newer damaged one is kept aside as
     damaged (never pruned), and the metrics of the steps it redoes are not kept as another trajectory's."""

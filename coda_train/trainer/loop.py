@@ -35,7 +35,7 @@ from .distributed import (World, any_rank, barrier, check_fsdp_options, close_wo
                           process_device, refused_on_any_rank, resolve_parallel)
 from .graphs import use_cuda_graphs
 from .metrics import METRICS_FILE, MetricsLogger, Throughput, check_logger, metrics_line, mfu, rewind_metrics
-from .optim import apply_config_after_resume, lr_multiplier, wsd_decay_steps
+from .optim import OptimConfig, apply_config_after_resume, lr_multiplier, wsd_decay_steps
 from .rundir import (CONFIG_FILE, EarlyWarnings, RunDirError, continue_hint, hold_run_dir, log_in_run_dir,
                      read_run_config, writing)
 from .state import TrainState
@@ -112,28 +112,40 @@ def logged_under_other_settings(run_dir: Path, config: dict[str, Any]) -> bool:
                if k not in _SAME_TRAJECTORY and not k.startswith(("logger.", "debug.")))
 
 
+# the settings the learning rate of a step follows from (lr_multiplier)
+_SCHEDULE_SETTINGS = ("trainer.max_steps", "optim.lr", "optim.schedule", "optim.warmup_steps", "optim.min_lr_ratio",
+                      "optim.decay_fraction")
+_SCHEDULE_OPTIM = tuple(k.removeprefix("optim.") for k in _SCHEDULE_SETTINGS if k.startswith("optim."))
+
+
 def changes_since_checkpoint(saved: dict[str, Any], cfg: Config, step: int) -> list[str]:
     """What the resumed run does differently from the run that saved the checkpoint at `step` (its config), as log
-    lines: the optim.*, trainer.*, kernels.* and model.impl values that changed, and what a longer max_steps does
+    lines: the optim.*, trainer.*, kernels.* and model.impl values that changed, and where a changed schedule parts
     (another global batch is the loader's to say: its state holds the saved layout, TokenLoader.load_state_dict)."""
     changed = _changed_settings(saved, cfg)
     if not changed:
         return []
     settings = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items())
     lines = [f"settings changed since the checkpoint apply from step {step + 1} on: {settings}"]
-    if "trainer.max_steps" in changed and cfg.optim.schedule != "constant":
-        old_max, new_max = changed["trainer.max_steps"]
-        # the schedule is laid out over max_steps (DESIGN: cosine / WSD): the first resumed step where the two part,
-        # which may lie past the first (a resume inside warmup, or in WSD's stable phase)
-        lrs = ((s, *(cfg.optim.lr * lr_multiplier(s, cfg.optim, m) for m in (old_max, new_max)))
-               for s in range(step, max(old_max, new_max)))
+    shaping = [k for k in _SCHEDULE_SETTINGS if k in changed]
+    if shaping:
+        # the lr of each resumed step under the saved run's schedule (its optim values and max_steps) and under this
+        # run's: the first step where the two part, which may lie past the first (a resume inside warmup, or in WSD's
+        # stable phase); only steps this run takes
+        new_max = cfg.trainer.max_steps
+        old_max = saved.get("trainer", {}).get("max_steps", new_max)
+        saved_optim = OptimConfig(**{k: saved["optim"].get(k, getattr(cfg.optim, k)) for k in _SCHEDULE_OPTIM})
+        lrs = ((s, saved_optim.lr * lr_multiplier(s, saved_optim, old_max), cfg.optim.lr * lr_multiplier(s, cfg.optim, new_max))
+               for s in range(step, new_max))
         parted = next(((s, old_lr, new_lr) for s, old_lr, new_lr in lrs if old_lr != new_lr), None)
         if parted is not None:
             s, old_lr, new_lr = parted
+            spans = (f"the {cfg.optim.schedule} schedule now spans {new_max} steps, not {old_max}: "
+                     if "trainer.max_steps" in changed else "")
             where = (f"the learning rate at step {s + 1} is" if s == step else
                      f"the learning rate follows the saved run's until step {s}, and at step {s + 1} it is")
-            lines.append(f"the {cfg.optim.schedule} schedule now spans {new_max} steps, not {old_max}: {where} "
-                         f"{new_lr:.3g} where the saved run's would be {old_lr:.3g}; keep trainer.max_steps={old_max} "
+            keep = " ".join(f"{k}={changed[k][0]}" for k in shaping)
+            lines.append(f"{spans}{where} {new_lr:.3g} where the saved run's would be {old_lr:.3g}; keep {keep} "
                          "to continue its schedule")
     return lines
 
