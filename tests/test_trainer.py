@@ -990,3 +990,21 @@ def test_cute_kernels_in_float32_name_the_fix(tiny, tmp_path):
         check_compute(cfg, "cute", torch.float32)
     check_compute(cfg, "cute", torch.bfloat16)
     check_compute(cfg, "reference", torch.float32)
+
+
+def test_tokens_per_s_leaves_out_checkpoint_saves(tiny, tmp_path, monkeypatch):
+    """A logged line's tokens/s is the rate of training: a save (here made to take 0.5 s) between two logged lines
+    does not count, as evaluation does not (a step of this model takes milliseconds)."""
+    import coda_train.trainer.loop as loop
+
+    save = loop._save
+
+    def slow_save(*args):
+        time.sleep(0.5)
+        return save(*args)
+
+    monkeypatch.setattr(loop, "_save", slow_save)
+    train_in_process(tmp_path / "run", *tiny, "trainer.max_steps=4", "trainer.ckpt_every=1", "trainer.eval_every=0")
+    lines = metrics(tmp_path / "run")
+    assert [m["step"] for m in lines] == [1, 2, 3, 4]
+    assert all(m["tokens_per_s"] > 128 / 0.25 for m in lines[1:])  # a step's 128 tokens in milliseconds, not in 0.5 s

@@ -382,13 +382,15 @@ def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, train_step: TrainS
             if metrics_logger is not None:
                 metrics_logger.step_done()
             if should_save:
-                _save(checkpointer, state, world)
+                with throughput.excluded():
+                    _save(checkpointer, state, world)
             if debug.sigkill_after_step == state.step:
                 os.kill(os.getpid(), signal.SIGKILL)
             if debug.sigterm_after_step == state.step:
                 os.kill(os.getpid(), signal.SIGTERM)
             if checkpointer.written(world):  # an asynchronous save, published as soon as it can be
-                _finish(checkpointer, world)
+                with throughput.excluded():
+                    _finish(checkpointer, world)
         if state.step < t.max_steps:  # a rank received SIGTERM/SIGINT
             train_step.check()  # never save a state that a non-finite step reached
             path = _save(checkpointer, state, world)

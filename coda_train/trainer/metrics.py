@@ -38,7 +38,8 @@ class LoggerConfig:
 
 
 class Throughput:
-    """Tokens trained on since the last reset, and their rate: the window between two logged lines."""
+    """Tokens trained on since the last reset, and their rate over the training time of that window (the window
+    between two logged lines, less the time spent in `excluded()`: evaluation and checkpoint saves)."""
 
     def __init__(self) -> None:
         self.reset()
@@ -48,6 +49,15 @@ class Throughput:
 
     def add(self, tokens: int) -> None:
         self.tokens += tokens
+
+    @contextlib.contextmanager
+    def excluded(self):
+        """Time spent inside is not training time: the window's start moves later by as much."""
+        begin = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.start += time.perf_counter() - begin
 
     def per_second(self, now: float) -> float:
         return self.tokens / (now - self.start)
