@@ -484,6 +484,20 @@ def test_parquet_files_read_as_text_or_json_are_refused_naming_data_format(tmp_p
         prepare(config(jsonl, tmp_path / "cache2", format="parquet"))
 
 
+def test_json_files_read_as_text_are_warned_about_naming_data_format(tmp_path, caplog):
+    """data.format=text on .jsonl files is allowed (asked for) but trains on the JSON syntax: the preparation says so."""
+    jsonl = tmp_path / "corpus.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": d}) + "\n" for d in make_docs(5)))
+    with caplog.at_level(logging.WARNING):
+        prepare(config(jsonl, tmp_path / "cache", format="text"))
+    assert f"data.format=text reads {jsonl} (1 .json/.jsonl file(s)) as plain text" in caplog.text
+    assert "set data.format=json (or auto) to train on each record's 'text' field" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        prepare(config(jsonl, tmp_path / "cache2"))
+    assert "as plain text" not in caplog.text
+
+
 def test_a_cache_dir_inside_the_source_folder_is_not_read_as_corpus(tmp_path):
     """data.cache_dir under data.source's folder: the next start read the prepared files (manifest.json, the shards)
     as corpus ("mixes formats ['json', 'text']"; with data.format=text the shards' bytes tokenized as documents)."""

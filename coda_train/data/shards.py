@@ -28,7 +28,7 @@ from tokenizers import Tokenizer
 from ..durable import LockHeldError, exclusive_lock, fsync_dir, sha256_file, write_synced
 from .config import DataConfig, DataError
 from .progress import Progress
-from .sources import DECOMPRESSORS, DocumentCounts, Source, iter_documents, resolve_source
+from .sources import DECOMPRESSORS, DocumentCounts, Source, iter_documents, json_read_as_text, resolve_source
 from .tokenizer import encode_documents, find_eos, fingerprint, for_documents, load_tokenizer, token_dtype, train_bpe
 
 log = logging.getLogger(__name__)
@@ -377,6 +377,10 @@ def _build(
     stop: _StopSignals,
 ) -> None:
     start = time.perf_counter()
+    if as_text := json_read_as_text(source):
+        log.warning("data.format=text reads %s (%d .json/.jsonl file(s)) as plain text: its JSON syntax and field names are "
+                    "tokenized and trained on; set data.format=json (or auto) to train on each record's %r field",
+                    as_text[0], len(as_text), cfg.text_field)
     # progress counts the bytes read, decompressed: a total is known only when no file is compressed
     plain = source.files and not any(Path(f).suffix in DECOMPRESSORS for f in source.files)
     total_bytes = sum(os.path.getsize(f) for f in source.files) if plain else None

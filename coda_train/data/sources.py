@@ -136,6 +136,12 @@ def resolve_source(cfg: DataConfig) -> Source:
     return Source(_slug(base), fmt, tuple(files))
 
 
+def json_read_as_text(source: Source) -> list[str]:
+    """The .json/.jsonl files of a source that data.format=text reads as plain text (asked for, so not refused: their
+    JSON syntax and field names become training tokens)."""
+    return [f for f in source.files if source.format == "text" and FORMAT_BY_SUFFIX.get(_format_suffix(f)) == "json"]
+
+
 @dataclass
 class DocumentCounts:
     """What reading the corpus met, for the log and the manifest; `first` holds where each kind was first seen."""
