@@ -213,6 +213,8 @@ def main() -> None:
     ap.add_argument("--no-vs-torch", dest="vs_torch", action="store_false",
                     help="skip the embedding backward against torch (as leaving embedding out of --sections)")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("bench_elementwise.py times CUDA kernels on a Hopper GPU; run it on the GPU machine")
     sections = set(args.sections.split(","))
     unknown = sections - {"rope", "embedding", "folds"}
     if unknown:

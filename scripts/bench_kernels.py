@@ -71,6 +71,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--plain-gemms", action="store_true", help="only the plain GEMMs: quack vs cuBLAS")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("bench_kernels.py times the cute kernels on a Hopper GPU; run it on the GPU machine")
     if args.plain_gemms:
         return bench_plain_gemms(args.presets.split(","), args.out)
     from triton.testing import do_bench

@@ -160,6 +160,8 @@ def main() -> None:
                     help="comma-separated bounds on one chunk of bf16 logits, MiB (coda.LOGITS_CHUNK_BYTES)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("bench_lm_head.py times the LM head on a Hopper GPU; run it on the GPU machine")
     wanted = args.variants.split(",")
     meta = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 command="python " + " ".join(sys.argv))

@@ -266,6 +266,8 @@ def main() -> None:
                    help="also run each row back to back this long, with the SM clock and power sampled")
     p.add_argument("--swizzle", type=int, default=8, help="quack's max_swizzle_size for every row but `op` (default 8)")
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        p.error("epilogue_ablation.py times GEMM epilogues on a Hopper GPU; run it on the GPU machine")
     global SWIZZLE
     SWIZZLE = args.swizzle
     names = [n.strip() for n in re.split(r",(?![^()]*\))", args.rows)]  # commas inside a row's name, e.g. "op (gate, up)"

@@ -180,6 +180,8 @@ def main() -> None:
     p.add_argument("--subtile", default="x".join(map(str, SUBTILE)), help="the epilogue subtile MxN against quack's")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/epilogue_subtile")))
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        p.error("epilogue_subtile.py times GEMM epilogues on a Hopper GPU; run it on the GPU machine")
     SUBTILE = tuple(int(v) for v in args.subtile.split("x"))
     only = tuple(args.cases.split(","))
     if set(only) - set(CASES):

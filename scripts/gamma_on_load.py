@@ -183,6 +183,8 @@ def main() -> None:
                    help="also run each row back to back this long (the layer sum then uses these times)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/gamma_on_load")))
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        p.error("gamma_on_load.py times GEMMs on a Hopper GPU; run it on the GPU machine")
     rows = [measure(s, args.sustained) for s in args.shapes.split(",")]
     for row in rows:
         print(f"{row['shape']}: ms a call (do_bench{', sustained' if args.sustained else ''}); alternative vs shipped")

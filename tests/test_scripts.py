@@ -27,3 +27,23 @@ def test_shell_script_parses(script):
     """The device-call scripts (scripts/*.sh) run only on the GPU machine: a syntax error would cost a call."""
     proc = subprocess.run(["bash", "-n", f"scripts/{script}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+# the scripts that time CUDA kernels, with the arguments they require: on a machine without one they stop
+# with one line naming why, before any work
+GPU_ONLY = {"bench.py": ["--shape", "125m"], "bench_elementwise.py": [], "bench_kernels.py": [], "bench_lm_head.py": [],
+            "bench_optimizer.py": [], "check_kernels.py": [], "epilogue_ablation.py": [], "epilogue_subtile.py": [],
+            "gamma_on_load.py": [], "memory_profile.py": ["--shape", "125m"], "tune_gemm.py": []}
+
+
+@pytest.mark.parametrize("script", sorted(GPU_ONLY))
+def test_gpu_only_script_stops_with_one_line_without_a_gpu(script, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible")
+    proc = subprocess.run([sys.executable, f"scripts/{script}", *GPU_ONLY[script], "--out", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=180, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "GPU" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
