@@ -102,7 +102,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--reshard-after-forward", action="store_true", help="trainer.fsdp_reshard_after_forward=true")
-    return ap.parse_args()
+    args = ap.parse_args()
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:  # FSDP2 needs a process group of several processes
+        ap.error("fsdp_overlap_profile.py profiles FSDP2 across processes; launch it with "
+                 "torchrun --standalone --nproc_per_node=2 (or more), as its docstring shows")
+    return args
 
 
 def sharded_training_step(args: argparse.Namespace, device: torch.device):

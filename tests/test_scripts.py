@@ -47,3 +47,12 @@ def test_gpu_only_script_stops_with_one_line_without_a_gpu(script, tmp_path):
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "GPU" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+
+
+def test_fsdp_overlap_profile_without_torchrun_says_to_launch_it_with_torchrun(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "scripts/fsdp_overlap_profile.py", "--out", str(tmp_path), "--preset", "tiny"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=180, env={**env, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "torchrun" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
