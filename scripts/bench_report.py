@@ -91,7 +91,9 @@ def load(runs: list[dict]) -> list[dict]:
         # memory check, an opt-in peer's run, a --floor-quack-tuned run); a --tag only names the file
         main = max(runs, key=lambda r: ("floor" in r["variants"], not any(v in OPT_IN for v in r["variants"]),
                                         not _quack_tuned(r), r["environment"]["date"], len(r["variants"])))
-        profiled = [r for r in runs if r.get("coda_profile", {}).get("version", 1) >= PROFILE_VERSION]
+        # a profile is read against its own run's coda step (bench.py profiles only where it timed one)
+        profiled = [r for r in runs if r.get("coda_profile", {}).get("version", 1) >= PROFILE_VERSION
+                    and "coda" in r["variants"]]
         src = max(profiled, key=lambda r: r["environment"]["date"]) if profiled else None
         main["coda_profile"] = None if src is None else {
             **src["coda_profile"], "command": src["command"], "date": src["environment"]["date"],

@@ -445,3 +445,15 @@ def test_a_cpu_smoke_run_reports_no_gemm_peak(tmp_path):
     assert "bf16 GEMM peak measured in the same run: " in (tmp_path / "gpu.md").read_text()
     text = (tmp_path / "cpu.md").read_text()
     assert "on CPU (smoke run: not a measurement)" in text and "bf16 GEMM peak measured in the same run: " not in text
+
+
+def test_a_profile_without_its_runs_coda_step_is_left_out(tmp_path):
+    """A result holding a coda_profile but no `coda` variant (one removed from the JSON by hand): the report has no
+    coda step to read the profile against, so it shows no breakdown, and no KeyError."""
+    graphs_only = _result("125m")
+    graphs_only["variants"]["coda-graphs"] = graphs_only["variants"].pop("coda")
+    (tmp_path / "a.json").write_text(json.dumps(graphs_only))
+    md = tmp_path / "a.md"
+    _report([tmp_path / "a.json"], md, tmp_path / "a.png", tmp_path)
+    text = md.read_text()
+    assert "| 125m | coda-graphs | 40.00 |" in text and "| gemm_rowscale_rope |" not in text
