@@ -209,6 +209,11 @@ def main() -> None:
             runpy.run_path(sys.argv[0], run_name="__main__")
         return
 
+    import torch
+
+    if (args.op_rounds or args.step) and not torch.cuda.is_available():  # before minutes of GPU-blind compiles
+        p.error("epilogue_stages.py times kernels on a Hopper GPU; run it on the GPU machine (--op-rounds 0 without "
+                "--step only compiles the variants GPU-blind and prints their stage splits, on CPU too)")
     variants, shapes = args.variants.split(","), args.shapes.split(",")
     cache = Path(tempfile.mkdtemp(prefix="epilogue_stages_"))  # fresh: every kernel compiles, so its split is recorded
     atexit.register(shutil.rmtree, cache, ignore_errors=True)

@@ -32,8 +32,8 @@ def test_shell_script_parses(script):
 # the scripts that time CUDA kernels, with the arguments they require: on a machine without one they stop
 # with one line naming why, before any work
 GPU_ONLY = {"bench.py": ["--shape", "125m"], "bench_elementwise.py": [], "bench_kernels.py": [], "bench_lm_head.py": [],
-            "bench_optimizer.py": [], "check_kernels.py": [], "epilogue_ablation.py": [], "epilogue_subtile.py": [],
-            "gamma_on_load.py": [], "memory_profile.py": ["--shape", "125m"], "tune_gemm.py": []}
+            "bench_optimizer.py": [], "check_kernels.py": [], "epilogue_ablation.py": [], "epilogue_stages.py": [],
+            "epilogue_subtile.py": [], "gamma_on_load.py": [], "memory_profile.py": ["--shape", "125m"], "tune_gemm.py": []}
 
 
 @pytest.mark.parametrize("script", sorted(GPU_ONLY))
