@@ -30,6 +30,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import palette_png  # noqa: E402  (scripts/palette_png.py)
 from coda_train.durable import lock_holder  # noqa: E402
+from coda_train.trainer.loop import SAME_TRAJECTORY  # noqa: E402  (settings that do not change the steps a run takes)
 from coda_train.trainer.metrics import METRICS_FILE  # noqa: E402
 from coda_train.trainer.rundir import LOCK_FILE, LOG_FILE, sweep_jobs  # noqa: E402  (LOCK_FILE: held in its run dir while a run runs)
 
@@ -117,17 +118,20 @@ def run_impl(config_path: Path) -> str | None:
     return _config_value(config_path, "model", "impl")
 
 
-# keys that differ between runs of one setting: where it ran, its seed (run-to-run noise), where it logged
+# keys that differ between runs of one setting: where it ran, its seed (run-to-run noise), where it logged; and
+# SAME_TRAJECTORY's, which decide only what is logged, evaluated and saved (log_every, eval_every, ...) or where data is kept
 RUN_IDENTITY = {("trainer", "run_dir"), ("trainer", "seed"), ("trainer", "progress_bar"), ("logger",)}
 
 
 def run_settings(config_path: Path) -> dict:
-    """config.yaml flattened to {"group.key": value}, without RUN_IDENTITY and what run_program covers ({} if absent)."""
+    """config.yaml flattened to {"group.key": value}, without RUN_IDENTITY, SAME_TRAJECTORY and what run_program covers
+    ({} if absent)."""
     config = yaml.safe_load(config_path.read_text()) if config_path.is_file() else None
     flat = {}
 
     def walk(node, path: tuple) -> None:
-        if path in RUN_IDENTITY or path[:1] in RUN_IDENTITY or path in (("model", "impl"), ("kernels", "backend")):
+        if (path in RUN_IDENTITY or path[:1] in RUN_IDENTITY or ".".join(path) in SAME_TRAJECTORY
+                or path in (("model", "impl"), ("kernels", "backend"))):
             return
         if isinstance(node, dict):
             for key, value in node.items():
@@ -222,7 +226,8 @@ def unequal_ends(runs: list[Run], run_dirs: list[Path]) -> str | None:
 def pairs(runs: list[Run], window: int) -> list[dict]:
     """Every pair of runs: mean and max |Δ| of the smoothed losses over the last 10% of the steps both
     logged, and whether the two runs are of the same model (model.impl, and for coda kernels.backend) run with
-    the same settings (all of config.yaml but the run dir, seed and logger): only such pairs measure run-to-run noise."""
+    the same settings (all of config.yaml but the run dir, seed, logger and what decides only what is logged, evaluated
+    and saved): only such pairs measure run-to-run noise."""
     rows = []
     for i, a in enumerate(runs):
         for b in runs[i + 1:]:

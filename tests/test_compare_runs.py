@@ -109,7 +109,8 @@ def test_runs_logged_at_other_intervals_and_runs_of_other_settings_are_told_apar
         path.mkdir(parents=True)
         lines = "".join(json.dumps({"step": s, "loss": loss[s]}) + "\n" for s in loss if s % every == 0)
         (path / "metrics.jsonl").write_text(lines + ('{"step": 201, "loss": 3.' if cut else ""))
-        (path / "config.yaml").write_text(f"model: {{impl: eager}}\noptim: {{lr: {lr}}}\ntrainer: {{seed: {every}}}\n")
+        (path / "config.yaml").write_text(f"model: {{impl: eager}}\noptim: {{lr: {lr}}}\n"
+                                          f"trainer: {{seed: {every}, log_every: {every}, eval_every: {10 * every}}}\n")
         return str(path)
 
     dirs = [run(tmp_path / "a" / "0", 1, 3e-4, cut=True), run(tmp_path / "b" / "0", 5, 3e-4), run(tmp_path / "c" / "0", 1, 1e-3)]
@@ -123,7 +124,7 @@ def test_runs_logged_at_other_intervals_and_runs_of_other_settings_are_told_apar
     with pytest.raises(SystemExit):
         compare_runs.main([*dirs, "--out", str(out), "--smooth", "-3"])
     by_pair = {(p["a"], p["b"]): p for p in result["pairs"]}
-    assert by_pair[("eager (a/0)", "eager (b/0)")]["same_model"]  # another seed: the same setting
+    assert by_pair[("eager (a/0)", "eager (b/0)")]["same_model"]  # another seed, log_every, eval_every: the same setting
     lr_pair = by_pair[("eager (a/0)", "eager (c/0)")]
     assert not lr_pair["same_model"] and lr_pair["settings_differ"] == ["optim.lr"]
     md = out.with_suffix(".md").read_text()

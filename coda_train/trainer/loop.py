@@ -96,7 +96,7 @@ def recorded_config(cfg: Config, run_dir: Path) -> dict[str, Any]:
 
 
 # settings that change neither the model, the data's tokens nor the steps: not "other settings" for the metrics kept
-_SAME_TRAJECTORY = _RESUME_IGNORED | _SAME_STEPS | {"data.cache_dir", "data.num_proc", "data.verify_shards", "kernels.tune"}
+SAME_TRAJECTORY = _RESUME_IGNORED | _SAME_STEPS | {"data.cache_dir", "data.num_proc", "data.verify_shards", "kernels.tune"}
 
 
 def logged_under_other_settings(run_dir: Path, config: dict[str, Any]) -> bool:
@@ -109,7 +109,7 @@ def logged_under_other_settings(run_dir: Path, config: dict[str, Any]) -> bool:
         return True
     before, now = _flat(previous), _flat(config)
     return any(k in before and before[k] != v for k, v in now.items()
-               if k not in _SAME_TRAJECTORY and not k.startswith(("logger.", "debug.")))
+               if k not in SAME_TRAJECTORY and not k.startswith(("logger.", "debug.")))
 
 
 # the settings the learning rate of a step follows from (lr_multiplier)
