@@ -46,22 +46,28 @@ def code_version(root: Path = ROOT) -> dict:
     return {"git_commit": commit or None, "git_dirty": dirty, "sources_sha256": sha}
 
 
-def commit_of_sources(sha: str, root: Path = ROOT, max_commits: int = 300) -> Optional[str]:
-    """The first commit with sources hash `sha` (the oldest of HEAD's last max_commits commits whose
-    tree has it; later ones that changed nothing it covers have it too); None where there is none
-    or no git."""
+def commit_of_sources(sha: str, root: Path = ROOT) -> Optional[str]:
+    """The first commit with sources hash `sha` (the oldest of the newest run of HEAD's commits whose tree has it;
+    later ones that changed nothing it covers have it too); None where there is none or no git."""
     try:
         head = _git("rev-parse", "HEAD", root=root)
     except (OSError, subprocess.SubprocessError):
         return None
-    return _commit_of_sources(sha, root, head, max_commits) if head else None
+    found = None
+    for commit, commit_sha in _sources_of_commits(root, head) if head else ():  # newest first
+        if commit_sha == sha:
+            found = commit
+        elif found:  # past the run of commits with these sources
+            break
+    return found
 
 
 @functools.lru_cache(maxsize=None)
-def _commit_of_sources(sha: str, root: Path, head: str, max_commits: int) -> Optional[str]:
-    """commit_of_sources for one history (keyed by its head: a new commit is a new search)."""
+def _sources_of_commits(root: Path, head: str) -> tuple[tuple[str, str], ...]:
+    """(commit, sources hash) of every commit of one history, newest first (keyed by its head: a new commit is a new
+    history), each file version read once: one pass serves every hash a report looks up."""
     try:
-        commits = _git("rev-list", f"--max-count={max_commits}", head, root=root).split()
+        commits = _git("rev-list", head, root=root).split()
         cat = subprocess.Popen(["git", "cat-file", "--batch"], cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         blobs: dict[str, bytes] = {}
 
@@ -74,18 +80,15 @@ def _commit_of_sources(sha: str, root: Path, head: str, max_commits: int) -> Opt
                 cat.stdout.read(1)  # the newline after the contents
             return blobs[oid]
 
-        found = None
+        shas = []
         try:
-            for commit in commits:  # newest first
+            for commit in commits:
                 entries = [line.split("\t", 1) for line in _git("ls-tree", "-r", commit, root=root).splitlines()]
-                files = [(path, blob(meta.split()[2])) for meta, path in entries if is_source(path)]
-                if sources_sha256(files) == sha:
-                    found = commit
-                elif found:  # past the run of commits with these sources
-                    break
+                shas.append((commit, sources_sha256((path, blob(meta.split()[2])) for meta, path in entries
+                                                    if is_source(path))))
         finally:
             cat.stdin.close()
             cat.wait(timeout=30)
-        return found
+        return tuple(shas)
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        return None
+        return ()
