@@ -38,6 +38,8 @@ from coda_train.config import Config, check_config, register_configs, to_datacla
 from coda_train.data import DataError
 from coda_train.durable import write_synced
 from coda_train.errors import ConfigError
+from coda_train.kernels import resolve_backend
+from coda_train.trainer.build import check_model_before_data
 from coda_train.trainer.checkpoint import CHECKPOINTS_DIR, list_checkpoints, resumes
 from coda_train.trainer.loop import (CONFIG_FILE, EXIT_BAD_INPUT, EXIT_NON_FINITE, STOP_ERRORS, exit_code,
                                      recorded_config, train)
@@ -215,7 +217,7 @@ def check_sweep_configs(argv: list[str]) -> None:
             for job, overrides in enumerate(jobs):
                 try:
                     cfg = to_dataclass(compose("config", overrides=list(overrides)))
-                    check_config(cfg)
+                    check_config_and_model(cfg)
                     if not subdirs:  # job #i's dir is <sweep dir>/i, where an earlier sweep's job #i ran
                         check_job_dir_is_this_jobs(cfg, job, swept, sweep_dirs[0] if len(sweep_dirs) == 1 else None)
                 except (ConfigError, DataError) as e:
@@ -229,6 +231,16 @@ def check_sweep_configs(argv: list[str]) -> None:
         return
 
 
+def check_config_and_model(cfg: Config) -> None:
+    """check_config, and the model checks a run makes before its data (every model field, head/dim divisibility,
+    trainer.seq_len against max_seq_len, the cute kernels' limits where this machine runs cute), as lenient as a resumed
+    run's where model.init_from or data.tokenizer is gone: --cfg printed model.n_heads=3 and exited 0, and a sweep
+    trained every job before the one a run refuses so."""
+    check_config(cfg)
+    check_model_before_data(cfg, "cute" if cfg.kernels.backend == "cute" else resolve_backend(cfg.kernels.backend),
+                            resuming=True)
+
+
 def check_printed_config(argv: list[str]) -> None:
     """`--cfg job` (or all) prints the composed config and runs nothing: its values are checked first as a run's start
     checks them, so a config it prints is one training takes (it printed optim.lr=nan or +trainer.max_step=3 and exited
@@ -238,7 +250,7 @@ def check_printed_config(argv: list[str]) -> None:
         return
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         try:
-            check_config(to_dataclass(compose("config", overrides=args.overrides)))
+            check_config_and_model(to_dataclass(compose("config", overrides=args.overrides)))
         except (ConfigError, DataError) as e:
             print(f"{e}; --cfg prints the config once that is fixed", file=sys.stderr)
             sys.exit(EXIT_BAD_INPUT)

@@ -292,6 +292,22 @@ def test_cfg_job_checks_the_values_it_would_print(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_cfg_job_and_a_sweep_check_the_model_shape_as_a_run_does(tmp_path):
+    """The model checks a run makes before its data (head/dim divisibility, trainer.seq_len against max_seq_len) stop
+    `--cfg job` and a sweep before its first job too: --cfg printed model.n_heads=3 and exited 0, and a sweep trained
+    every job before the one that a run refuses."""
+    for override, said in [("model.n_heads=3", "n_heads=3 must divide dim=256"),
+                           ("trainer.seq_len=100000", "trainer.seq_len=100000 exceeds the model's max_seq_len=256")]:
+        refused = run_train("--cfg", "job", override, f"trainer.run_dir={tmp_path / 'run'}")
+        assert refused.returncode == 1 and refused.stdout == "", (override, refused.stdout + refused.stderr)
+        assert said in refused.stderr and "--cfg prints the config once that is fixed" in refused.stderr, refused.stderr
+    sweep = run_train("-m", "model.n_heads=4,3", "trainer.max_steps=2", f"trainer.run_dir={tmp_path / 'sweep'}")
+    assert sweep.returncode == 1, sweep.stdout + sweep.stderr
+    assert "multirun job #1 (" in sweep.stderr and "n_heads=3 must divide dim=256" in sweep.stderr, sweep.stderr
+    assert "no job of the sweep ran" in sweep.stderr and not (tmp_path / "sweep").exists()
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_sweep_into_an_earlier_sweeps_dir_resumes_only_runs_of_its_own_values(tiny, tmp_path):
     """Job #i resumes the run in <run_dir>/i: where that run has other values of the swept keys (another sweep's job
     #i), the sweep stops before its first job, naming them; the same sweep again continues its runs."""
