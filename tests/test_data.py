@@ -230,6 +230,19 @@ def test_command_line_errors_name_its_own_flags(tmp_path):
     assert empty.returncode == 2 and "or use --source builtin" in empty.stderr and "data=" not in empty.stderr, empty.stderr
 
 
+def test_command_line_warnings_name_its_own_flags_too(tmp_path):
+    """The warnings the command line logs while it prepares (a row without the text field, a shard check) name its
+    flags as its errors do: it said 'set data.text_field', a train.py override, where --text-field is the fix here."""
+    source = tmp_path / "corpus.jsonl"
+    source.write_text('{"text": "some text here"}\n{"body": "another column"}\n{"text": "more text"}\n')
+    command = [sys.executable, "-m", "coda_train.data.prepare", "--cache-dir", str(tmp_path / "cache"), "--num-proc", "1",
+               "--source", str(source), "--vocab-size", "300", "--val-fraction", "0"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "set --text-field if the text is in another column" in run.stderr, run.stderr
+    assert "data.text_field" not in run.stderr + run.stdout, run.stderr
+
+
 # --- loader ------------------------------------------------------------------------------------------------------
 
 

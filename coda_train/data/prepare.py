@@ -57,6 +57,15 @@ def cli_message(text: str) -> str:
     return _HYDRA_BUILTIN.sub("--source builtin", _HYDRA_KEY.sub(flag, text))
 
 
+class _CliFlags(logging.Filter):
+    """What preparation logs (a row without the text field, a shard check), in this command's flags as cli_message
+    writes its errors: the warnings named train.py's data.<key> overrides."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = cli_message(record.getMessage()), None
+        return True
+
+
 def summary(data: PreparedData) -> str:
     m = data.manifest
     tok = m["tokenizer"]
@@ -82,6 +91,8 @@ def summary(data: PreparedData) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_CliFlags())
     cfg, verify = parse_args(argv)
     start = time.perf_counter()
     try:
