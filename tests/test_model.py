@@ -395,8 +395,10 @@ def test_dswiglu_from_gate_and_a_matches_dswiglu_from_gate_and_up():
     M, d, f = 64, 32, 48
     gate, up = (torch.randn(M, f, generator=g).bfloat16() for _ in range(2))
     gate[3, 5], gate[4, 6], gate[7], up[7] = 0.0, 1e-39, 0.0, 0.0  # an exact-zero and a subnormal gate; a zero row
+    up[4, 6] = 1.0  # large enough that a keeps a (subnormal) trace of it: a / gate would be finite and nonzero
     g_out, w_down, r = torch.randn(M, d, generator=g).bfloat16(), torch.randn(d, f, generator=g).bfloat16(), torch.rand(M, generator=g) + 0.5
     a = (torch.nn.functional.silu(gate.float()) * up.float()).bfloat16()  # F5's a from the gate and up
+    assert a[4, 6] != 0
     g_gu, stat = R.gemm_dswiglu_rowscale_stat(g_out, w_down, gate, a, r)
     # dSwiGLU on (gate, up) in fp32, the program B1 ran before
     g_a, gf, uf = (g_out @ w_down).float(), gate.float(), up.float()
