@@ -155,6 +155,18 @@ def test_check_harness_compares_the_mutated_inputs():
     assert [r["ok"] for r in check_case(op, op.name, kw, e_unchanged)] == [True, False, True, True]
 
 
+def test_check_harness_fails_an_implementation_that_leaves_out_an_output():
+    """An implementation returning fewer outputs than the reference fails (each output was compared only
+    as far as the shorter list went, so one that never wrote its partial sums passed)."""
+    from coda_train.kernels.testing import check_case
+
+    for name, problem in (("gemm_residual_rmsnorm_partial", "2 outputs, want 3"),
+                          ("cross_entropy_exp_backward", "5 outputs, want 6")):  # 4 returned and the updated e
+        op, kw = case_of(name, torch.float32)
+        rows = check_case(op, name, kw, lambda **kw: op.reference(**kw)[:-1])
+        assert [(r["ok"], r["stored"]) for r in rows] == [(False, [problem])], name
+
+
 def test_check_harness_weighs_every_row_of_the_logit_gradient():
     """H' is compared on the gradient its factors encode, v * (strip (x) e), whose rows all have norm
     ~ grad_scale * r, and on hs / v: a 1.5x error in the target column of the row where it is

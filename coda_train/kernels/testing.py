@@ -145,12 +145,15 @@ def check_case(op: Op, case: str, kwargs: dict[str, Any], impl: Callable) -> lis
     got = results(op, impl, kwargs)
     _sync(device)
     seconds = time.time() - t0
-    if op.canonical is not None:  # the stored outputs' shapes, dtypes and finiteness, then the mapped values
-        problems = stored_problems(got, oracle, base)
-        if problems:
-            return [dict(op=case, out=-1, M=0, ok=False, finite=not any("not finite" in p for p in problems),
-                         err_cute=math.inf, err_base=0.0, dtype="", shape=[], stored=problems,
-                         first_call_s=round(seconds, 2))]
+    if len(got) != len(oracle):  # an output left out would shorten the comparisons below to those given, and pass
+        problems = [f"{len(got)} outputs, want {len(oracle)}"]
+    else:  # with a canonical map: the stored outputs' shapes, dtypes and finiteness, then the mapped values
+        problems = stored_problems(got, oracle, base) if op.canonical is not None else []
+    if problems:
+        return [dict(op=case, out=-1, M=0, ok=False, finite=not any("not finite" in p for p in problems),
+                     err_cute=math.inf, err_base=0.0, dtype="", shape=[], stored=problems,
+                     first_call_s=round(seconds, 2))]
+    if op.canonical is not None:
         got, oracle, base = (op.canonical(*t) for t in (got, oracle, base))
     rows = []
     for i, (g, o, b) in enumerate(zip(got, oracle, base)):
