@@ -445,7 +445,8 @@ def test_resuming_with_another_global_batch_names_the_saved_one(tiny, tmp_path):
 
 def test_resuming_with_the_batch_made_up_by_accumulation_continues_the_run(tiny, tmp_path):
     """A checkpoint of batch 4 resumed with batch 2 x 2 micro-batches (a run moved to less memory): the same
-    windows each optimizer step, so the same losses up to the order the two halves' gradients are summed in."""
+    windows each optimizer step, so the same losses and gradient norms up to the order the two halves' gradients are
+    summed in (the norm: AdamW and the clip would hide micro-batch gradients summed instead of averaged)."""
     straight, moved = tmp_path / "straight", tmp_path / "moved"
     train_in_process(straight, *tiny, "trainer.max_steps=4", "trainer.ckpt_every=2", "trainer.eval_every=0")
     shutil.copytree(straight / "checkpoints" / "step_00000002", moved / "checkpoints" / "step_00000002")
@@ -453,6 +454,7 @@ def test_resuming_with_the_batch_made_up_by_accumulation_continues_the_run(tiny,
                      "trainer.grad_accum_steps=2")
     for a, b in zip(metrics(moved), metrics(straight)[2:], strict=True):
         assert a["step"] == b["step"] and a["tokens"] == b["tokens"] and a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
 
 
 def test_a_run_records_its_data_paths_absolute(tiny, tmp_path, monkeypatch):
