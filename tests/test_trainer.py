@@ -8,6 +8,7 @@ import dataclasses
 import io
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 import torch
@@ -115,7 +117,8 @@ def test_a_multirun_job_that_diverges_or_has_bad_input_does_not_stop_the_sweep(t
 
 def test_train_state_round_trip_takes_the_same_next_steps(tiny, tmp_path):
     """A fresh TrainState loaded from another's state_dict (through torch.save, as a checkpoint)
-    takes the same next steps bit for bit; a non-finite step changes no weight and no counter."""
+    takes the same next steps bit for bit and continues the saved RNGs (python, numpy, torch); a
+    non-finite step changes no weight and no counter."""
     cfg = compose_config(tmp_path, *tiny, "trainer.grad_accum_steps=2")
     cpu, world = torch.device("cpu"), World()
     data = prepare(cfg.data)
@@ -128,14 +131,19 @@ def test_train_state_round_trip_takes_the_same_next_steps(tiny, tmp_path):
         train_step = TrainStep(state, state.model, world, cpu, 2, cfg.optim.grad_clip)
         return [train_step.read(train_step()) for _ in range(n)]
 
+    def draws():
+        return random.random(), float(np.random.rand()), torch.rand(()).item()
+
     saving = fresh_state()
     steps(saving, 3)
+    draws()  # the RNGs saved below are past where the seed (which fresh_state sets again) puts them
     buffer = io.BytesIO()
     torch.save(saving.state_dict(), buffer)
-    expected = steps(saving, 3)
+    expected, expected_draws = steps(saving, 3), draws()
     loaded = fresh_state()
     loaded.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True))
     assert steps(loaded, 3) == expected and expected[-1].step == 6
+    assert draws() == expected_draws
     assert (loaded.step, loaded.tokens) == (saving.step, saving.tokens) == (6, 6 * 2 * 4 * 32)
     for name, tensor in saving.model.state_dict().items():
         assert torch.equal(loaded.model.state_dict()[name], tensor), name
