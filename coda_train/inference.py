@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 
 from coda_train.data import DataConfig, DataError, PreparedData, prepare
 from coda_train.data.shards import TOKENIZER_FILE
-from coda_train.data.tokenizer import encode_documents, find_eos, fingerprint, load_tokenizer, token_dtype
+from coda_train.data.tokenizer import encode_documents, find_eos, fingerprint, load_tokenizer, num_ids, token_dtype
 from coda_train.errors import ConfigError
 from coda_train.model import LlamaConfig, build_model
 from coda_train.model.eager import EagerLlama
@@ -222,7 +222,7 @@ def load_eager_model(ckpt: TrainedCheckpoint, device: torch.device, compute_dtyp
 def text_windows(ckpt: TrainedCheckpoint, texts: Iterable[str], seq_len: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(inputs, targets) batches of the texts tokenized as documents (each followed by EOS, as in
     preparation) and cut into consecutive windows of seq_len + 1 tokens; a last partial batch is kept."""
-    tokens, _ = encode_documents(ckpt.tokenizer, list(texts), ckpt.eos_id, token_dtype(ckpt.tokenizer.get_vocab_size()))
+    tokens, _ = encode_documents(ckpt.tokenizer, list(texts), ckpt.eos_id, token_dtype(num_ids(ckpt.tokenizer)))
     n_windows = (len(tokens) - 1) // seq_len
     if n_windows == 0:
         raise DataError(f"the texts hold {len(tokens)} tokens, fewer than one window of {seq_len}+1; use a smaller --seq-len")

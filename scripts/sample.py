@@ -17,6 +17,7 @@ import torch
 from tokenizers.decoders import DecodeStream
 
 from coda_train.data import DataError
+from coda_train.data.tokenizer import num_ids
 from coda_train.errors import ConfigError
 from coda_train.inference import checkpoint_parser, load_eager_model, log_progress_to_stderr, open_checkpoint
 from coda_train.model import LlamaConfig
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt = ckpt.tokenizer.encode(args.prompt, add_special_tokens=False).ids if args.prompt else [ckpt.eos_id]
         tokens = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, generator=torch.Generator(device=device).manual_seed(args.seed),
-                          vocab_limit=ckpt.tokenizer.get_vocab_size(), stop_token=ckpt.eos_id)
+                          vocab_limit=num_ids(ckpt.tokenizer), stop_token=ckpt.eos_id)
         stream = DecodeStream(skip_special_tokens=True)
         for token in prompt:  # the decoder's context, so the first new token is spaced/merged as in the full text
             stream.step(ckpt.tokenizer, token)

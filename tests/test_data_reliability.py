@@ -525,6 +525,19 @@ def test_a_tokenizer_file_that_cannot_serve_is_refused_before_tokenizing(tmp_pat
     assert not any((tmp_path / "cache").glob("*/manifest.json"))  # nothing prepared
 
 
+def test_a_tokenizer_whose_ids_have_gaps_gets_room_for_its_largest_id(tmp_path, corpus):
+    """A vocabulary with gaps (pruned, or special tokens placed at high ids) spans more ids than it has tokens: the
+    shards' dtype and the vocabulary the model is built with follow its largest id, not its count of tokens."""
+    words = sorted({w for d in make_docs() for w in d.split()})
+    vocab = {w: i for i, w in enumerate(words)} | {"[UNK]": len(words), EOS_TOKEN: 70_000}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    data = prepare(config(corpus, tmp_path / "cache", tokenizer=str(tmp_path / "tokenizer.json")))
+    assert (data.vocab_size, data.eos_id, data.dtype) == (70_001, 70_000, np.dtype(np.uint32))
+    assert sorted(documents_in(data, "train") + documents_in(data, "val")) == sorted(make_docs())
+
+
 @pytest.mark.parametrize("name", ["wikitext", "HuggingFaceFW/fineweb-edu"])
 def test_bare_names_go_to_the_hub(tmp_path, monkeypatch, name):
     monkeypatch.chdir(tmp_path)

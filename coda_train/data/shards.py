@@ -29,7 +29,8 @@ from ..durable import LockHeldError, exclusive_lock, fsync_dir, sha256_file, wri
 from .config import DataConfig, DataError
 from .progress import Progress
 from .sources import DECOMPRESSORS, DocumentCounts, Source, iter_documents, json_read_as_text, resolve_source
-from .tokenizer import encode_documents, find_eos, fingerprint, for_documents, load_tokenizer, token_dtype, train_bpe
+from .tokenizer import (encode_documents, find_eos, fingerprint, for_documents, load_tokenizer, num_ids, token_dtype,
+                        train_bpe)
 
 log = logging.getLogger(__name__)
 
@@ -391,7 +392,7 @@ def _build(
         tokenizer = _train_bpe_stoppable(stop.checked(docs), cfg.vocab_size, stop)
         progress.close()
     eos_token, eos_id = find_eos(tokenizer, cfg.eos_token, config_eos)
-    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    vocab_size = num_ids(tokenizer)
     dtype = token_dtype(vocab_size)
     write_synced(out / TOKENIZER_FILE, tokenizer.to_str(pretty=True).encode())
     tokenizer_seconds = time.perf_counter() - start

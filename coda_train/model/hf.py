@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..data.tokenizer import num_ids
 from ..errors import ConfigError
 from .config import LlamaConfig
 from .weights import LlamaWeights
@@ -266,7 +267,7 @@ def export_hf(state_dict: dict[str, Tensor], cfg: LlamaConfig, out_dir: str | Pa
     bos_id = tokenizer.token_to_id(bos_token)
     unk_token = json.loads(tokenizer.to_str())["model"].get("unk_token")  # None for byte-level BPE: no input is unknown
     # ids past the tokenizer's vocabulary are rows that pad the embedding; generation never picks them
-    padding_ids = list(range(tokenizer.get_vocab_size(), cfg.vocab_size)) or None
+    padding_ids = list(range(num_ids(tokenizer), cfg.vocab_size)) or None
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
@@ -297,6 +298,6 @@ def export_hf(state_dict: dict[str, Tensor], cfg: LlamaConfig, out_dir: str | Pa
 
 def check_tokenizer_fits(tokenizer, cfg: LlamaConfig, where: str) -> None:
     """ConfigError when the tokenizer has ids the model has no embedding row for."""
-    if tokenizer.get_vocab_size() > cfg.vocab_size:
-        raise ConfigError(f"the tokenizer {where} has {tokenizer.get_vocab_size()} tokens but the model's vocab_size is "
+    if num_ids(tokenizer) > cfg.vocab_size:
+        raise ConfigError(f"the tokenizer {where} has {num_ids(tokenizer)} tokens but the model's vocab_size is "
                           f"{cfg.vocab_size}: it is not the tokenizer this model was trained with; pass the run's own tokenizer")

@@ -20,7 +20,7 @@ from coda_train.config import Config, TrainerConfig, resolve_model_config
 from coda_train.data import DataConfig, DataError, PreparedData, TokenLoader, prepared_folder
 from coda_train.data.loader import GLOBAL_BATCH, global_batch_refusal
 from coda_train.data.shards import MANIFEST
-from coda_train.data.tokenizer import fingerprint, load_tokenizer, tokenizer_file
+from coda_train.data.tokenizer import fingerprint, load_tokenizer, num_ids, tokenizer_file
 from coda_train.errors import ConfigError
 from coda_train.model import LlamaConfig, build_model, kernel_shape_errors
 
@@ -285,7 +285,7 @@ def check_model_before_data(cfg: Config, backend: str, resuming: bool = False,
           and (cfg.model.vocab_size is None or cfg.model.vocab_size > 0)):
         # a given tokenizer is the data's as it is: read now, so one with more tokens than the model is refused before
         # the corpus is tokenized with it (hours for a large one)
-        vocab = load_tokenizer(cfg.data.tokenizer)[0].get_vocab_size()
+        vocab = num_ids(load_tokenizer(cfg.data.tokenizer)[0])
     else:  # read with the data: any vocabulary passes; 0 or less is refused
         vocab = 1 if cfg.model.vocab_size is None else cfg.model.vocab_size
     llama = resolve_model_config(cfg.model, vocab, cfg.trainer.seq_len, init_from_shape)
