@@ -220,6 +220,22 @@ def test_invalid_utf8_per_decode_errors(tmp_path, mode):
     assert counts["first"] == {"replaced" if mode == "replace" else "skipped": f"{source}:4"}
 
 
+@pytest.mark.parametrize("mode", ["replace", "skip_document"])
+def test_invalid_utf8_in_a_json_array_is_handled_per_document(tmp_path, mode):
+    """One bad byte in a file holding a JSON array repairs or skips the document holding it, not every document of
+    the file (counted as one)."""
+    docs = make_docs(6)
+    body = json.dumps([{"text": d} for d in docs[:3]] + [{"text": "caf\u00e9 latin-1 bytes"}] + [{"text": d} for d in docs[4:]])
+    (tmp_path / "corpus.json").write_bytes(body.encode().replace(b"caf\\u00e9", b"caf\xe9"))
+    data = prepare(config(tmp_path / "corpus.json", tmp_path / "cache", val_fraction=0.0, decode_errors=mode))
+    counts = data.manifest["document_counts"]
+    if mode == "replace":
+        assert counts["replaced"] == 1 and documents_in(data, "train") == [*docs[:3], "caf\ufffd latin-1 bytes", *docs[4:]]
+    else:
+        assert counts["skipped"] == 1 and documents_in(data, "train") == [*docs[:3], *docs[4:]]
+    assert counts["first"] == {"replaced" if mode == "replace" else "skipped": f"{tmp_path / 'corpus.json'} item 3"}
+
+
 @pytest.mark.parametrize("mode", ["replace", "skip_document", "strict"])
 def test_a_lone_surrogate_escape_in_json_per_decode_errors(tmp_path, mode):
     """JSON's "\\ud83d" without its pair (half an emoji, cut by a scraper) decodes to a code point UTF-8 cannot

@@ -225,9 +225,12 @@ def _json_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -
         if is_array:
             data = f.read()
             counts.bytes_read += len(data)
-            text = _decode(data, file, 1, cfg, counts, warn)
+            # invalid UTF-8 as lone surrogates (strict stops here, naming the line): iter_documents then repairs or skips
+            # each document holding some, per data.decode_errors, not the whole file's documents as one
+            strict = cfg.decode_errors == "strict"
+            text = _decode(data, file, 1, cfg, counts, warn) if strict else data.decode("utf-8", errors="surrogateescape")
             try:
-                rows = json.loads(text) if text is not None else []
+                rows = json.loads(text)
             except json.JSONDecodeError as e:
                 raise DataError(f"could not read documents from {file}:{e.lineno}: not valid JSON ({e.msg})") from e
             if not isinstance(rows, list):
