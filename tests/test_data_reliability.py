@@ -478,6 +478,22 @@ def test_missing_local_path_fails_at_once_without_the_hub(tmp_path, monkeypatch,
     assert time.perf_counter() - start < 5
 
 
+def test_a_folder_lists_the_files_its_glob_lists_symlinks_included(tmp_path):
+    """A folder given as data.source holds what `folder/**/*` does: a symlinked folder is read, a link to a file
+    of the corpus reads that file once, and a link back up the tree ends."""
+    corpus, elsewhere = tmp_path / "corpus", tmp_path / "elsewhere"
+    (corpus / "sub").mkdir(parents=True)
+    elsewhere.mkdir()
+    for file in (corpus / "a.txt", corpus / "sub" / "b.txt", elsewhere / "c.txt"):
+        file.write_text(file.stem)
+    (corpus / "link_to_a.txt").symlink_to(corpus / "a.txt")
+    (corpus / "linked").symlink_to(elsewhere)
+    (corpus / "sub" / "loop").symlink_to(corpus)
+    expected = sorted(str(f) for f in (corpus / "a.txt", corpus / "sub" / "b.txt", elsewhere / "c.txt"))
+    assert list(resolve_source(config(corpus, tmp_path / "cache")).files) == expected
+    assert list(resolve_source(config(f"{corpus}/**/*.txt", tmp_path / "cache")).files) == expected
+
+
 def test_mixed_formats_under_one_glob_are_refused(tmp_path, corpus):
     (tmp_path / "notes.txt").write_text("plain text\n")
     with pytest.raises(DataError, match=r"mixes formats \['json', 'text'\]; narrow the glob or set data.format"):
