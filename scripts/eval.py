@@ -18,7 +18,7 @@ import math
 import sys
 
 from coda_train.data import DataError, PreparedData, TokenLoader
-from coda_train.data.sources import open_binary, universal_newlines
+from coda_train.data.sources import UTF8_BOM, open_binary, universal_newlines
 from coda_train.data.tokenizer import fingerprint
 from coda_train.errors import ConfigError
 from coda_train.inference import (checkpoint_parser, load_eager_model, log_progress_to_stderr, mean_loss, open_checkpoint,
@@ -38,7 +38,7 @@ def check_counts(args) -> None:
 
 def read_texts(files: list[str]) -> list[str]:
     """Each file as one document, read as data.source reads a text file: .gz, .bz2 and .xz decompressed (their bytes
-    are no text), newlines universal."""
+    are no text), newlines universal, a UTF-8 byte-order mark dropped."""
     texts = []
     for file in files:
         try:
@@ -47,7 +47,7 @@ def read_texts(files: list[str]) -> list[str]:
         except (OSError, EOFError, lzma.LZMAError) as e:  # unreadable, or a damaged archive
             raise ConfigError(f"cannot read --text {file}: {getattr(e, 'strerror', None) or e}; pass readable text "
                               "files") from e
-        texts.append(universal_newlines(data.decode("utf-8", errors="replace")))
+        texts.append(universal_newlines(data.removeprefix(UTF8_BOM).decode("utf-8", errors="replace")))
     return texts
 
 

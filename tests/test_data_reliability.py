@@ -291,6 +291,12 @@ def test_json_with_a_byte_order_mark_is_read(tmp_path, array):
     assert documents_in(data, "train") == docs
 
 
+def test_a_text_file_with_a_byte_order_mark_is_read_without_it(tmp_path):
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfa document\r\nfrom Notepad\r\n")
+    data = prepare(config(tmp_path / "bom.txt", tmp_path / "cache", val_fraction=0.0, decode_errors="strict"))
+    assert documents_in(data, "train") == ["a document\nfrom Notepad\n"]
+
+
 def test_each_decode_errors_mode_prepares_its_own_folder(tmp_path):
     """data.decode_errors decides which documents (and so which BPE and shards) a folder holds: data
     prepared under `replace` is not reused by a `strict` or `skip_document` run."""

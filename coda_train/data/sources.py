@@ -206,20 +206,19 @@ def _decode(data: bytes, file: str, line: int, cfg: DataConfig, counts: Document
         return _per_decode_errors(f"{file}:{line}", problem, lambda: data.decode("utf-8", errors="replace"), cfg, counts, warn)
 
 
+UTF8_BOM = b"\xef\xbb\xbf"
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # JSON's "\ud83d" escapes decode to code points UTF-8 cannot encode
 
 
 def _text_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -> Iterator[tuple[str, dict]]:
-    """One document per file, newlines universal ("\r\n" and "\r" become "\n") as when a file is opened as text."""
+    """One document per file, newlines universal ("\r\n" and "\r" become "\n") as when a file is opened as text,
+    without a UTF-8 byte-order mark (Windows editors write one: it marks the encoding, it is not text)."""
     with open_binary(file) as f:
         data = f.read()
     counts.bytes_read += len(data)
-    text = _decode(data, file, 1, cfg, counts, warn)
+    text = _decode(data.removeprefix(UTF8_BOM), file, 1, cfg, counts, warn)
     if text is not None:
         yield f"{file}:1", {"text": universal_newlines(text)}
-
-
-UTF8_BOM = b"\xef\xbb\xbf"
 
 
 def _json_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -> Iterator[tuple[str, dict]]:
