@@ -90,7 +90,8 @@ def fingerprint(tokenizer: Tokenizer) -> str:
 def num_ids(tokenizer: Tokenizer) -> int:
     """How many ids the tokenizer's tokens span: its largest id + 1, which is more than its count of tokens where the ids
     have gaps (a pruned vocabulary, added tokens at high ids); the embedding needs a row, and a shard room, for each."""
-    return max(tokenizer.get_vocab_size(with_added_tokens=True), max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1)
+    largest = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
+    return max(tokenizer.get_vocab_size(with_added_tokens=True), largest + 1)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
