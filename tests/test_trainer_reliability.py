@@ -446,7 +446,7 @@ def test_a_run_dir_holding_other_files_is_refused_before_anything_is_written(tin
     before = snapshot(own)
     result = run_train(*tiny, f"trainer.run_dir={own}", "trainer.max_steps=1")
     assert result.returncode == 1, result.stderr
-    assert f"holds a config.yaml that is not a training run's (config.yaml, metrics.jsonl)" in result.stdout + result.stderr
+    assert "holds a config.yaml that is not a training run's (config.yaml, metrics.jsonl)" in result.stdout + result.stderr
     (own / "config.yaml").unlink()  # a metrics.jsonl alone: every run writes its config.yaml beside it
     before = snapshot(own)
     result = run_train(*tiny, f"trainer.run_dir={own}", "trainer.max_steps=1")
