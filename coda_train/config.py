@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 from coda_train.data import DataConfig
 from coda_train.errors import ConfigError
@@ -313,11 +314,17 @@ def _non_bools(node: Any, schema: type, prefix: str = "") -> list[tuple[str, Any
 def to_dataclass(cfg: Any) -> Config:
     """A hydra DictConfig (built on the Config schema, bools as given) as plain typed dataclasses. Keys that hydra
     let in with `+key=value` but the schema does not know are an error, not silently dropped, and so are
-    keys without a value (MISSING, `???`) and bool settings given anything but true or false."""
+    keys without a value (MISSING, `???`), interpolations that cannot be resolved and bool settings given anything but
+    true or false."""
     unknown = _unknown_keys(cfg, Config)
     if unknown:
         raise ConfigError(f"unknown config keys {unknown}: not fields of coda_train/config.py Config; "
                           "remove them (see `python train.py --cfg job` for every key)")
+    try:  # every ${...} once, so one that cannot be resolved names its key (it raised omegaconf's traceback)
+        OmegaConf.to_container(cfg, resolve=True)
+    except InterpolationResolutionError as e:
+        raise ConfigError(f"{e.full_key} cannot be resolved: {str(e.msg).splitlines()[0]}; fix its ${{...}} "
+                          f"interpolation or give {e.full_key} a value") from None
     missing = sorted(OmegaConf.missing_keys(cfg))  # ??? left by the schema (e.g. a trainer group file without seq_len)
     if missing:
         raise ConfigError(f"config keys {missing} have no value: set each on the command line (e.g. "

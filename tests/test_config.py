@@ -113,6 +113,19 @@ def test_keys_without_a_value_name_themselves_and_the_fix():
         load("trainer.batch_size=???", "trainer.seq_len=???")
 
 
+def test_an_interpolation_that_cannot_be_resolved_names_its_key(monkeypatch):
+    """A ${...} that names no key, an unset environment variable or a value of the wrong type stops with the key and
+    the fix, not omegaconf's traceback (a run printed it and left its empty run dir behind)."""
+    monkeypatch.delenv("CODA_TRAIN_UNSET", raising=False)
+    for override, said in [("trainer.max_steps=${nope}", "Interpolation key 'nope' not found"),
+                           ("data.source=${oc.env:CODA_TRAIN_UNSET}", "Environment variable 'CODA_TRAIN_UNSET' not found"),
+                           ("trainer.max_steps=${data.source}", "could not be converted to Integer")]:
+        with pytest.raises(ConfigError, match=re.escape(override.split("=")[0] + " cannot be resolved: ") + ".*"
+                           + re.escape(said) + r".*; fix its \$\{...\} interpolation"):
+            load(override)
+    assert load("trainer.max_steps=${trainer.batch_size}").trainer.max_steps == 8
+
+
 def _bool_keys(schema: type = Config, prefix: str = "") -> list[str]:
     hints = typing.get_type_hints(schema)
     return [key for name, kind in hints.items()
