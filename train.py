@@ -32,7 +32,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import QuotedString
 from hydra.errors import ConfigCompositionException, HydraException
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from coda_train.config import Config, check_config, register_configs, to_dataclass
 from coda_train.data import DataError
@@ -49,6 +49,7 @@ from coda_train.trainer.rundir import EarlyWarnings, check_run_dir_path
 log = logging.getLogger("train")
 register_configs()
 CONFIG_DIR = str(Path(__file__).resolve().parent / "configs")  # what @hydra.main composes from (config_path="configs")
+JOB_NAME = Path(__file__).stem  # hydra.job.name in a run: the script's name
 # hydra's flags that choose another config than configs/config.yaml
 CONFIG_FLAGS = ("--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd")
 
@@ -213,10 +214,10 @@ def check_sweep_configs(argv: list[str]) -> None:
                   "one before as its own run; leave it unset (its default, ${hydra.job.num}, is the job's number) or make "
                   "it name every swept value (e.g. lr${optim.lr}); no job of the sweep ran", file=sys.stderr)
             sys.exit(EXIT_BAD_INPUT)
-        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3", job_name=JOB_NAME):
             for job, overrides in enumerate(jobs):
                 try:
-                    cfg = to_dataclass(compose("config", overrides=list(overrides)))
+                    cfg = to_dataclass(compose_job(list(overrides), job))
                     check_config_and_model(cfg)
                     if not subdirs:  # job #i's dir is <sweep dir>/i, where an earlier sweep's job #i ran
                         check_job_dir_is_this_jobs(cfg, job, swept, sweep_dirs[0] if len(sweep_dirs) == 1 else None)
@@ -229,6 +230,23 @@ def check_sweep_configs(argv: list[str]) -> None:
                     sys.exit(EXIT_BAD_INPUT)
     except HydraException:  # a syntax error, or an interval sweep: hydra's own message or sweeper follows
         return
+
+
+def compose_job(overrides: list[str], job: Optional[int] = None) -> DictConfig:
+    """The config a run (or multirun job #job) gets, composed as hydra composes it: with its hydra config set (job
+    number, output dir), so ${hydra:...} interpolations resolve as they do in the run (--cfg and a sweep's check
+    refused them: HydraConfig was not set)."""
+    cfg = compose("config", overrides=overrides, return_hydra_config=True)
+    with read_write(cfg.hydra), open_dict(cfg.hydra):
+        if job is not None:  # as hydra's launcher numbers a sweep's jobs
+            cfg.hydra.job.num = cfg.hydra.job.id = job
+        output_dir = (os.path.join(str(OmegaConf.select(cfg, SWEEP_DIR)), str(OmegaConf.select(cfg, SWEEP_SUBDIR)))
+                      if job is not None else str(OmegaConf.select(cfg, RUN_DIR)))
+        cfg.hydra.runtime.output_dir = os.path.abspath(output_dir)
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
 
 
 def check_config_and_model(cfg: Config) -> None:
@@ -248,9 +266,9 @@ def check_printed_config(argv: list[str]) -> None:
     args = get_args_parser().parse_known_args(argv)[0]  # hydra's own parser: --cfg/-c, --package, the overrides
     if args.cfg not in ("job", "all") or args.multirun or args.config_name or args.config_path or args.config_dir:
         return
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3", job_name=JOB_NAME):
         try:
-            check_config_and_model(to_dataclass(compose("config", overrides=args.overrides)))
+            check_config_and_model(to_dataclass(compose_job(args.overrides)))
         except (ConfigError, DataError) as e:
             print(f"{e}; --cfg prints the config once that is fixed", file=sys.stderr)
             sys.exit(EXIT_BAD_INPUT)

@@ -316,6 +316,19 @@ def test_cfg_job_and_a_sweep_check_the_model_shape_as_a_run_does(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_cfg_job_and_a_sweep_resolve_hydra_interpolations_as_a_run_does(tmp_path):
+    """${hydra:...} (the run's cwd, job name, job number, output dir) resolves in a run, so `--cfg job` and a sweep's
+    check of its jobs take it too: both stopped on it (HydraConfig was not set) before any job ran."""
+    hydra_values = ("data.cache_dir=${hydra:runtime.cwd}/data_cache", "logger.run_name=${hydra:job.name}-${hydra:job.num}",
+                    "logger.project=${hydra:runtime.output_dir}")
+    shown = run_train("--cfg", "job", *hydra_values[::2], f"trainer.run_dir={tmp_path / 'run'}")
+    assert shown.returncode == 0 and "cache_dir: ${hydra:runtime.cwd}/data_cache" in shown.stdout, shown.stderr
+    sweep = run_train("-m", *hydra_values, "optim.lr=1e-3,-1", f"trainer.run_dir={tmp_path / 'sweep'}")
+    assert sweep.returncode == 1 and "Traceback" not in sweep.stderr, sweep.stderr
+    assert "multirun job #1 (" in sweep.stderr and "optim.lr=-1.0 must be > 0; no job of the sweep ran" in sweep.stderr
+    assert not (tmp_path / "run").exists() and not (tmp_path / "sweep").exists()
+
+
 def test_a_sweep_into_an_earlier_sweeps_dir_resumes_only_runs_of_its_own_values(tiny, tmp_path):
     """Job #i resumes the run in <run_dir>/i: where that run has other values of the swept keys (another sweep's job
     #i), the sweep stops before its first job, naming them; the same sweep again continues its runs."""
