@@ -33,6 +33,7 @@ from hydra.core.override_parser.types import QuotedString
 from hydra.errors import ConfigCompositionException, HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf.errors import InterpolationResolutionError
 
 from coda_train.config import Config, check_config, register_configs, to_dataclass
 from coda_train.data import DataError
@@ -240,8 +241,13 @@ def compose_job(overrides: list[str], job: Optional[int] = None) -> DictConfig:
     with read_write(cfg.hydra), open_dict(cfg.hydra):
         if job is not None:  # as hydra's launcher numbers a sweep's jobs
             cfg.hydra.job.num = cfg.hydra.job.id = job
-        output_dir = (os.path.join(str(OmegaConf.select(cfg, SWEEP_DIR)), str(OmegaConf.select(cfg, SWEEP_SUBDIR)))
-                      if job is not None else str(OmegaConf.select(cfg, RUN_DIR)))
+        try:
+            output_dir = (os.path.join(str(OmegaConf.select(cfg, SWEEP_DIR)), str(OmegaConf.select(cfg, SWEEP_SUBDIR)))
+                          if job is not None else str(OmegaConf.select(cfg, RUN_DIR)))
+        except InterpolationResolutionError as e:  # hydra stopped on it with its own traceback, before main()
+            raise ConfigError(f"{e.full_key} (the run dir: trainer.run_dir unless {e.full_key} is set) cannot be resolved: "
+                              f"{str(e.msg).splitlines()[0]}; fix the ${{...}} interpolation of trainer.run_dir or "
+                              f"{e.full_key}") from None
         cfg.hydra.runtime.output_dir = os.path.abspath(output_dir)
     HydraConfig.instance().set_config(cfg)
     with open_dict(cfg):
@@ -271,6 +277,24 @@ def check_printed_config(argv: list[str]) -> None:
             check_config_and_model(to_dataclass(compose_job(args.overrides)))
         except (ConfigError, DataError) as e:
             print(f"{e}; --cfg prints the config once that is fixed", file=sys.stderr)
+            sys.exit(EXIT_BAD_INPUT)
+        except HydraException:  # an unknown key or option: hydra's own message follows
+            return
+
+
+def check_run_dir_resolves(argv: list[str]) -> None:
+    """Hydra resolves a run's dir (hydra.run.dir: trainer.run_dir unless set) before main() runs, and an interpolation
+    there that cannot be resolved (trainer.run_dir=${oc.env:UNSET}) stopped it with hydra's own traceback: a run whose
+    command line holds an interpolation resolves its dir first (--cfg and a sweep's jobs are checked whole)."""
+    args = get_args_parser().parse_known_args(argv)[0]
+    if (not any("${" in o for o in args.overrides) or args.cfg or args.multirun or args.help or args.hydra_help
+            or args.info or args.shell_completion or args.config_name or args.config_path or args.config_dir):
+        return
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3", job_name=JOB_NAME):
+        try:
+            compose_job(args.overrides)
+        except ConfigError as e:
+            print(e, file=sys.stderr)
             sys.exit(EXIT_BAD_INPUT)
         except HydraException:  # an unknown key or option: hydra's own message follows
             return
@@ -357,6 +381,7 @@ def launch(argv: list[str]) -> None:
     refuse_a_sweep_under_torchrun(argv)
     check_run_dirs(argv)
     check_printed_config(argv)
+    check_run_dir_resolves(argv)
     record_existing_dirs(argv)
     check_sweep_configs(argv)
     record = sweep_record(argv)

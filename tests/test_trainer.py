@@ -329,6 +329,18 @@ def test_cfg_job_and_a_sweep_resolve_hydra_interpolations_as_a_run_does(tmp_path
     assert not (tmp_path / "run").exists() and not (tmp_path / "sweep").exists()
 
 
+def test_a_run_dir_interpolation_that_cannot_be_resolved_stops_every_start_naming_it(tmp_path, monkeypatch):
+    """hydra resolves the run dir before main(): trainer.run_dir=${oc.env:UNSET} stopped a run, --cfg job and a sweep
+    with hydra's (or omegaconf's) traceback. Each stops with exit 1 and the fix, making no dir."""
+    monkeypatch.delenv("CODA_TRAIN_UNSET", raising=False)
+    for mode, key in [((), "hydra.run.dir"), (("--cfg", "job"), "hydra.run.dir"), (("-m",), "hydra.sweep.dir")]:
+        refused = run_train(*mode, "trainer.run_dir=${oc.env:CODA_TRAIN_UNSET}", "trainer.max_steps=1")
+        assert refused.returncode == 1 and "Traceback" not in refused.stderr, (mode, refused.stderr)
+        assert (f"{key} (the run dir: trainer.run_dir unless {key} is set) cannot be resolved: " in refused.stderr
+                and "Environment variable 'CODA_TRAIN_UNSET' not found" in refused.stderr
+                and "fix the ${...} interpolation of trainer.run_dir" in refused.stderr), (mode, refused.stderr)
+
+
 def test_a_sweep_into_an_earlier_sweeps_dir_resumes_only_runs_of_its_own_values(tiny, tmp_path):
     """Job #i resumes the run in <run_dir>/i: where that run has other values of the swept keys (another sweep's job
     #i), the sweep stops before its first job, naming them; the same sweep again continues its runs."""
