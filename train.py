@@ -27,6 +27,7 @@ import hydra
 import yaml
 from hydra import compose, initialize_config_dir
 from hydra._internal.utils import get_args_parser
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import QuotedString
@@ -203,19 +204,26 @@ def check_sweep_configs(argv: list[str]) -> None:
     if not {"-m", "--multirun"} & set(argv) or any(a.split("=")[0] in CONFIG_FLAGS for a in argv):
         return
     try:
-        parsed = OverridesParser.create().parse_overrides([a for a in argv if not a.startswith("-")])
-        values = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
-                  else [o.input_line] for o in parsed if not o.get_key_element().lstrip("+~").startswith("hydra")]
-        swept = [o.get_key_element().lstrip("+~") for o in parsed if o.is_sweep_override()]
-        sweep_dirs = run_dir_values(argv, SWEEP_DIR)
-        subdirs = run_dir_values(argv, SWEEP_SUBDIR)
-        jobs = list(itertools.product(*values))
-        if len(jobs) > 1 and subdirs and "${" not in subdirs[-1]:
-            print(f"{SWEEP_SUBDIR}={subdirs[-1]} puts all {len(jobs)} jobs of the sweep in one dir, where each would resume the "
-                  "one before as its own run; leave it unset (its default, ${hydra.job.num}, is the job's number) or make "
-                  "it name every swept value (e.g. lr${optim.lr}); no job of the sweep ran", file=sys.stderr)
-            sys.exit(EXIT_BAD_INPUT)
         with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3", job_name=JOB_NAME):
+            # with hydra's config loader, as its sweeper parses them: glob(...) expands to the group's options
+            parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+            parsed = parser.parse_overrides([a for a in argv if not a.startswith("-")])
+            values = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
+                      else [o.input_line] for o in parsed if not o.get_key_element().lstrip("+~").startswith("hydra")]
+            swept = [o.get_key_element().lstrip("+~") for o in parsed if o.is_sweep_override()]
+            sweep_dirs = run_dir_values(argv, SWEEP_DIR)
+            subdirs = run_dir_values(argv, SWEEP_SUBDIR)
+            jobs = list(itertools.product(*values))
+            if not jobs:  # hydra would launch no job, exit 0 and leave a sweep dir
+                empty = [o.input_line for o in parsed if o.is_sweep_override() and not list(o.sweep_string_iterator())]
+                print(f"{' '.join(empty)} matches no option of its group, so the sweep has no job: fix the glob (e.g. "
+                      "model=glob(llama3_*)) or list the options; no job of the sweep ran", file=sys.stderr)
+                sys.exit(EXIT_BAD_INPUT)
+            if len(jobs) > 1 and subdirs and "${" not in subdirs[-1]:
+                print(f"{SWEEP_SUBDIR}={subdirs[-1]} puts all {len(jobs)} jobs of the sweep in one dir, where each would resume the "
+                      "one before as its own run; leave it unset (its default, ${hydra.job.num}, is the job's number) or make "
+                      "it name every swept value (e.g. lr${optim.lr}); no job of the sweep ran", file=sys.stderr)
+                sys.exit(EXIT_BAD_INPUT)
             for job, overrides in enumerate(jobs):
                 try:
                     cfg = to_dataclass(compose_job(list(overrides), job))

@@ -286,6 +286,19 @@ def test_a_bad_value_in_a_sweeps_later_job_stops_the_sweep_before_its_first_job(
     assert not (tmp_path / "sweep").exists()
 
 
+def test_a_glob_sweep_is_checked_before_its_first_job_and_one_matching_nothing_is_refused(tmp_path):
+    """glob(...) expands to its group's options in the check of every job, as hydra's sweeper expands it (the check
+    skipped glob sweeps, so each job was refused only at its own start, after the ones before it trained); a glob
+    matching no option stops with exit 1 (hydra launched no job, exited 0 and left a sweep dir)."""
+    refused = run_train("-m", "model=glob(tin*)", "optim.lr=-1", f"trainer.run_dir={tmp_path / 'sweep'}")
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert ("multirun job #0 (model=tiny optim.lr=-1 " in refused.stderr
+            and "optim.lr=-1.0 must be > 0; no job of the sweep ran" in refused.stderr), refused.stderr
+    empty = run_train("-m", "model=glob(nope*)", f"trainer.run_dir={tmp_path / 'sweep'}")
+    assert empty.returncode == 1 and "model=glob(nope*) matches no option of its group" in empty.stderr, empty.stderr
+    assert not (tmp_path / "sweep").exists()
+
+
 def test_cfg_job_checks_the_values_it_would_print(tmp_path):
     """`--cfg job` shows the config a run would take: a value the run would refuse stops it with the run's message
     (it printed optim.lr=nan and an unknown +key, and exited 0); a good config still prints whole."""
