@@ -246,16 +246,18 @@ def compose_job(overrides: list[str], job: Optional[int] = None) -> DictConfig:
     number, output dir), so ${hydra:...} interpolations resolve as they do in the run (--cfg and a sweep's check
     refused them: HydraConfig was not set)."""
     cfg = compose("config", overrides=overrides, return_hydra_config=True)
-    with read_write(cfg.hydra), open_dict(cfg.hydra):
-        if job is not None:  # as hydra's launcher numbers a sweep's jobs
+    if job is not None:  # as hydra's launcher numbers a sweep's jobs
+        with read_write(cfg.hydra), open_dict(cfg.hydra):
             cfg.hydra.job.num = cfg.hydra.job.id = job
-        try:
-            output_dir = (os.path.join(str(OmegaConf.select(cfg, SWEEP_DIR)), str(OmegaConf.select(cfg, SWEEP_SUBDIR)))
-                          if job is not None else str(OmegaConf.select(cfg, RUN_DIR)))
-        except InterpolationResolutionError as e:  # hydra stopped on it with its own traceback, before main()
-            raise ConfigError(f"{e.full_key} (the run dir: trainer.run_dir unless {e.full_key} is set) cannot be resolved: "
-                              f"{str(e.msg).splitlines()[0]}; fix the ${{...}} interpolation of trainer.run_dir or "
-                              f"{e.full_key}") from None
+    HydraConfig.instance().set_config(cfg)  # before the run dir resolves: it may name ${hydra:runtime.cwd}, as in a run
+    try:
+        output_dir = (os.path.join(str(OmegaConf.select(cfg, SWEEP_DIR)), str(OmegaConf.select(cfg, SWEEP_SUBDIR)))
+                      if job is not None else str(OmegaConf.select(cfg, RUN_DIR)))
+    except InterpolationResolutionError as e:  # hydra stopped on it with its own traceback, before main()
+        raise ConfigError(f"{e.full_key} (the run dir: trainer.run_dir unless {e.full_key} is set) cannot be resolved: "
+                          f"{str(e.msg).splitlines()[0]}; fix the ${{...}} interpolation of trainer.run_dir or "
+                          f"{e.full_key}") from None
+    with read_write(cfg.hydra), open_dict(cfg.hydra):
         cfg.hydra.runtime.output_dir = os.path.abspath(output_dir)
     HydraConfig.instance().set_config(cfg)
     with open_dict(cfg):

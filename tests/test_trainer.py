@@ -342,6 +342,20 @@ def test_cfg_job_and_a_sweep_resolve_hydra_interpolations_as_a_run_does(tmp_path
     assert not (tmp_path / "run").exists() and not (tmp_path / "sweep").exists()
 
 
+def test_a_run_dir_naming_the_run_s_cwd_is_taken_by_every_start(tiny, tmp_path):
+    """trainer.run_dir=${hydra:runtime.cwd}/... resolves in hydra's own run, so the checks before hydra take it too
+    (the run-dir check resolved it before hydra's config was set, and refused it)."""
+    run_dir = "${hydra:runtime.cwd}/" + os.path.relpath(tmp_path, REPO)
+    shown = run_train("--cfg", "job", f"trainer.run_dir={run_dir}/run")
+    assert shown.returncode == 0, shown.stderr
+    ran = run_train(*tiny, f"trainer.run_dir={run_dir}/run", "trainer.max_steps=1", "trainer.eval_every=0")
+    assert ran.returncode == 0 and (tmp_path / "run" / "metrics.jsonl").is_file(), ran.stderr
+    swept = run_train("-m", *tiny, f"trainer.run_dir={run_dir}/sweep", "trainer.max_steps=1", "trainer.eval_every=0",
+                      "optim.lr=1e-3,2e-3")
+    assert swept.returncode == 0 and all((tmp_path / "sweep" / str(i) / "metrics.jsonl").is_file() for i in (0, 1)), \
+        swept.stderr
+
+
 def test_a_run_dir_interpolation_that_cannot_be_resolved_stops_every_start_naming_it(tmp_path, monkeypatch):
     """hydra resolves the run dir before main(): trainer.run_dir=${oc.env:UNSET} stopped a run, --cfg job and a sweep
     with hydra's (or omegaconf's) traceback. Each stops with exit 1 and the fix, making no dir."""
