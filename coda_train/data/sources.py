@@ -96,12 +96,14 @@ def _expand_files(source: str) -> list[str]:
     if os.path.isdir(path):  # as a glob lists it: symlinked folders followed, each file once (a link to a file read too)
         files, folders = set(), set()
         for folder, subfolders, names in os.walk(path, followlinks=True):
-            if os.path.realpath(folder) in folders:  # a link back up the tree (or to a folder listed already)
+            real = os.path.realpath(folder)
+            if real in folders:  # a link back up the tree (or to a folder listed already)
                 subfolders.clear()
                 continue
-            folders.add(os.path.realpath(folder))
+            folders.add(real)
             subfolders[:] = [d for d in subfolders if not d.startswith(".")]
-            files.update(str(Path(folder, n).resolve()) for n in names if not n.startswith(".") and os.path.isfile(Path(folder, n)))
+            visible = (Path(folder, n) for n in names if not n.startswith("."))
+            files.update(str(p.resolve()) for p in visible if p.is_file())
         return sorted(files)
     return sorted({str(Path(p).resolve()) for p in glob.glob(path, recursive=True) if os.path.isfile(p)})
 

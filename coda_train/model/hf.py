@@ -298,6 +298,7 @@ def export_hf(state_dict: dict[str, Tensor], cfg: LlamaConfig, out_dir: str | Pa
 
 def check_tokenizer_fits(tokenizer, cfg: LlamaConfig, where: str) -> None:
     """ConfigError when the tokenizer has ids the model has no embedding row for."""
-    if num_ids(tokenizer) > cfg.vocab_size:
-        raise ConfigError(f"the tokenizer {where} has {num_ids(tokenizer)} tokens but the model's vocab_size is "
+    ids = num_ids(tokenizer)  # reads the whole vocabulary: once
+    if ids > cfg.vocab_size:
+        raise ConfigError(f"the tokenizer {where} has {ids} tokens but the model's vocab_size is "
                           f"{cfg.vocab_size}: it is not the tokenizer this model was trained with; pass the run's own tokenizer")

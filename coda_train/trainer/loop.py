@@ -134,7 +134,7 @@ def changes_since_checkpoint(saved: dict[str, Any], cfg: Config, step: int) -> l
         # stable phase); only steps this run takes
         new_max = cfg.trainer.max_steps
         old_max = saved.get("trainer", {}).get("max_steps", new_max)
-        saved_optim = OptimConfig(**{k: saved["optim"].get(k, getattr(cfg.optim, k)) for k in _SCHEDULE_OPTIM})
+        saved_optim = OptimConfig(**{k: saved.get("optim", {}).get(k, getattr(cfg.optim, k)) for k in _SCHEDULE_OPTIM})
         lrs = ((s, saved_optim.lr * lr_multiplier(s, saved_optim, old_max), cfg.optim.lr * lr_multiplier(s, cfg.optim, new_max))
                for s in range(step, new_max))
         parted = next(((s, old_lr, new_lr) for s, old_lr, new_lr in lrs if old_lr != new_lr), None)
