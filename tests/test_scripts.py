@@ -56,3 +56,67 @@ def test_fsdp_overlap_profile_without_torchrun_says_to_launch_it_with_torchrun(t
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "torchrun" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+
+
+def _readme_commands(script: str) -> list[str]:
+    """Every `python scripts/<script> ...` command line in README.md (in code blocks and inline code spans, which
+    may wrap across lines), from the script's path on, without a trailing comment."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    spans = [line for block in re.findall(r"```[^\n]*\n(.*?)```", text, re.S) for line in block.splitlines()]
+    spans += re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+    return [" ".join(span[span.index(f"scripts/{script}"):].split()) for span in spans if f"scripts/{script} " in span]
+
+
+class _Parsed(Exception):
+    """Raised with the namespace a script's parser returned, so that its main() stops there."""
+
+
+def _stop_after_parsing(monkeypatch):
+    import argparse
+
+    parse_args = argparse.ArgumentParser.parse_args
+
+    def stop(self, args=None, namespace=None):
+        raise _Parsed(parse_args(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", stop)
+
+
+# placeholders the README's command lines use for a value the reader picks
+PLACEHOLDERS = {"S": "125m", "SHAPE": "125m", "DIR": "runs/x", "RUN_DIR/untuned_gemms.json": "runs/x/untuned_gemms.json"}
+
+
+@pytest.mark.parametrize("script", ["bench.py", "tune_gemm.py"])
+def test_readme_command_lines_parse(script, monkeypatch):
+    """README.md's bench.py and tune_gemm.py command lines name flags, shapes, variants and ops the scripts still
+    take: a renamed one fails here, not on the GPU machine (only the parsers run; neither script imports quack
+    or cutlass at import)."""
+    import shlex
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    module = __import__(script[:-3])
+    _stop_after_parsing(monkeypatch)
+    commands = _readme_commands(script)
+    assert commands, f"no scripts/{script} command line found in README.md"
+    for command in commands:
+        argv = [PLACEHOLDERS.get(arg, arg) for arg in shlex.split(command, comments=True)[1:]]
+        if script == "bench.py" and "--shape" not in argv:  # prose naming a flag of the script, not a command
+            continue
+        monkeypatch.setattr(sys, "argv", [module.__file__, *argv])
+        try:
+            module.main()
+        except _Parsed as parsed:
+            args = parsed.args[0]
+        except SystemExit:
+            pytest.fail(f"README.md: `{command}` does not parse (scripts/{script} exits 2)")
+        else:
+            pytest.fail(f"scripts/{script}'s main() returned without parsing its arguments")
+        if script == "bench.py":  # checked after parsing, as bench.py's main does
+            unknown = [v for v in (args.variants or "").split(",") if v and v not in {*module.MODEL_VARIANTS, "floor"}]
+        else:
+            known_ops = {op for name in module.SHAPES for op, _ in module.step_gemm_shapes(module.shape_dims(name))}
+            unknown = ([s for s in args.shapes.split(",") if s and s not in module.SHAPES]
+                       + [o for o in args.ops.split(",") if o and o not in known_ops])
+        assert not unknown, f"README.md: `{command}` names {unknown}, which scripts/{script} does not know"
