@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the H200, from the repo root, after `source .device/carry/setup.sh` (one device call):
+# On a Hopper GPU (H200 or H100), from the repo root, after `source .device/carry/setup.sh` (one device call):
 #   bash scripts/device_tune_once.sh [MODEL_ARGS...]      (default: model=tiny, whose GEMMs the shipped table lacks)
 # kernels.tune=once end to end, three train.py runs on one fresh tile-config cache ($CODA_TILE_CACHE):
 #   1. tune=once: tunes the missing shapes (scripts/tune_gemm.py, bounded), caches them, trains;
@@ -35,7 +35,8 @@ log = {n: (out / f"{n}.log").read_text() for n in ("once1", "once2", "off")}
 metrics = {n: [json.loads(l) for l in open(work / n / "metrics.jsonl")] if (work / n / "metrics.jsonl").exists() else []
            for n in log}
 cache = work / "cache" / "tile_configs.json"
-entries = json.loads(cache.read_text())["gpus"].get("H200", []) if cache.exists() else []
+# the fresh cache holds this card's entries only, under its table name (H200, H100 80GB HBM3, ...)
+entries = [e for es in json.loads(cache.read_text())["gpus"].values() for e in es] if cache.exists() else []
 fails = 0
 def check(ok, what):
     global fails
