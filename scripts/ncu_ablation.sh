@@ -11,7 +11,7 @@ set -uo pipefail
 ROWS=${ROWS:-"bare,5 tiles,op"}
 SHAPES=${SHAPES:-1b}
 OUT=${OUT:-.}
-KERNEL=${KERNEL:-"regex:plain|five_tiles|three_stores|two_loads|dswiglu"}
+KERNEL=${KERNEL:-"regex:plain|four_tiles|five_tiles|three_stores|two_loads|dswiglu"}
 METRICS='gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,'\
 'lts__t_sector_op_read_hit_rate.pct,lts__t_sector_op_write_hit_rate.pct,dram__throughput.avg.pct_of_peak_sustained_elapsed,'\
 'sm__throughput.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_active,'\
