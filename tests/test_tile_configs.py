@@ -761,3 +761,17 @@ def test_tune_once_survives_a_failing_tuner_and_needs_a_checkout(tile_cache, fak
         with pytest.raises(ConfigError, match="kernels.tune=once runs scripts/tune_gemm.py of a source checkout"):
             build.tune_untuned_gemms(PRESETS["tiny"], t, "H200", world)
     assert Path(build.__file__).resolve().parents[2].joinpath("scripts", "tune_gemm.py").is_file()
+
+
+def test_ws_smem_budget_reads_quacks_split_gpu_blind(stack):
+    """scripts/ws_smem_budget.py (the shared-memory arithmetic of docs/kernels.md's warp-specialized plan):
+    at 125M, dSwiGLU's shipped 128x128 tile keeps quack's 5 A/B stages, and a 64 KB accumulator buffer
+    leaves 3 at a load-stage base of 2 (the figures the plan cites)."""
+    run = subprocess.run([sys.executable, "scripts/ws_smem_budget.py", "--shapes", "125m"], env=ENV, cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in run.stdout.splitlines()
+            if ln.startswith("| 125m gemm_dswiglu_rowscale_stat")]
+    splits = {row[2]: row[3:7] for row in rows}
+    assert splits["shipped"] == ["0", "5 x 32", "3 x 8", "5 x 8"], rows
+    assert splits["warp-specialized, load base 2"] == ["64", "3 x 32", "2 x 16", "2 x 16"], rows
