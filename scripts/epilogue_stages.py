@@ -16,6 +16,8 @@ a different split of the same memory:
         takes the tile (l2_prefetch.py)
   pf1   pf, the first subtile of each load only (the one its epilogue waits for first)
   two2pf  two2 and pf together
+  ws    128 x N pingpong kernels (N <= 128) rebuilt warp-specialized: one MMA warpgroup, two epilogue
+        warpgroups, the accumulator between them in shared memory (ws_epilogue.py)
   ef    ship, with every epilogue TMA load and store marked evict-first in L2 (l2_hints.py)
   efl   ef, and the mainloop's A/B loads marked evict-last
   abl   ship, with the mainloop's A/B loads marked evict-last
@@ -79,6 +81,11 @@ def apply(variant: str) -> None:
         import l2_hints
 
         l2_hints.enable(*L2_HINTS[variant])
+        return
+    if variant == "ws":  # 128 x N pingpong kernels, warp-specialized: ws_epilogue.py
+        import ws_epilogue
+
+        ws_epilogue.enable()
         return
     if variant in TWO_EPILOGUES:  # pingpong kernels: two_epilogues.py
         import two_epilogues
@@ -180,7 +187,7 @@ def step_ms(text: str) -> float | None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--shapes", default="125m,1b-4x4096")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"of {[*VARIANTS, *TWO_EPILOGUES, *L2_PREFETCH, *L2_HINTS]}")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"of {[*VARIANTS, *TWO_EPILOGUES, *L2_PREFETCH, *L2_HINTS, 'ws']}")
     p.add_argument("--ops", default=",".join(LOAD_OPS), help="the ops timed alone")
     p.add_argument("--step", default="", help="a bench.py shape: time the coda-graphs step per variant")
     p.add_argument("--step-rounds", type=int, default=2)
