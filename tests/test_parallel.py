@@ -280,6 +280,31 @@ def test_fsdp_crash_mid_checkpoint_keeps_the_previous_one_and_damage_is_detected
         verify_checkpoint(ckpts / "step_00000004")
 
 
+
+def test_a_failed_shard_write_stops_every_rank_with_one_paragraph(tiny, tmp_path):
+    """A sharded checkpoint whose shard files cannot be written (here: larger than the file size limit, EFBIG; a full
+    disk alike) stops every rank with one paragraph naming the checkpoint, not torch.distributed.checkpoint's
+    CheckpointException traceback on every rank; the partial write is removed."""
+    import resource
+
+    def limit_file_size():  # each rank's shard is about 650 kB; metrics, train.log and config.yaml stay far below
+        resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000))
+
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+                             *tiny, "trainer.max_steps=4", "trainer.ckpt_every=2", "trainer.batch_size=2",
+                             "trainer.parallel=fsdp", f"trainer.run_dir={tmp_path}"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120, preexec_fn=limit_file_size)
+    output = result.stdout + result.stderr
+    worker_tracebacks = [f"[rank{rank}]: Traceback" for rank in (0, 1)] + ["Error executing job", "CheckpointException"]
+    assert result.returncode != 0 and not any(text in output for text in worker_tracebacks), output[-3000:]
+    # the OSError where torch.distributed.checkpoint reports one (exit 4), else torch.save's account of a short write
+    ranks_said = (output.count(f"could not write the checkpoint of step 2 to {tmp_path / 'checkpoints'}") +
+                  output.count(f"writing the checkpoint of step 2 ({tmp_path / 'checkpoints' / 'step_00000002'}) failed"))
+    assert ranks_said == 2, output[-3000:]
+    assert "File too large" in output or "a file write failed: a full disk, a quota or a file size limit" in output
+    assert not list((tmp_path / "checkpoints").iterdir())  # the partial write removed
+    assert [line["step"] for line in metrics(tmp_path)] == [1, 2]
+
 # --- FSDP2 overlap: the order in which units are gathered, blocks run and gradients are reduced ---
 
 OVERLAP_LAYERS = 4

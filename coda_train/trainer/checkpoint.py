@@ -240,9 +240,9 @@ def save_sharded_checkpoint(root: Path, step: int, state: TrainState, meta: dict
     tmp = _sharded_tmp(root, step, state, sharded, world)
     try:
         dcp.save(sharded, storage_writer=FileSystemWriter(tmp / SHARDS_DIR, sync_files=True))
-    except BaseException:
+    except BaseException as e:
         _remove_on_main(tmp, world)
-        raise
+        _raise_write_failure(e, root, step)
     return _publish_sharded(root, step, tmp, meta, keep_last, world, before_meta)
 
 
@@ -277,15 +277,25 @@ def finish_sharded_checkpoint(pending: PendingSave, root: Path, meta: dict[str, 
         pending.written.result()
     except BaseException as e:
         _remove_on_main(pending.tmp, world)
-        if not isinstance(e, CheckpointException):
-            raise
-        errors = [error for error, _ in e.failures.values()]
-        if isinstance(errors[0], OSError):  # e.g. disk full: the caller reports it as a run-dir write error
-            raise errors[0] from e
-        raise CheckpointError(f"writing the checkpoint of step {pending.step} ({root / f'step_{pending.step:08d}'}) "
-                              f"failed ({type(errors[0]).__name__}: {errors[0]}); the earlier checkpoints are "
-                              "intact, resume from the newest") from e
+        _raise_write_failure(e, root, pending.step)
     return _publish_sharded(root, pending.step, pending.tmp, meta, keep_last, world, before_meta)
+
+
+def _raise_write_failure(e: BaseException, root: Path, step: int) -> None:
+    """Raise a failed shard write (on any rank: torch.distributed.checkpoint reports it to all, as a
+    CheckpointException) as its OSError, e.g. disk full, which the caller reports as a run-dir write error, or as a
+    CheckpointError naming the checkpoint; anything else as it is."""
+    if not isinstance(e, CheckpointException):
+        raise e
+    errors = [error for error, _ in e.failures.values()]
+    if isinstance(errors[0], OSError):
+        raise errors[0] from e
+    # torch.save (each tensor of a shard) reports a failed file write as its own RuntimeError, the OSError lost
+    short_write = (" (a file write failed: a full disk, a quota or a file size limit)"
+                   if "unexpected pos" in str(errors[0]) else "")
+    raise CheckpointError(f"writing the checkpoint of step {step} ({root / f'step_{step:08d}'}) failed "
+                          f"({type(errors[0]).__name__}: {errors[0]}){short_write}; the earlier checkpoints are intact, "
+                          "resume from the newest") from e
 
 
 def _sharded_tmp(root: Path, step: int, state: TrainState, sharded: dict[str, Any], world: World) -> Path:
