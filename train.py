@@ -144,12 +144,15 @@ def say_preset_unused(config: Config, overrides: list[str]) -> None:
 def remove_if_made_here_and_empty(run_dir: Path) -> None:
     """A start refused before it wrote anything leaves no dir behind that hydra made for it (one that existed stays),
     nor the new dirs above it that hold nothing else."""
-    if run_dir.absolute() not in existing_run_dirs and run_dir.is_dir() and not any(run_dir.iterdir()):
-        run_dir.rmdir()
-        for parent in run_dir.absolute().parents:
-            if parent not in new_parent_dirs or not parent.is_dir() or any(parent.iterdir()):
-                break
-            parent.rmdir()
+    try:
+        if run_dir.absolute() not in existing_run_dirs and run_dir.is_dir() and not any(run_dir.iterdir()):
+            run_dir.rmdir()
+            for parent in run_dir.absolute().parents:
+                if parent not in new_parent_dirs or not parent.is_dir() or any(parent.iterdir()):
+                    break
+                parent.rmdir()
+    except FileNotFoundError:  # under torchrun every refused rank removes the same dirs: another rank was first
+        pass
 
 
 def record_existing_dirs(argv: list[str]) -> None:
