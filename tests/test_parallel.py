@@ -606,6 +606,22 @@ def test_two_ranks_without_a_run_dir_leave_one_timestamped_dir(tiny, tmp_path):
     assert [m["step"] for m in metrics(run_dir)] == [1]
 
 
+def test_a_resume_under_torchrun_says_once_what_it_finds(tiny, tmp_path):
+    """Every rank looks for the checkpoint to resume; rank 0 alone says which damaged one it skips and that there is
+    nothing to do (each line came once per rank)."""
+    common = [*tiny, "trainer.max_steps=4", "trainer.ckpt_every=2", "trainer.batch_size=2", "trainer.parallel=fsdp",
+              f"trainer.run_dir={tmp_path}"]
+    assert run_two_ranks(*common).returncode == 0
+    again = run_two_ranks(*common)
+    assert again.returncode == 0, again.stderr
+    assert (again.stdout + again.stderr).count("nothing to do: the checkpoint is at step 4") == 1
+    shard = tmp_path / "checkpoints" / "step_00000004" / "shards" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    resumed = run_two_ranks(*common)
+    assert resumed.returncode == 0, resumed.stderr
+    output = resumed.stdout + resumed.stderr
+    assert output.count("skipping damaged checkpoint") == 1 and "step_00000002 (step 2)" in output
+
 def test_ranks_refused_at_start_remove_their_shared_new_run_dir_without_colliding(tmp_path, monkeypatch):
     """Under torchrun every rank of a start refused before the run dir is held (trainer.parallel=none) removes the
     run dir hydra made, the same dir: the rank that finds it gone was second, not failing (it ended with a

@@ -438,8 +438,8 @@ def load_model_state(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
     return {"model": template["model"], "train_loader": run_state.get("train_loader", {})}
 
 
-def newest_good_checkpoint(root: Path) -> Optional[Checkpoint]:
-    """The newest checkpoint under root that verifies; damaged ones are skipped with a warning."""
+def newest_good_checkpoint(root: Path, warn: bool = True) -> Optional[Checkpoint]:
+    """The newest checkpoint under root that verifies; damaged ones are skipped, with a warning if `warn`."""
     while True:
         for path in list_checkpoints(root):
             try:
@@ -447,7 +447,8 @@ def newest_good_checkpoint(root: Path) -> Optional[Checkpoint]:
             except CheckpointError as e:
                 if not path.exists():  # pruned by a run still saving (keep_last) beside a tool reading it: list again
                     break
-                log.warning("skipping damaged checkpoint: %s", e)
+                if warn:
+                    log.warning("skipping damaged checkpoint: %s", e)
         else:
             return None
 
@@ -458,10 +459,10 @@ def resumes(resume: str, run_dir: Path) -> bool:
     return resume not in ("auto", "never") or (resume == "auto" and bool(list_checkpoints(Path(run_dir) / CHECKPOINTS_DIR)))
 
 
-def find_resume_checkpoint(resume: str, run_dir: Path) -> Optional[Checkpoint]:
+def find_resume_checkpoint(resume: str, run_dir: Path, warn: bool = True) -> Optional[Checkpoint]:
     """The checkpoint this run continues, per trainer.resume: auto (the newest good one of run_dir,
     None in a new run), never (None; run_dir must hold no run), or a path (a checkpoint, a
-    checkpoints dir or a run dir)."""
+    checkpoints dir or a run dir). warn: say which damaged ones are skipped (every rank looks, one says)."""
     root = run_dir / CHECKPOINTS_DIR
     if resume == "never":
         if list_checkpoints(root) or (run_dir / METRICS_FILE).exists():
@@ -469,12 +470,12 @@ def find_resume_checkpoint(resume: str, run_dir: Path) -> Optional[Checkpoint]:
                                   "a new one into it; choose a new trainer.run_dir or use trainer.resume=auto")
         return None
     if resume == "auto":
-        found = newest_good_checkpoint(root)
+        found = newest_good_checkpoint(root, warn)
         if found is None and list_checkpoints(root):  # never silently restart a run whose progress is damaged
             raise CheckpointError(f"every checkpoint in {root} is damaged (see the warnings above); point "
                                   "trainer.resume at a good checkpoint elsewhere, or start over in a new trainer.run_dir")
         return found
-    found = _checkpoint_at(Path(resume), resume)
+    found = _checkpoint_at(Path(resume), resume, warn)
     own = list_checkpoints(root)
     if own and root.resolve() not in found.path.resolve().parents:
         # another run's checkpoint into a run dir with progress of its own: starting over would set that progress
@@ -491,7 +492,7 @@ def resumes_newest_good(resume: str) -> bool:
     return resume == "auto" or not (Path(resume) / META_FILE).exists() and not (Path(resume) / STATE_FILE).exists()
 
 
-def _checkpoint_at(path: Path, resume: str) -> Checkpoint:
+def _checkpoint_at(path: Path, resume: str, warn: bool = True) -> Checkpoint:
     """The checkpoint trainer.resume=path names: that checkpoint (it must be good), or the newest good one of
     a run dir or checkpoints dir."""
     if (path / META_FILE).exists() or (path / STATE_FILE).exists():  # one checkpoint: it must be good
@@ -502,7 +503,7 @@ def _checkpoint_at(path: Path, resume: str) -> Checkpoint:
                                   "to take the newest good one of this run)") from e
     for root in (path / CHECKPOINTS_DIR, path):  # a run dir or its checkpoints dir: newest good one
         if list_checkpoints(root):
-            found = newest_good_checkpoint(root)
+            found = newest_good_checkpoint(root, warn)
             if found is None:
                 raise CheckpointError(f"trainer.resume={resume}: no checkpoint there is intact; "
                                       "point trainer.resume at another checkpoint or use trainer.resume=never")
