@@ -622,6 +622,18 @@ def test_a_resume_under_torchrun_says_once_what_it_finds(tiny, tmp_path):
     output = resumed.stdout + resumed.stderr
     assert output.count("skipping damaged checkpoint") == 1 and "step_00000002 (step 2)" in output
 
+def test_a_resume_naming_the_same_parallel_mode_otherwise_is_the_same_run(tiny, tmp_path):
+    """trainer.parallel=fsdp, resumed with the default auto (fsdp under torchrun): no setting changed, so the steps
+    redone after the checkpoint replace their lines instead of moving them aside as another trajectory's."""
+    common = [*tiny, "trainer.max_steps=4", "trainer.ckpt_every=2", "trainer.batch_size=2", f"trainer.run_dir={tmp_path}"]
+    killed = run_two_ranks(*common, "trainer.parallel=fsdp", "debug.sigkill_after_step=3")
+    assert killed.returncode != 0 and metrics(tmp_path)[-1]["step"] == 3
+    resumed = run_two_ranks(*common)
+    assert resumed.returncode == 0, resumed.stderr
+    output = resumed.stdout + resumed.stderr
+    assert "step_00000002 (step 2)" in output and "x2 fsdp" in output and "settings changed" not in output
+    assert not list(tmp_path.glob("metrics.replaced-*")) and [line["step"] for line in metrics(tmp_path)] == [1, 2, 3, 4]
+
 def test_ranks_refused_at_start_remove_their_shared_new_run_dir_without_colliding(tmp_path, monkeypatch):
     """Under torchrun every rank of a start refused before the run dir is held (trainer.parallel=none) removes the
     run dir hydra made, the same dir: the rank that finds it gone was second, not failing (it ended with a

@@ -79,9 +79,16 @@ def _announced_settings(config: dict[str, Any]) -> dict[str, Any]:
     return {k: v for name in _RESUME_ANNOUNCED for k, v in flat.items() if k == name or k.startswith(f"{name}.")}
 
 
+def _parallel_as_resolved(before: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
+    """`before`, a run's flat config, with a recorded trainer.parallel=auto (runs recorded before the resolved mode was)
+    read as `now`'s: auto resolves by the process count, and another count shows in batch_size or grad_accum_steps."""
+    return {**before, "trainer.parallel": now["trainer.parallel"]} if before.get("trainer.parallel") == "auto" else before
+
+
 def _changed_settings(saved: dict[str, Any], cfg: Config) -> dict[str, tuple[Any, Any]]:
     """The optim.*, trainer.*, kernels.* and model.impl values of cfg that differ from `saved` (a run's config)."""
-    before, now = _announced_settings(saved), _announced_settings(OmegaConf.to_container(OmegaConf.structured(cfg)))
+    now = _announced_settings(OmegaConf.to_container(OmegaConf.structured(cfg)))
+    before = _parallel_as_resolved(_announced_settings(saved), now)
     return {k: (before[k], v) for k, v in now.items() if k in before and before[k] != v and k not in _RESUME_IGNORED}
 
 
@@ -107,7 +114,8 @@ def logged_under_other_settings(run_dir: Path, config: dict[str, Any]) -> bool:
     previous = read_run_config(run_dir / CONFIG_FILE)
     if previous is None:
         return True
-    before, now = _flat(previous), _flat(config)
+    now = _flat(config)
+    before = _parallel_as_resolved(_flat(previous), now)
     return any(k in before and before[k] != v for k, v in now.items()
                if k not in SAME_TRAJECTORY and not k.startswith(("logger.", "debug.")))
 
@@ -240,6 +248,9 @@ def train(cfg: Config, run_dir: Path, sweep_dir: Optional[Path] = None, early: O
 
 def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compute_dtype: torch.dtype,
            world: World, parallel: str, cuda_graphs: bool, sweep_dir: Optional[Path]) -> Optional[dict[str, Any]]:
+    # trainer.parallel as it resolved (fsdp, ddp or none), as config.yaml and meta.json record it: a resume that names
+    # the same mode otherwise (auto) is the same run, not changed settings whose metrics lines are set aside
+    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, parallel=parallel))
     t = cfg.trainer
     o, decay_steps = cfg.optim, wsd_decay_steps(cfg.optim, t.max_steps)
     if o.warmup_steps >= t.max_steps and world.is_main:  # allowed (a short test run), but likely a slip
