@@ -775,3 +775,35 @@ def test_ws_smem_budget_reads_quacks_split_gpu_blind(stack):
     splits = {row[2]: row[3:7] for row in rows}
     assert splits["shipped"] == ["0", "5 x 32", "3 x 8", "5 x 8"], rows
     assert splits["warp-specialized, load base 2"] == ["64", "3 x 32", "2 x 16", "2 x 16"], rows
+
+
+def test_warp_specialized_epilogue_compiles_gpu_blind(stack, tmp_path):
+    """scripts/ws_epilogue.py (the warp-specialized experiment, epilogue_stages.py variant ws) rebuilds the
+    125M step's 128x128 pingpong kernels with four warpgroups; B1 and RoPE compile GPU-blind, with the
+    hand-over buffer taken out of the stage split (3 A/B stages at 128x128), so a broken kernel fails
+    here, not on the GPU machine."""
+    out = _run(r'''
+import sys
+sys.path.insert(0, "scripts")
+import torch, ws_epilogue
+ws_epilogue.enable()
+from quack.gemm_sm90 import GemmSm90
+built = []
+setup = GemmSm90._setup_attributes
+def recorded(self, args):
+    setup(self, args)
+    built.append((self.ws, self.threads_per_cta, self.ab_stage))
+GemmSm90._setup_attributes = recorded
+from tune_gemm import gemm_inputs, launches
+from coda_train.kernels import Dims, Example
+from coda_train.kernels.cute import _launch
+from coda_train.kernels.library import CUTE_IMPLS
+for launch in launches(["125m"], ["gemm_dswiglu_rowscale_stat", "gemm_rowscale_rope"]):
+    dims = Dims(**launch["dims"])
+    kw = gemm_inputs(dims, launch["op"], launch["m"], launch["n"], launch["k"])(
+        Example(dims, torch.bfloat16, "cpu", torch.Generator().manual_seed(0)))
+    with _launch.compile_only("H200"):
+        CUTE_IMPLS[launch["op"]].kernel(**kw)
+print("BUILT", built)
+''', env=dict(ENV, QUACK_CACHE_DIR=str(tmp_path)))
+    assert "BUILT [(True, 512, 3), (True, 512, 3)]" in out, out[-2000:]
