@@ -25,7 +25,8 @@ a different split of the same memory:
 Each variant runs in processes of its own with a kernel cache of its own (QUACK_CACHE_DIR): (1) the
 step's kernels at every --shapes shape compile GPU-blind, variants in parallel; (2) each shape's
 epilogue-loading ops (or --ops) run alone at the shipped tile configs, median of triton's do_bench, outputs
-checksummed against ship's (the same math in the same order: bitwise equal); (3) with --step, bench.py's
+checksummed against ship's (the same math in the same order: bitwise equal; DIFF otherwise) and checked against the
+float64 reference as the GPU tests check them (kernels.testing.check_case; FAIL when not within bounds); (3) with --step, bench.py's
 coda-graphs step at that shape, the variants alternately, two rounds. Prints a table and writes
 epilogue_stages.json under --out.
 
@@ -160,10 +161,14 @@ def child_time(shapes: list[str], ops: list[str]) -> None:
                 with testing.poisoned_cute_outputs():
                     got = testing.results(OPS[op], impl, kwargs)
                 sums = [[float(g.double().sum()), float(g.double().abs().sum())] for g in got]
+                # against the float64 reference too: a variant that reorders the epilogue's sums is not bitwise ship
+                checked = testing.check_case(OPS[op], op, kwargs, impl)
                 timed = {k: v.clone() if k in OPS[op].mutates else v for k, v in kwargs.items()}
                 ms = do_bench(lambda: impl(**timed), warmup=25, rep=200, return_mode="median")
             print("RESULT " + json.dumps(dict(shape=shape, op=op, mnk=[launch["m"], launch["n"], launch["k"]], config=str(cfg),
-                                              ms=round(ms, 4), checksums=sums)), flush=True)
+                                              ms=round(ms, 4), checksums=sums, ok=all(r["ok"] for r in checked),
+                                              err=max(r["err_cute"] for r in checked),
+                                              err_base=max(r["err_base"] for r in checked))), flush=True)
             kwargs = timed = got = None
             torch.cuda.empty_cache()
 
@@ -268,7 +273,8 @@ def main() -> None:
         for v in variants:
             mine = [r for r in rows if (r["shape"], r["op"], tuple(r["mnk"]), r["config"]) == key and r["variant"] == v]
             same = all(r["checksums"] == ship.get(key[:3]) for r in mine)
-            cells.append("/".join(f"{r['ms']:.4f}" for r in mine) + ("" if same else " DIFF"))
+            wrong = not all(r.get("ok", True) for r in mine)  # fails the reference check (kernels.testing)
+            cells.append("/".join(f"{r['ms']:.4f}" for r in mine) + ("" if same else " DIFF") + (" FAIL" if wrong else ""))
         print(f"{key[0]:10s} {key[1]:32s} {'x'.join(map(str, key[2])):18s} {key[3]:24s} " + " ".join(f"{c:>14s}" for c in cells))
 
     for rnd in range(1, args.step_rounds + 1) if args.step else ():
