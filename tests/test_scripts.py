@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*.py"))
 # imported by other scripts, with no command line of their own: running one checks that it imports
-MODULES = {"code_version.py", "two_epilogues.py", "l2_prefetch.py", "l2_hints.py", "palette_png.py", "fa4_peer.py"}
+MODULES = {"code_version.py", "two_epilogues.py", "ws_epilogue.py", "l2_prefetch.py", "l2_hints.py", "palette_png.py", "fa4_peer.py"}
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
