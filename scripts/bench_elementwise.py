@@ -20,7 +20,7 @@ Hopper GPU, against what they replaced:
       graph, so they are timed with triton.testing.do_bench_cudagraph (no launch gaps).
 
 Each row is the median of triton.testing.do_bench (do_bench_cudagraph for the folds). Prints a table
-and writes bench_elementwise.json / .md under --out (default $OUT).
+and writes bench_elementwise.json / .md under --out (default $OUT, else runs/<script name>).
 
   python scripts/bench_elementwise.py [--presets llama3_125m,llama3_1b,llama3_8b] [--sections rope,embedding,folds]
                                       [--baseline REV] [--no-vs-torch] [--out DIR]
@@ -208,7 +208,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", default="llama3_125m,llama3_1b,llama3_8b")
     ap.add_argument("--baseline", default=None, help="also time the replaced path with the Triton RoPE pass of this git revision")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=os.environ.get("OUT", "runs/bench_elementwise"))
     ap.add_argument("--sections", default="rope,embedding,folds", help="which of rope, embedding, folds to time")
     ap.add_argument("--no-vs-torch", dest="vs_torch", action="store_false",
                     help="skip the embedding backward against torch (as leaving embedding out of --sections)")

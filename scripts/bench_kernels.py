@@ -10,7 +10,7 @@ widths with M = 8192 tokens (batch 4 x seq 2048), bf16, on one Hopper GPU.
 Median of triton.testing.do_bench (warm-up included, compiles excluded); an op that updates an
 input in place (declared `mutates`) keeps updating it across the timed calls (timing only: no
 output is compared here; scripts/check_kernels.py checks them). Prints a table and
-writes bench_kernels.json / bench_kernels.md under --out (default $OUT).
+writes bench_kernels.json / bench_kernels.md under --out (default $OUT, else runs/<script name>).
 
   python scripts/bench_kernels.py [--presets llama3_1b,llama3_8b] [--out DIR]
 
@@ -68,7 +68,7 @@ def baseline(op, kw):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", default="llama3_1b,llama3_8b")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=os.environ.get("OUT", "runs/bench_kernels"))
     ap.add_argument("--plain-gemms", action="store_true", help="only the plain GEMMs: quack vs cuBLAS")
     args = ap.parse_args()
     if not torch.cuda.is_available():

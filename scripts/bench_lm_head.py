@@ -14,7 +14,7 @@ at the bench shapes on one Hopper GPU, three ways, against the floor of its thre
 
 Each variant is the median of triton.testing.do_bench, with the peak memory one call allocates
 above its inputs; the kernels of one call are listed with their times (torch.profiler). Prints a
-table and writes bench_lm_head.json / .md under --out (default $OUT).
+table and writes bench_lm_head.json / .md under --out (default $OUT, else runs/<script name>).
 
 --chunk-mib 1024,2048 repeats every variant at each bound on one chunk of logits (coda.LOGITS_CHUNK_BYTES,
 default the model's): fewer, larger chunks mean fewer read-add-writes of the fp32 weight gradient
@@ -158,7 +158,7 @@ def main() -> None:
                     help="of coda, quack-exp, quack-base, floor (the three cuBLAS GEMMs)")
     ap.add_argument("--chunk-mib", default=str(coda.LOGITS_CHUNK_BYTES >> 20),
                     help="comma-separated bounds on one chunk of bf16 logits, MiB (coda.LOGITS_CHUNK_BYTES)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=os.environ.get("OUT", "runs/bench_lm_head"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("bench_lm_head.py times the LM head on a Hopper GPU; run it on the GPU machine")

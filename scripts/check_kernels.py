@@ -73,7 +73,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", default=",".join(OP_CHECK_SHAPES))
     ap.add_argument("--ops", default="", help="op or case names, comma-separated (default: every declared op)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=os.environ.get("OUT", "runs/check_kernels"))
     ap.add_argument("--models", default=",".join(MODEL_CASES), help="whole-model checks ('' for none)")
     ap.add_argument("--repeat", type=int, default=0, help="also call each op case N more times: outputs not bitwise equal")
     args = ap.parse_args()

@@ -200,7 +200,7 @@ def main() -> None:
     p.add_argument("--jit", action="store_true",
                    help="skip the GPU-blind compile of the whole step: each timing child compiles the ops it runs "
                         "(no SPLIT lines; saves device time when only a few ops are timed)")
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--out", default=os.environ.get("OUT", "runs/epilogue_stages"))
     p.add_argument("--variant", help=argparse.SUPPRESS)  # child: the variant to apply
     p.add_argument("--child", help=argparse.SUPPRESS)  # child: compile | time | bench
     p.add_argument("--bench-args", default="", help=argparse.SUPPRESS)  # child bench: bench.py's arguments

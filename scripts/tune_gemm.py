@@ -323,7 +323,7 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=None,
                     help="wall-clock budget of the whole run (default 290 s; --compile-only: none)")
     ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="compile processes")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=os.environ.get("OUT", "runs/tune_gemm"))
     ap.add_argument("--compile-only", action="store_true", help="compile every candidate GPU-blind and stop")
     ap.add_argument("--sustained-s", type=float, default=0.0,
                     help="time each candidate after this many seconds of itself back to back (the clock a sustained, "
