@@ -266,10 +266,11 @@ def pairs_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def markdown(table: list[dict], window: int) -> str:
+def markdown(table: list[dict], span: float) -> str:
+    """The runs' table; the train loss column is each run's mean over its last `span` steps (window_span)."""
     cols = ["run", "steps", "final_train_loss", "final_val_loss", "mean_abs_dloss", "max_abs_dloss",
             "mean_abs_dloss_smoothed_last10pct", "max_abs_dloss_smoothed_last10pct", "tokens_per_s"]
-    heads = ["run", "steps", f"train loss (smoothed {window})", "val loss", "mean |Δ|", "max |Δ|",
+    heads = ["run", "steps", f"train loss (mean of the last {span:g} steps)", "val loss", "mean |Δ|", "max |Δ|",
              "mean |Δ| smoothed, last 10%", "max |Δ| smoothed, last 10%", "tokens/s"]
 
     def fmt(v, column):
@@ -368,7 +369,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         p.error(f"{foreign} exists and is not an earlier comparison's output (this command writes {out.name} and the "
                 f"{out.stem}.md and {out.stem}.json beside it); choose another --out")
     table = compare(runs, window)
-    md = markdown(table, window)
+    md = markdown(table, window_span(runs, window))
     result = {"smooth_window": window, "runs": table}
     if len(runs) >= 3:
         result["pairs"] = pairs(runs, window)

@@ -128,6 +128,7 @@ def test_runs_logged_at_other_intervals_and_runs_of_other_settings_are_told_apar
     lr_pair = by_pair[("eager (a/0)", "eager (c/0)")]
     assert not lr_pair["same_model"] and lr_pair["settings_differ"] == ["optim.lr"]
     md = out.with_suffix(".md").read_text()
+    assert "train loss (mean of the last 25 steps)" in md  # 5 points of the run logged every 5 steps
     assert "| eager (a/0) | eager (c/0) | no (optim.lr) |" in md
     # the other-lr pairs are in neither summary: not noise, and not a model difference alone
     assert "same model (run-to-run noise): 1 pair," in md and "across models" not in md
