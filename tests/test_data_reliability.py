@@ -614,3 +614,16 @@ def test_a_stop_during_bpe_training_is_acted_on_at_once(monkeypatch):
     monkeypatch.setattr(shards_module, "train_bpe", lambda docs, vocab_size, show_progress: 1 / 0)
     with pytest.raises(ZeroDivisionError):  # the training thread's errors are raised on the caller's thread
         _train_bpe_stoppable(iter(["a document"]), 300, _StopSignals())
+
+
+def test_local_dataset_folder_read_through_datasets_is_prepared_again_when_its_files_change(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "corpus" / "data").mkdir(parents=True)
+    shard = tmp_path / "corpus" / "data" / "train-00000-of-00001.parquet"
+    pq.write_table(pa.table({"text": make_docs(20)}), shard)
+    cfg = config(tmp_path / "corpus", tmp_path / "cache", format="hub")
+    assert prepare(cfg).manifest["num_documents"] == 20
+    pq.write_table(pa.table({"text": make_docs(30, seed=1)}), shard)  # the corpus edited in place: same folder name
+    assert prepare(cfg).manifest["num_documents"] == 30

@@ -61,9 +61,14 @@ class Source:
     def identity(self) -> dict:
         """What decides the documents: file paths with size and mtime (a stat is cheap, hashing a corpus is not), or the name."""
         if self.format == "hub":
-            return {"hub": self.hub_name}
-        stats = [os.stat(f) for f in self.files]
-        return {"format": self.format, "files": [[f, s.st_size, s.st_mtime_ns] for f, s in zip(self.files, stats)]}
+            # a local dataset folder (data.format=hub reads it through datasets): an edit in place keeps its name
+            local = _expand_files(self.hub_name) if os.path.isdir(os.path.expanduser(self.hub_name)) else []
+            return {"hub": self.hub_name} | ({"files": _file_stats(local)} if local else {})
+        return {"format": self.format, "files": _file_stats(self.files)}
+
+
+def _file_stats(files) -> list:
+    return [[f, s.st_size, s.st_mtime_ns] for f, s in zip(files, map(os.stat, files))]
 
 
 def builtin_files() -> list[str]:
