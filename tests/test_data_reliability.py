@@ -627,3 +627,31 @@ def test_local_dataset_folder_read_through_datasets_is_prepared_again_when_its_f
     assert prepare(cfg).manifest["num_documents"] == 20
     pq.write_table(pa.table({"text": make_docs(30, seed=1)}), shard)  # the corpus edited in place: same folder name
     assert prepare(cfg).manifest["num_documents"] == 30
+
+
+def test_arrow_files_of_datasets_are_read_as_records_not_as_text(tmp_path):
+    import datasets
+
+    docs = make_docs(20)
+    datasets.Dataset.from_dict({"text": docs, "id": list(range(20))}).save_to_disk(tmp_path / "saved")
+    arrow = next((tmp_path / "saved").glob("*.arrow"))
+    data = prepare(config(arrow, tmp_path / "cache"))  # before: one document of the file's binary bytes
+    assert data.manifest["num_documents"] == 20 and data.manifest["document_counts"]["replaced"] == 0
+    with pytest.raises(DataError, match=r"data.format=text reads .*\.arrow .* set data.format=arrow"):
+        prepare(config(arrow, tmp_path / "cache", format="text"))
+
+
+@pytest.mark.parametrize("fmt", ["auto", "hub"])
+def test_a_save_to_disk_folder_is_read_as_its_dataset_and_a_dataset_dict_by_data_split(tmp_path, fmt):
+    import datasets
+
+    docs = make_docs(30)
+    datasets.Dataset.from_dict({"text": docs}).save_to_disk(tmp_path / "saved")  # with state.json, dataset_info.json
+    saved = prepare(config(tmp_path / "saved", tmp_path / "cache", format=fmt))  # before: "mixes formats" / load_dataset
+    assert saved.manifest["num_documents"] == 30
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": docs[:25]}),
+                          "validation": datasets.Dataset.from_dict({"text": docs[25:]})}).save_to_disk(tmp_path / "dict")
+    assert prepare(config(tmp_path / "dict", tmp_path / "cache", format=fmt)).manifest["num_documents"] == 25
+    assert prepare(config(tmp_path / "dict", tmp_path / "cache", format=fmt, split="validation")).manifest["num_documents"] == 5
+    with pytest.raises(DataError, match=r"has no split 'test'.*\['train', 'validation'\].*data.split"):
+        prepare(config(tmp_path / "dict", tmp_path / "cache", format=fmt, split="test"))

@@ -17,9 +17,9 @@ class DataError(ValueError):
 @dataclass
 class DataConfig:
     source: str = "builtin"  # "builtin" (Python stdlib sources), a local file/dir/glob, or a hub dataset name
-    format: str = "auto"  # auto|text|json|parquet|hub
-    text_field: str = "text"  # column holding the document text (json/parquet/hub)
-    split: str = "train"  # hub split
+    format: str = "auto"  # auto|text|json|parquet|arrow|hub
+    text_field: str = "text"  # column holding the document text (json/parquet/arrow/hub)
+    split: str = "train"  # hub split, or the split of a DatasetDict folder saved by save_to_disk
     streaming: bool = False  # hub only; local files are always streamed
     tokenizer: Optional[str] = None  # tokenizer.json or HF tokenizer dir; None -> train byte-level BPE
     eos_token: Optional[str] = None  # None -> the tokenizer's own EOS (tokenizer_config.json or a known name)
@@ -67,7 +67,7 @@ class DataConfig:
             raise DataError(f"data.eos_token={self.eos_token!r} is not in the BPE this run trains, whose end-of-document "
                             f"token is {EOS_TOKEN!r}: leave data.eos_token unset, or set data.tokenizer to a "
                             "tokenizer that has it")
-        formats = ("auto", "text", "json", "parquet", "hub")
+        formats = ("auto", "text", "json", "parquet", "arrow", "hub")
         if self.format not in formats:
             raise DataError(f"data.format={self.format!r} is not one of {formats}")
         if self.tokenizer is None and self.vocab_size < 257:

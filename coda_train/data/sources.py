@@ -26,13 +26,14 @@ log = logging.getLogger(__name__)
 # stdlib folders that are not library source: third-party installs, test suites, compiled caches, codec tables
 BUILTIN_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "encodings"}
 BUILTIN_SUFFIXES = {".py", ".txt", ".rst"}
-FORMAT_BY_SUFFIX = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+FORMAT_BY_SUFFIX = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow"}
+BINARY_FORMATS = {"parquet": "Parquet", "arrow": "Arrow"}  # read as text or JSON, their bytes are garbage
 # compressed text and JSON files are read through the stdlib's decompressors; the format is the suffix before it
 DECOMPRESSORS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
 UNSUPPORTED_COMPRESSION = {".zst": "zstd -d", ".zstd": "zstd -d", ".lz4": "lz4 -d", ".zip": "unzip", ".7z": "7z x",
                            ".tar": "tar xf", ".tgz": "tar xzf", ".tbz2": "tar xjf", ".txz": "tar xJf"}
 # a source with one of these endings is a local path even when nothing matches it (so the error says "missing file")
-LOCAL_SUFFIXES = {".txt", ".text", ".md", ".rst", ".py", ".json", ".jsonl", ".parquet", *DECOMPRESSORS, *UNSUPPORTED_COMPRESSION}
+LOCAL_SUFFIXES = {".txt", ".text", ".md", ".rst", ".py", ".json", ".jsonl", ".parquet", ".arrow", *DECOMPRESSORS, *UNSUPPORTED_COMPRESSION}
 
 
 def _format_suffix(file: str) -> str:
@@ -120,6 +121,8 @@ def resolve_source(cfg: DataConfig) -> Source:
             stdlib = sysconfig.get_paths()["stdlib"]
             raise DataError(f"no Python standard library sources under {stdlib}; pass data.source=<your corpus>")
         return Source("builtin", "text", tuple(files))
+    if cfg.format in ("auto", "hub", "arrow") and (saved := _saved_dataset_files(cfg)):  # load_dataset refuses these
+        return Source(_slug(Path(cfg.source).expanduser().resolve().name), "arrow", tuple(saved))
     if cfg.format == "hub" or (cfg.format == "auto" and not _looks_local(cfg.source)):
         return Source(_slug(cfg.source), "hub", hub_name=cfg.source)
     # data.cache_dir inside the source's folder: its prepared files are not corpus
@@ -137,10 +140,13 @@ def resolve_source(cfg: DataConfig) -> Source:
                         f"such files); unpack it first ({tool}), or compress files one by one as .gz, .bz2 or .xz, which "
                         "are read as they are")
     fmt = cfg.format
-    # Parquet is binary: read as text or JSON it gives U+FFFD garbage (trained on, with only a decode warning)
-    if fmt in ("text", "json") and (parquet := [f for f in files if _format_suffix(f) == ".parquet"]):
-        raise DataError(f"data.format={fmt} reads {parquet[0]} ({len(parquet)} .parquet files) as {fmt}, but Parquet is "
-                        f"binary; set data.format=parquet (or auto), or narrow data.source to the {fmt} files")
+    # Parquet and Arrow are binary: read as text or JSON they give U+FFFD garbage (trained on, with only a decode warning)
+    binary = [f for f in files if FORMAT_BY_SUFFIX.get(_format_suffix(f)) in BINARY_FORMATS]
+    if fmt in ("text", "json") and binary:
+        kind = FORMAT_BY_SUFFIX[_format_suffix(binary[0])]
+        raise DataError(f"data.format={fmt} reads {binary[0]} ({len(binary)} .{kind} files) as {fmt}, but "
+                        f"{BINARY_FORMATS[kind]} is binary; set data.format={kind} (or auto), or narrow data.source to "
+                        f"the {fmt} files")
     if fmt == "auto":
         formats = {FORMAT_BY_SUFFIX.get(_format_suffix(f), "text") for f in files}
         if len(formats) > 1:
@@ -148,6 +154,31 @@ def resolve_source(cfg: DataConfig) -> Source:
         fmt = formats.pop()
     base = Path(os.path.basename(os.path.normpath(cfg.source.split("*")[0]))).stem  # "data/*.jsonl" -> "data"
     return Source(_slug(base), fmt, tuple(files))
+
+
+def _saved_dataset_files(cfg: DataConfig) -> list[str]:
+    """The .arrow files, in order, of a folder written by datasets' save_to_disk (of a DatasetDict, those of its data.split
+    split); none for any other source."""
+    folder = Path(cfg.source).expanduser()
+    try:
+        if (folder / "dataset_dict.json").is_file():
+            splits = json.loads((folder / "dataset_dict.json").read_text())["splits"]
+            if cfg.split not in splits:
+                raise DataError(f"{folder} (a DatasetDict saved by save_to_disk) has no split {cfg.split!r}; its splits are "
+                                f"{splits}: set data.split to one of them")
+            if others := [s for s in splits if s != cfg.split]:
+                log.info("%s: reading its split %r (data.split); its other splits %s are not read, and validation is "
+                         "data.val_fraction of %r", folder, cfg.split, others, cfg.split)
+            folder = folder / cfg.split
+        if not (folder / "state.json").is_file():
+            return []
+        files = [folder / f["filename"] for f in json.loads((folder / "state.json").read_text())["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"could not read the dataset datasets' save_to_disk wrote in {folder}: {e!r}; save it again") from e
+    if missing := [f for f in files if not f.is_file()]:
+        raise DataError(f"{missing[0]}, listed in {folder / 'state.json'}, is missing ({len(missing)} of {len(files)} "
+                        "files); copy the whole folder, or save the dataset again")
+    return [str(f.resolve()) for f in files]
 
 
 def json_read_as_text(source: Source) -> list[str]:
@@ -283,23 +314,47 @@ def _json_object(row, where: str) -> tuple[str, dict]:
     return where, row
 
 
+def _column_rows(file: str, columns: list[str], batches: Callable[[], Iterator[pa.RecordBatch]], cfg: DataConfig,
+                 counts: DocumentCounts) -> Iterator[tuple[str, dict]]:
+    """The text field of each row of a columnar file, whose columns are `columns`, read batch by batch."""
+    if cfg.text_field not in columns:
+        raise DataError(f"{file} has no column {cfg.text_field!r}; available fields: {sorted(columns)}. "
+                        f"Set data.text_field to one of them")
+    row = 0
+    for batch in batches():
+        for value in batch.column(cfg.text_field).to_pylist():
+            row += 1
+            yield f"{file} row {row}", {cfg.text_field: value}
+    counts.bytes_read += os.path.getsize(file)  # progress of columnar files moves file by file
+
+
 def _parquet_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -> Iterator[tuple[str, dict]]:
     try:
         parquet = pq.ParquetFile(file)
-        columns = parquet.schema_arrow.names
-        if cfg.text_field not in columns:
-            raise DataError(f"{file} has no column {cfg.text_field!r}; available fields: {sorted(columns)}. "
-                            f"Set data.text_field to one of them")
-        row = 0
-        for batch in parquet.iter_batches(columns=[cfg.text_field]):
-            for value in batch.column(0).to_pylist():
-                row += 1
-                yield f"{file} row {row}", {cfg.text_field: value}
-        counts.bytes_read += os.path.getsize(file)  # progress of Parquet moves file by file
+        yield from _column_rows(file, parquet.schema_arrow.names, lambda: parquet.iter_batches(columns=[cfg.text_field]),
+                                cfg, counts)
     except (OSError, pa.ArrowException) as e:
         other = ("" if _format_suffix(file) == ".parquet" else
                  " (data.format=parquet reads every file as Parquet: set data.format=auto or the files' format)")
         raise DataError(f"could not read documents from {file}: {e}; the file is damaged or not Parquet{other}") from e
+
+
+def _arrow_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -> Iterator[tuple[str, dict]]:
+    """An Arrow IPC stream, as datasets writes its .arrow files (save_to_disk, its cache), or an Arrow IPC file."""
+    try:
+        with pa.memory_map(file) as mapped:
+            try:
+                reader = pa.ipc.open_stream(mapped)
+                batches = lambda: iter(reader)  # noqa: E731
+            except pa.ArrowInvalid:  # not a stream: the IPC file format (pyarrow's, feather v2)
+                mapped.seek(0)
+                reader = pa.ipc.open_file(mapped)
+                batches = lambda: (reader.get_batch(i) for i in range(reader.num_record_batches))  # noqa: E731
+            yield from _column_rows(file, reader.schema.names, batches, cfg, counts)
+    except (OSError, pa.ArrowException) as e:
+        other = ("" if _format_suffix(file) == ".arrow" else
+                 " (data.format=arrow reads every file as Arrow: set data.format=auto or the files' format)")
+        raise DataError(f"could not read documents from {file}: {e}; the file is damaged or not Arrow{other}") from e
 
 
 def _hub_rows(source: Source, cfg: DataConfig) -> Iterator[tuple[str, dict]]:
@@ -323,7 +378,7 @@ def _hub_rows(source: Source, cfg: DataConfig) -> Iterator[tuple[str, dict]]:
         yield f"{source.hub_name} row {number}", row
 
 
-READERS = {"text": _text_rows, "json": _json_rows, "parquet": _parquet_rows}
+READERS = {"text": _text_rows, "json": _json_rows, "parquet": _parquet_rows, "arrow": _arrow_rows}
 
 
 def _rows(source: Source, cfg: DataConfig, counts: DocumentCounts, warn: bool) -> Iterator[tuple[str, dict]]:
