@@ -17,7 +17,7 @@ import torch
 from tokenizers.decoders import DecodeStream
 
 from coda_train.data import DataError
-from coda_train.data.tokenizer import num_ids
+from coda_train.data.tokenizer import for_documents, num_ids
 from coda_train.errors import ConfigError
 from coda_train.inference import checkpoint_parser, load_eager_model, log_progress_to_stderr, open_checkpoint
 from coda_train.model import LlamaConfig
@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         dtype = pick_compute_dtype(args.dtype, device)
         ckpt = open_checkpoint(args.checkpoint, args.tokenizer, check=lambda model, run: check_room(args, model))
         model = load_eager_model(ckpt, device, dtype)
-        prompt = ckpt.tokenizer.encode(args.prompt, add_special_tokens=False).ids if args.prompt else [ckpt.eos_id]
+        # as preparation encodes documents: a tokenizer.json's padding would append pad ids, its truncation cut the prompt
+        prompt = for_documents(ckpt.tokenizer).encode(args.prompt, add_special_tokens=False).ids if args.prompt else [ckpt.eos_id]
         tokens = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, generator=torch.Generator(device=device).manual_seed(args.seed),
                           vocab_limit=num_ids(ckpt.tokenizer), stop_token=ckpt.eos_id)

@@ -917,3 +917,26 @@ def test_eval_of_a_run_without_a_val_split_names_split_train(trained_run, tmp_pa
     result = run_script("eval.py", str(trained_run), "--batch-size", "1000")  # a val split shorter than one batch
     assert result.returncode == 1 and "fewer than one batch of 1000 windows of 32+1; pass a smaller --batch-size" \
         in result.stderr and "--split train" in result.stderr, result.stderr[-2000:]
+
+
+def test_sample_encodes_its_prompt_as_documents_despite_the_tokenizers_padding_and_truncation(tiny, tmp_path):
+    """A tokenizer.json saved with padding or truncation on (HF files often are): preparation ignores them
+    (for_documents), and so must the prompt: padded, it was the prompt plus pad tokens up to the length."""
+    from tokenizers import Tokenizer
+
+    padded = Tokenizer.from_file(str(tokenizer_file(tmp_path)))
+    padded.enable_padding(pad_id=0, pad_token=EOS_TOKEN, length=32)
+    padded.enable_truncation(max_length=32)
+    padded.save(str(tmp_path / "padded.json"))
+    run_dir = tmp_path / "run"
+    result = subprocess.run([sys.executable, "train.py", *tiny, f"trainer.run_dir={run_dir}", "trainer.max_steps=2",
+                             "model.impl=eager", f"data.tokenizer={tmp_path / 'padded.json'}"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    sampled = run_script("sample.py", str(run_dir), "--prompt", "def ", "--max-new-tokens", "8", "--temperature", "0")
+    assert sampled.returncode == 0, sampled.stderr[-3000:]
+    ckpt = open_checkpoint(run_dir)
+    model = load_eager_model(ckpt, torch.device("cpu"), torch.float32)
+    prompt = Tokenizer.from_file(str(tokenizer_file(tmp_path))).encode("def ", add_special_tokens=False).ids
+    ids = list(generate(model, prompt, 8, temperature=0.0, vocab_limit=300, stop_token=ckpt.eos_id))
+    assert sampled.stdout == ckpt.tokenizer.decode(prompt + ids) + "\n"
