@@ -655,3 +655,19 @@ def test_a_save_to_disk_folder_is_read_as_its_dataset_and_a_dataset_dict_by_data
     assert prepare(config(tmp_path / "dict", tmp_path / "cache", format=fmt, split="validation")).manifest["num_documents"] == 5
     with pytest.raises(DataError, match=r"has no split 'test'.*\['train', 'validation'\].*data.split"):
         prepare(config(tmp_path / "dict", tmp_path / "cache", format=fmt, split="test"))
+
+
+def test_the_eos_named_only_in_special_tokens_map_json_is_used(tmp_path):
+    """Folders saved by older transformers name their special tokens in special_tokens_map.json only: its EOS, not the
+    first known EOS name the vocabulary happens to hold, separates the documents (transformers reads it so too)."""
+    tokenizer = train_bpe(make_docs(20), 300)  # holds <|endoftext|>, a known EOS name
+    tokenizer.add_special_tokens(["<|eot|>"])
+    (tmp_path / "tok").mkdir()
+    tokenizer.save(str(tmp_path / "tok" / "tokenizer.json"))
+    (tmp_path / "tok" / "tokenizer_config.json").write_text('{"model_max_length": 2048}')
+    (tmp_path / "tok" / "special_tokens_map.json").write_text('{"eos_token": {"content": "<|eot|>", "lstrip": false}}')
+    source = write_jsonl(tmp_path / "corpus.jsonl", [{"text": d} for d in make_docs(10)])
+    data = prepare(config(source, tmp_path / "cache", tokenizer=str(tmp_path / "tok")))
+    assert data.manifest["tokenizer"]["eos_token"] == "<|eot|>" and data.eos_id == tokenizer.token_to_id("<|eot|>")
+    (tmp_path / "tok" / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}')  # the config's comes first
+    assert load_tokenizer(str(tmp_path / "tok"))[1] == "<|endoftext|>"

@@ -22,7 +22,7 @@ class DataConfig:
     split: str = "train"  # hub split, or the split of a DatasetDict folder saved by save_to_disk
     streaming: bool = False  # hub only; local files are always streamed
     tokenizer: Optional[str] = None  # tokenizer.json or HF tokenizer dir; None -> train byte-level BPE
-    eos_token: Optional[str] = None  # None -> the tokenizer's own EOS (tokenizer_config.json or a known name)
+    eos_token: Optional[str] = None  # None -> the tokenizer's own EOS (tokenizer_config.json, special_tokens_map.json or a known name)
     vocab_size: int = 8192  # for a trained tokenizer
     val_fraction: float = 0.02  # fraction of documents held out for validation, spread evenly
     cache_dir: str = "data_cache"  # prepared folders live here, one per input fingerprint

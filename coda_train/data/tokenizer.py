@@ -49,7 +49,8 @@ def tokenizer_file(path: str) -> Path:
 
 def load_tokenizer(path: str, setting: str = "data.tokenizer",
                    otherwise: str = "leave it unset to train a BPE") -> tuple[Tokenizer, Optional[str]]:
-    """A tokenizer.json file or an HF tokenizer directory; also returns the EOS named in its tokenizer_config.json, if any.
+    """A tokenizer.json file or an HF tokenizer directory; also returns the EOS named in its tokenizer_config.json
+    (else special_tokens_map.json), if any.
     `setting` is where the caller's user gave the path (data.tokenizer, model.init_from, a script's --tokenizer) and
     `otherwise` what they can do instead: the errors name both as the fix."""
     file = tokenizer_file(path)
@@ -62,8 +63,10 @@ def load_tokenizer(path: str, setting: str = "data.tokenizer",
         raise DataError(f"could not read tokenizer {file}: {e}; point {setting} at a valid tokenizer.json, "
                         f"or {otherwise}") from e
     config_eos = None
-    config_file = file.parent / "tokenizer_config.json"
-    if config_file.is_file():
+    # older transformers name the special tokens in special_tokens_map.json only
+    for config_file in (file.parent / "tokenizer_config.json", file.parent / "special_tokens_map.json"):
+        if config_eos is not None or not config_file.is_file():
+            continue
         try:
             eos = json.loads(config_file.read_text()).get("eos_token")
         except (ValueError, AttributeError) as e:  # malformed JSON, or JSON that is not an object
