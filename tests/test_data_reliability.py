@@ -502,7 +502,7 @@ def test_a_folder_lists_the_files_its_glob_lists_symlinks_included(tmp_path):
 
 def test_mixed_formats_under_one_glob_are_refused(tmp_path, corpus):
     (tmp_path / "notes.txt").write_text("plain text\n")
-    with pytest.raises(DataError, match=r"mixes formats \['json', 'text'\]; narrow the glob or set data.format"):
+    with pytest.raises(DataError, match=r"mixes formats \['json', 'text'\] \(.*corpus.jsonl is json, .*notes.txt is text\); narrow the glob or set data.format"):
         prepare(config(tmp_path / "*", tmp_path / "cache"))
     assert not (tmp_path / "cache").exists()
 
@@ -671,3 +671,21 @@ def test_the_eos_named_only_in_special_tokens_map_json_is_used(tmp_path):
     assert data.manifest["tokenizer"]["eos_token"] == "<|eot|>" and data.eos_id == tokenizer.token_to_id("<|eot|>")
     (tmp_path / "tok" / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}')  # the config's comes first
     assert load_tokenizer(str(tmp_path / "tok"))[1] == "<|endoftext|>"
+
+
+def test_a_hub_style_dataset_folder_with_its_readme_names_the_fixes_that_work(tmp_path):
+    """A dataset folder as the hub has it (README.md beside data/train-*.parquet): "set data.format" alone led to
+    data.format=parquet, which then failed on README.md; the message names a glob of the data files and data.format=hub."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "my-dataset"
+    (folder / "data").mkdir(parents=True)
+    (folder / "README.md").write_text("---\nlicense: mit\n---\n# my dataset\n")
+    pq.write_table(pa.table({"text": make_docs(20)}), folder / "data" / "train-00000-of-00001.parquet")
+    with pytest.raises(DataError) as error:
+        prepare(config(folder, tmp_path / "cache"))
+    assert f"{folder / 'README.md'} is text" in str(error.value), error.value
+    assert f"data.source='{folder}/**/*.parquet'" in str(error.value) and "data.format=hub" in str(error.value)
+    assert prepare(config(f"{folder}/**/*.parquet", tmp_path / "cache")).manifest["num_documents"] == 20
+    assert prepare(config(folder, tmp_path / "cache", format="hub")).manifest["num_documents"] == 20

@@ -150,7 +150,17 @@ def resolve_source(cfg: DataConfig) -> Source:
     if fmt == "auto":
         formats = {FORMAT_BY_SUFFIX.get(_format_suffix(f), "text") for f in files}
         if len(formats) > 1:
-            raise DataError(f"data.source={cfg.source!r} mixes formats {sorted(formats)}; narrow the glob or set data.format")
+            example = {}
+            for f in files:
+                example.setdefault(FORMAT_BY_SUFFIX.get(_format_suffix(f), "text"), f)
+            found = ", ".join(f"{f} is {kind}" for kind, f in sorted(example.items()))
+            fix = "narrow the glob or set data.format"
+            # a dataset folder as the hub has it: data.format=parquet alone would then fail on its README.md
+            if os.path.isdir(os.path.expanduser(cfg.source)) and (data := [f for k, f in sorted(example.items()) if k != "text"]):
+                suffix = "".join(Path(data[0]).suffixes[-2:]) if Path(data[0]).suffix in DECOMPRESSORS else Path(data[0]).suffix
+                fix = (f"narrow it to one format (e.g. data.source='{cfg.source.rstrip('/')}/**/*{suffix}'), or, for a "
+                       "Hugging Face dataset folder, set data.format=hub (read as load_dataset reads it, its data.split split)")
+            raise DataError(f"data.source={cfg.source!r} mixes formats {sorted(formats)} ({found}); {fix}")
         fmt = formats.pop()
     base = Path(os.path.basename(os.path.normpath(cfg.source.split("*")[0]))).stem  # "data/*.jsonl" -> "data"
     return Source(_slug(base), fmt, tuple(files))
