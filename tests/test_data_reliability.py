@@ -689,3 +689,21 @@ def test_a_hub_style_dataset_folder_with_its_readme_names_the_fixes_that_work(tm
     assert f"data.source='{folder}/**/*.parquet'" in str(error.value) and "data.format=hub" in str(error.value)
     assert prepare(config(f"{folder}/**/*.parquet", tmp_path / "cache")).manifest["num_documents"] == 20
     assert prepare(config(folder, tmp_path / "cache", format="hub")).manifest["num_documents"] == 20
+
+
+def test_parquet_text_stored_as_binary_is_decoded_per_decode_errors(tmp_path):
+    """Spark and Hive write string columns as plain BYTE_ARRAY without the UTF-8 annotation; pyarrow reads them as
+    binary. They were refused as "holds bytes, not text; set data.text_field to a text column", the column it was."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = make_docs(20)
+    pq.write_table(pa.table({"text": pa.array([d.encode() for d in docs], pa.binary())}), tmp_path / "spark.parquet")
+    data = prepare(config(tmp_path / "spark.parquet", tmp_path / "cache", val_fraction=0.0))
+    assert documents_in(data, "train") == docs
+    raw = [d.encode() for d in docs[:5]] + [b"caf\xe9 latin-1"]
+    pq.write_table(pa.table({"text": pa.array(raw, pa.large_binary())}), tmp_path / "bad.parquet")
+    with pytest.raises(DataError, match=r"bad.parquet row 6: invalid UTF-8.*data.decode_errors=replace"):
+        prepare(config(tmp_path / "bad.parquet", tmp_path / "cache", decode_errors="strict"))
+    skipped = prepare(config(tmp_path / "bad.parquet", tmp_path / "cache", decode_errors="skip_document"))
+    assert skipped.manifest["document_counts"]["skipped"] == 1 and skipped.manifest["num_documents"] == 5

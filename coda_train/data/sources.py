@@ -325,8 +325,9 @@ def _json_object(row, where: str) -> tuple[str, dict]:
 
 
 def _column_rows(file: str, columns: list[str], batches: Callable[[], Iterator[pa.RecordBatch]], cfg: DataConfig,
-                 counts: DocumentCounts) -> Iterator[tuple[str, dict]]:
-    """The text field of each row of a columnar file, whose columns are `columns`, read batch by batch."""
+                 counts: DocumentCounts, warn: bool) -> Iterator[tuple[str, dict]]:
+    """The text field of each row of a columnar file, whose columns are `columns`, read batch by batch; a binary
+    column (Spark and Hive write strings without the UTF-8 annotation) decoded as UTF-8 per data.decode_errors."""
     if cfg.text_field not in columns:
         raise DataError(f"{file} has no column {cfg.text_field!r}; available fields: {sorted(columns)}. "
                         f"Set data.text_field to one of them")
@@ -334,15 +335,28 @@ def _column_rows(file: str, columns: list[str], batches: Callable[[], Iterator[p
     for batch in batches():
         for value in batch.column(cfg.text_field).to_pylist():
             row += 1
+            if isinstance(value, bytes):
+                value = _decode_value(value, f"{file} row {row}", cfg, counts, warn)
+                if value is None:
+                    continue
             yield f"{file} row {row}", {cfg.text_field: value}
     counts.bytes_read += os.path.getsize(file)  # progress of columnar files moves file by file
+
+
+def _decode_value(data: bytes, where: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -> Optional[str]:
+    """UTF-8 text of one binary value, per data.decode_errors; None means skip this document."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        problem = f"{where}: invalid UTF-8 ({e.reason} at byte {e.start} of the document)"
+        return _per_decode_errors(where, problem, lambda: data.decode("utf-8", errors="replace"), cfg, counts, warn)
 
 
 def _parquet_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -> Iterator[tuple[str, dict]]:
     try:
         parquet = pq.ParquetFile(file)
         yield from _column_rows(file, parquet.schema_arrow.names, lambda: parquet.iter_batches(columns=[cfg.text_field]),
-                                cfg, counts)
+                                cfg, counts, warn)
     except (OSError, pa.ArrowException) as e:
         other = ("" if _format_suffix(file) == ".parquet" else
                  " (data.format=parquet reads every file as Parquet: set data.format=auto or the files' format)")
@@ -360,7 +374,7 @@ def _arrow_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) 
                 mapped.seek(0)
                 reader = pa.ipc.open_file(mapped)
                 batches = lambda: (reader.get_batch(i) for i in range(reader.num_record_batches))  # noqa: E731
-            yield from _column_rows(file, reader.schema.names, batches, cfg, counts)
+            yield from _column_rows(file, reader.schema.names, batches, cfg, counts, warn)
     except (OSError, pa.ArrowException) as e:
         other = ("" if _format_suffix(file) == ".arrow" else
                  " (data.format=arrow reads every file as Arrow: set data.format=auto or the files' format)")
