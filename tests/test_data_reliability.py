@@ -707,3 +707,19 @@ def test_parquet_text_stored_as_binary_is_decoded_per_decode_errors(tmp_path):
         prepare(config(tmp_path / "bad.parquet", tmp_path / "cache", decode_errors="strict"))
     skipped = prepare(config(tmp_path / "bad.parquet", tmp_path / "cache", decode_errors="skip_document"))
     assert skipped.manifest["document_counts"]["skipped"] == 1 and skipped.manifest["num_documents"] == 5
+
+
+def test_a_spark_output_folder_is_read_despite_its_empty_success_marker(tmp_path):
+    """Spark writes part-*.parquet beside an empty _SUCCESS file (and hidden .crc files): the marker holds no
+    document, so it neither mixes a 'text' format into the folder nor is read as Parquet."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": make_docs(20)}), tmp_path / "part-00000-1f2e.snappy.parquet")
+    (tmp_path / "_SUCCESS").touch()
+    (tmp_path / ".part-00000-1f2e.snappy.parquet.crc").write_bytes(b"crc")
+    data = prepare(config(tmp_path, tmp_path / "cache"))
+    assert data.manifest["num_documents"] == 20
+    (tmp_path / "notes").write_text("not empty: a text file among Parquet files is still refused")
+    with pytest.raises(DataError, match="mixes formats"):
+        prepare(config(tmp_path, tmp_path / "cache"))

@@ -148,7 +148,12 @@ def resolve_source(cfg: DataConfig) -> Source:
                         f"{BINARY_FORMATS[kind]} is binary; set data.format={kind} (or auto), or narrow data.source to "
                         f"the {fmt} files")
     if fmt == "auto":
-        formats = {FORMAT_BY_SUFFIX.get(_format_suffix(f), "text") for f in files}
+        format_of = {f: FORMAT_BY_SUFFIX.get(_format_suffix(f), "text") for f in files}
+        # an empty marker beside data files (Spark's _SUCCESS) holds no document: it decides no format, nor is read
+        markers = {f for f in files if format_of[f] == "text" and os.path.getsize(f) == 0}
+        if any(format_of[f] != "text" for f in files):
+            files = [f for f in files if f not in markers]
+        formats = {format_of[f] for f in files}
         if len(formats) > 1:
             example = {}
             for f in files:
