@@ -560,6 +560,9 @@ def test_a_tokenizer_file_that_cannot_serve_is_refused_before_tokenizing(tmp_pat
     tokenizer.save(str(no_eos))
     with pytest.raises(DataError, match=r"the tokenizer has none of the EOS tokens .*; set data.eos_token"):
         prepare(config(corpus, tmp_path / "cache", tokenizer=str(no_eos)))
+    # data.eos_token can only name a token it has: the message says which, or that one must be added
+    with pytest.raises(DataError, match=r"\(its special tokens: \['\[UNK\]'\]\).*or add one to the tokenizer"):
+        prepare(config(corpus, tmp_path / "cache", tokenizer=str(no_eos), eos_token="</s>"))
     assert not any((tmp_path / "cache").glob("*/manifest.json"))  # nothing prepared
 
 

@@ -82,7 +82,11 @@ def find_eos(tokenizer: Tokenizer, requested: Optional[str], config_eos: Optiona
         token_id = tokenizer.token_to_id(token)
         if token_id is not None:
             return token, token_id
-    raise DataError(f"the tokenizer has none of the EOS tokens {candidates}; set data.eos_token to its end-of-document token")
+    # which tokens data.eos_token can name: without any, the user must add one to the tokenizer first
+    special = sorted(t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special)
+    raise DataError(f"the tokenizer has none of the EOS tokens {candidates} (its special tokens: {special or 'none'}); set "
+                    "data.eos_token to its end-of-document token, or add one to the tokenizer (Tokenizer.add_special_tokens) "
+                    "and save it")
 
 
 def fingerprint(tokenizer: Tokenizer) -> str:
