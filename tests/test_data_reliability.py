@@ -726,3 +726,26 @@ def test_a_spark_output_folder_is_read_despite_its_empty_success_marker(tmp_path
     (tmp_path / "notes").write_text("not empty: a text file among Parquet files is still refused")
     with pytest.raises(DataError, match="mixes formats"):
         prepare(config(tmp_path, tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("suffix", ["parquet", "arrow"])
+def test_columnar_shards_without_the_text_column_are_refused_before_any_work(tmp_path, monkeypatch, suffix):
+    """Shards of mixed schemas: the one without data.text_field was met only when reading reached it, after a BPE
+    trained on the others (minutes on a large corpus) or midway through tokenizing; their footers tell at once."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def write(table, path):
+        if suffix == "parquet":
+            pq.write_table(table, path)
+        else:
+            with pa.ipc.new_stream(str(path), table.schema) as writer:
+                writer.write_table(table)
+
+    write(pa.table({"text": make_docs(20)}), tmp_path / f"a.{suffix}")
+    write(pa.table({"content": make_docs(20)}), tmp_path / f"b.{suffix}")
+    write(pa.table({"content": make_docs(20)}), tmp_path / f"c.{suffix}")
+    monkeypatch.setattr(shards_module, "train_bpe", lambda *a, **k: pytest.fail("a BPE was trained"))
+    with pytest.raises(DataError, match=rf"b.{suffix} has no column 'text' \(and 1 more file\); available fields: "
+                                        rf"\['content'\]. Set data.text_field"):
+        prepare(config(tmp_path, tmp_path / "cache"))

@@ -28,7 +28,8 @@ from tokenizers import Tokenizer
 from ..durable import LockHeldError, exclusive_lock, fsync_dir, sha256_file, write_synced
 from .config import DataConfig, DataError
 from .progress import Progress
-from .sources import DECOMPRESSORS, DocumentCounts, Source, iter_documents, json_read_as_text, resolve_source
+from .sources import (DECOMPRESSORS, DocumentCounts, Source, check_text_columns, iter_documents, json_read_as_text,
+                      resolve_source)
 from .tokenizer import (encode_documents, find_eos, fingerprint, for_documents, load_tokenizer, num_ids, token_dtype,
                         train_bpe)
 
@@ -378,6 +379,7 @@ def _build(
     stop: _StopSignals,
 ) -> None:
     start = time.perf_counter()
+    check_text_columns(source, cfg)
     if as_text := json_read_as_text(source):
         log.warning("data.format=text reads %s (%d .json/.jsonl file(s)) as plain text: its JSON syntax and field names are "
                     "tokenized and trained on; set data.format=json (or auto) to train on each record's %r field",

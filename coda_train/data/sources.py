@@ -372,18 +372,47 @@ def _arrow_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) 
     """An Arrow IPC stream, as datasets writes its .arrow files (save_to_disk, its cache), or an Arrow IPC file."""
     try:
         with pa.memory_map(file) as mapped:
-            try:
-                reader = pa.ipc.open_stream(mapped)
-                batches = lambda: iter(reader)  # noqa: E731
-            except pa.ArrowInvalid:  # not a stream: the IPC file format (pyarrow's, feather v2)
-                mapped.seek(0)
-                reader = pa.ipc.open_file(mapped)
-                batches = lambda: (reader.get_batch(i) for i in range(reader.num_record_batches))  # noqa: E731
+            reader, batches = _arrow_reader(mapped)
             yield from _column_rows(file, reader.schema.names, batches, cfg, counts, warn)
     except (OSError, pa.ArrowException) as e:
         other = ("" if _format_suffix(file) == ".arrow" else
                  " (data.format=arrow reads every file as Arrow: set data.format=auto or the files' format)")
         raise DataError(f"could not read documents from {file}: {e}; the file is damaged or not Arrow{other}") from e
+
+
+def _arrow_reader(mapped: pa.MemoryMappedFile):
+    """The reader of an Arrow IPC stream or file, and a function giving its record batches."""
+    try:
+        reader = pa.ipc.open_stream(mapped)
+        return reader, lambda: iter(reader)
+    except pa.ArrowInvalid:  # not a stream: the IPC file format (pyarrow's, feather v2)
+        mapped.seek(0)
+        reader = pa.ipc.open_file(mapped)
+        return reader, lambda: (reader.get_batch(i) for i in range(reader.num_record_batches))
+
+
+def check_text_columns(source: Source, cfg: DataConfig) -> None:
+    """Refuse Parquet and Arrow files without the data.text_field column from their schemas alone: reading meets
+    such a shard only when it gets there, after a BPE was trained on the others or midway through tokenizing."""
+    if source.format not in BINARY_FORMATS:
+        return
+    lacking = {}
+    for file in source.files:
+        try:
+            if source.format == "parquet":
+                columns = pq.read_schema(file).names
+            else:
+                with pa.memory_map(file) as mapped:
+                    columns = _arrow_reader(mapped)[0].schema.names
+        except (OSError, pa.ArrowException):
+            continue  # damaged or not of its format: reading it names the file and the fix
+        if cfg.text_field not in columns:
+            lacking[file] = columns
+    if lacking:
+        file, columns = next(iter(lacking.items()))
+        more = f" (and {len(lacking) - 1} more file{'s' if len(lacking) > 2 else ''})" if len(lacking) > 1 else ""
+        raise DataError(f"{file} has no column {cfg.text_field!r}{more}; available fields: {sorted(columns)}. "
+                        f"Set data.text_field to one of them")
 
 
 def _hub_rows(source: Source, cfg: DataConfig) -> Iterator[tuple[str, dict]]:
