@@ -749,3 +749,23 @@ def test_columnar_shards_without_the_text_column_are_refused_before_any_work(tmp
     with pytest.raises(DataError, match=rf"b.{suffix} has no column 'text' \(and 1 more file\); available fields: "
                                         rf"\['content'\]. Set data.text_field"):
         prepare(config(tmp_path, tmp_path / "cache"))
+
+
+def test_prepared_data_is_not_reused_silently_after_the_tokenizer_config_names_another_eos(tmp_path):
+    """The folder's name hashes the tokenizer's path, not its tokenizer_config.json: with the EOS named there edited,
+    the shards ending documents with the old EOS were reused as they were."""
+    tokenizer = train_bpe(make_docs(20), 300)
+    tokenizer.add_special_tokens(["<|eot|>"])
+    (tmp_path / "tok").mkdir()
+    tokenizer.save(str(tmp_path / "tok" / "tokenizer.json"))
+    (tmp_path / "tok" / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}')
+    source = write_jsonl(tmp_path / "corpus.jsonl", [{"text": d} for d in make_docs(10)])
+    cfg = config(source, tmp_path / "cache", tokenizer=str(tmp_path / "tok"))
+    first = prepare(cfg)
+    assert first.manifest["tokenizer"]["eos_token"] == "<|endoftext|>"
+    (tmp_path / "tok" / "tokenizer_config.json").write_text('{"eos_token": "<|eot|>"}')
+    with pytest.raises(DataError, match=rf"{first.path} ends documents with '<\|endoftext\|>', but the tokenizer now "
+                                        rf"names '<\|eot\|>' as its EOS.*data.eos_token='<\|endoftext\|>' to keep that EOS, or delete {first.path}"):
+        prepare(cfg)
+    assert prepare(config(source, tmp_path / "cache", tokenizer=str(tmp_path / "tok"), eos_token="<|endoftext|>")).eos_id == 0
+    assert (first.path / "manifest.json").exists()  # nothing removed

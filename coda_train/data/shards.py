@@ -201,7 +201,7 @@ def prepare(cfg: DataConfig) -> PreparedData:
     expected_tokenizer = fingerprint(requested) if requested else None
     if final.exists():
         log.info("reusing prepared data %s", final)
-        return PreparedData.open(final, expected_tokenizer, cfg.verify_shards)
+        return _same_eos(PreparedData.open(final, expected_tokenizer, cfg.verify_shards), requested, cfg, config_eos)
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         if not os.access(cache_dir, os.W_OK | os.X_OK):
@@ -215,7 +215,21 @@ def prepare(cfg: DataConfig) -> PreparedData:
         else:
             _remove_dead_temp_folders(cache_dir, final.name)
             _build_atomically(cfg, source, requested, config_eos, inputs, final, stop)
-    return PreparedData.open(final, expected_tokenizer, cfg.verify_shards)
+    return _same_eos(PreparedData.open(final, expected_tokenizer, cfg.verify_shards), requested, cfg, config_eos)
+
+
+def _same_eos(data: PreparedData, tokenizer: Optional[Tokenizer], cfg: DataConfig, config_eos: Optional[str]) -> PreparedData:
+    """data, whose documents end with the EOS the given tokenizer names now: the folder's name hashes the tokenizer's
+    path, not the tokenizer_config.json (or special_tokens_map.json) that names its EOS, which may have been edited."""
+    if tokenizer is None:
+        return data
+    eos_token, prepared_eos = find_eos(tokenizer, cfg.eos_token, config_eos)[0], data.manifest["tokenizer"]["eos_token"]
+    if eos_token != prepared_eos:
+        raise DataError(f"{data.path} ends documents with {prepared_eos!r}, but the tokenizer now names {eos_token!r} as its "
+                        f"EOS (its tokenizer_config.json or special_tokens_map.json changed since preparation): set "
+                        f"data.eos_token={prepared_eos!r} to keep that EOS, or delete {data.path} to prepare the data "
+                        f"again with {eos_token!r}")
+    return data
 
 
 def prepared_folder(cfg: DataConfig) -> Path:
