@@ -18,7 +18,8 @@ import math
 import sys
 
 from coda_train.data import DataError, PreparedData, TokenLoader
-from coda_train.data.sources import UTF8_BOM, open_binary, universal_newlines
+from coda_train.data.sources import (BINARY_FORMATS, FORMAT_BY_SUFFIX, UTF8_BOM, format_suffix, open_binary,
+                                     universal_newlines)
 from coda_train.data.tokenizer import fingerprint
 from coda_train.errors import ConfigError
 from coda_train.inference import (checkpoint_parser, load_eager_model, log_progress_to_stderr, mean_loss, open_checkpoint,
@@ -41,6 +42,10 @@ def read_texts(files: list[str]) -> list[str]:
     are no text), newlines universal, a UTF-8 byte-order mark dropped."""
     texts = []
     for file in files:
+        # their bytes are no text: scored as text, they would give a loss with no meaning
+        if (binary := BINARY_FORMATS.get(FORMAT_BY_SUFFIX.get(format_suffix(file)))) is not None:
+            raise ConfigError(f"--text {file} is {binary}, a binary format: --text reads each file as one text document; "
+                              "pass its documents as text files (one document each)")
         try:
             with open_binary(file) as f:
                 data = f.read()

@@ -940,3 +940,21 @@ def test_sample_encodes_its_prompt_as_documents_despite_the_tokenizers_padding_a
     prompt = Tokenizer.from_file(str(tokenizer_file(tmp_path))).encode("def ", add_special_tokens=False).ids
     ids = list(generate(model, prompt, 8, temperature=0.0, vocab_limit=300, stop_token=ckpt.eos_id))
     assert sampled.stdout == ckpt.tokenizer.decode(prompt + ids) + "\n"
+
+
+@pytest.mark.parametrize("suffix", ["parquet", "arrow"])
+def test_eval_refuses_parquet_and_arrow_files_as_text(trained_run, tmp_path, suffix):
+    """--text reads each file as one text document: a held-out Parquet or Arrow file was scored as its binary bytes,
+    a loss with no meaning printed as any other."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table, held_out = pa.table({"text": [TEXT] * 20}), tmp_path / f"held_out.{suffix}"
+    if suffix == "parquet":
+        pq.write_table(table, held_out)
+    else:
+        with pa.ipc.new_stream(str(held_out), table.schema) as writer:
+            writer.write_table(table)
+    result = run_script("eval.py", str(trained_run), "--text", str(held_out), "--seq-len", "16", "--device", "cpu")
+    assert result.returncode == 1 and f"--text {held_out} is {suffix.capitalize()}" in result.stderr, result.stderr[-2000:]
+    assert "loss" not in result.stdout

@@ -36,7 +36,7 @@ UNSUPPORTED_COMPRESSION = {".zst": "zstd -d", ".zstd": "zstd -d", ".lz4": "lz4 -
 LOCAL_SUFFIXES = {".txt", ".text", ".md", ".rst", ".py", ".json", ".jsonl", ".parquet", ".arrow", *DECOMPRESSORS, *UNSUPPORTED_COMPRESSION}
 
 
-def _format_suffix(file: str) -> str:
+def format_suffix(file: str) -> str:
     """The suffix that names a file's format: "corpus.jsonl.gz" -> ".jsonl"."""
     path = Path(file)
     return Path(path.stem).suffix if path.suffix in DECOMPRESSORS else path.suffix
@@ -134,21 +134,21 @@ def resolve_source(cfg: DataConfig) -> Source:
             f"or pass data.format=hub if it is a hub dataset name"
         )
     # archives and other compressions, also inside .gz/.bz2/.xz (corpus.tar.gz): their bytes are not documents
-    if packed := sorted({f for f in files if _format_suffix(f) in UNSUPPORTED_COMPRESSION}):
-        tool = UNSUPPORTED_COMPRESSION[_format_suffix(packed[0])]
+    if packed := sorted({f for f in files if format_suffix(f) in UNSUPPORTED_COMPRESSION}):
+        tool = UNSUPPORTED_COMPRESSION[format_suffix(packed[0])]
         raise DataError(f"{packed[0]} is an archive or compressed in a format this reader does not open ({len(packed)} "
                         f"such files); unpack it first ({tool}), or compress files one by one as .gz, .bz2 or .xz, which "
                         "are read as they are")
     fmt = cfg.format
     # Parquet and Arrow are binary: read as text or JSON they give U+FFFD garbage (trained on, with only a decode warning)
-    binary = [f for f in files if FORMAT_BY_SUFFIX.get(_format_suffix(f)) in BINARY_FORMATS]
+    binary = [f for f in files if FORMAT_BY_SUFFIX.get(format_suffix(f)) in BINARY_FORMATS]
     if fmt in ("text", "json") and binary:
-        kind = FORMAT_BY_SUFFIX[_format_suffix(binary[0])]
+        kind = FORMAT_BY_SUFFIX[format_suffix(binary[0])]
         raise DataError(f"data.format={fmt} reads {binary[0]} ({len(binary)} .{kind} files) as {fmt}, but "
                         f"{BINARY_FORMATS[kind]} is binary; set data.format={kind} (or auto), or narrow data.source to "
                         f"the {fmt} files")
     if fmt == "auto":
-        format_of = {f: FORMAT_BY_SUFFIX.get(_format_suffix(f), "text") for f in files}
+        format_of = {f: FORMAT_BY_SUFFIX.get(format_suffix(f), "text") for f in files}
         # an empty marker beside data files (Spark's _SUCCESS) holds no document: it decides no format, nor is read
         markers = {f for f in files if format_of[f] == "text" and os.path.getsize(f) == 0}
         if any(format_of[f] != "text" for f in files):
@@ -157,7 +157,7 @@ def resolve_source(cfg: DataConfig) -> Source:
         if len(formats) > 1:
             example = {}
             for f in files:
-                example.setdefault(FORMAT_BY_SUFFIX.get(_format_suffix(f), "text"), f)
+                example.setdefault(FORMAT_BY_SUFFIX.get(format_suffix(f), "text"), f)
             found = ", ".join(f"{f} is {kind}" for kind, f in sorted(example.items()))
             fix = "narrow the glob or set data.format"
             # a dataset folder as the hub has it: data.format=parquet alone would then fail on its README.md
@@ -199,7 +199,7 @@ def _saved_dataset_files(cfg: DataConfig) -> list[str]:
 def json_read_as_text(source: Source) -> list[str]:
     """The .json/.jsonl files of a source that data.format=text reads as plain text (asked for, so not refused: their
     JSON syntax and field names become training tokens)."""
-    return [f for f in source.files if source.format == "text" and FORMAT_BY_SUFFIX.get(_format_suffix(f)) == "json"]
+    return [f for f in source.files if source.format == "text" and FORMAT_BY_SUFFIX.get(format_suffix(f)) == "json"]
 
 
 @dataclass
@@ -363,7 +363,7 @@ def _parquet_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool
         yield from _column_rows(file, parquet.schema_arrow.names, lambda: parquet.iter_batches(columns=[cfg.text_field]),
                                 cfg, counts, warn)
     except (OSError, pa.ArrowException) as e:
-        other = ("" if _format_suffix(file) == ".parquet" else
+        other = ("" if format_suffix(file) == ".parquet" else
                  " (data.format=parquet reads every file as Parquet: set data.format=auto or the files' format)")
         raise DataError(f"could not read documents from {file}: {e}; the file is damaged or not Parquet{other}") from e
 
@@ -375,7 +375,7 @@ def _arrow_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) 
             reader, batches = _arrow_reader(mapped)
             yield from _column_rows(file, reader.schema.names, batches, cfg, counts, warn)
     except (OSError, pa.ArrowException) as e:
-        other = ("" if _format_suffix(file) == ".arrow" else
+        other = ("" if format_suffix(file) == ".arrow" else
                  " (data.format=arrow reads every file as Arrow: set data.format=auto or the files' format)")
         raise DataError(f"could not read documents from {file}: {e}; the file is damaged or not Arrow{other}") from e
 
