@@ -333,9 +333,8 @@ def _column_rows(file: str, columns: list[str], batches: Callable[[], Iterator[p
                  counts: DocumentCounts, warn: bool) -> Iterator[tuple[str, dict]]:
     """The text field of each row of a columnar file, whose columns are `columns`, read batch by batch; a binary
     column (Spark and Hive write strings without the UTF-8 annotation) decoded as UTF-8 per data.decode_errors."""
-    if cfg.text_field not in columns:
-        raise DataError(f"{file} has no column {cfg.text_field!r}; available fields: {sorted(columns)}. "
-                        f"Set data.text_field to one of them")
+    if cfg.text_field not in columns:  # check_text_columns refused it before any work; a file replaced since
+        raise _no_text_column(file, columns, cfg)
     row = 0
     for batch in batches():
         for value in batch.column(cfg.text_field).to_pylist():
@@ -411,8 +410,12 @@ def check_text_columns(source: Source, cfg: DataConfig) -> None:
     if lacking:
         file, columns = next(iter(lacking.items()))
         more = f" (and {len(lacking) - 1} more file{'s' if len(lacking) > 2 else ''})" if len(lacking) > 1 else ""
-        raise DataError(f"{file} has no column {cfg.text_field!r}{more}; available fields: {sorted(columns)}. "
-                        f"Set data.text_field to one of them")
+        raise _no_text_column(file, columns, cfg, more)
+
+
+def _no_text_column(file: str, columns: list[str], cfg: DataConfig, more: str = "") -> DataError:
+    return DataError(f"{file} has no column {cfg.text_field!r}{more}; available fields: {sorted(columns)}. "
+                     f"Set data.text_field to one of them")
 
 
 def _hub_rows(source: Source, cfg: DataConfig) -> Iterator[tuple[str, dict]]:
