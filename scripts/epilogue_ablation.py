@@ -25,6 +25,11 @@ to `packed` ablate it (docs/kernels.md measured them).
               exp2 + rcp), a candidate, timed only
   op (r first) the op's epilogue with the row scale applied to acc before dSwiGLU (one multiply an
               element fewer; the statistic comes out scaled by r), a candidate, timed only
+  4 tiles alone  the op's four tiles with no GEMM: one Triton pass loading gate and a and storing
+              g_gate = gate * a and g_up = gate + a (the same bytes as `4 tiles`' epilogue, moved at the
+              rate a streaming kernel reaches)
+  copy        y.copy_(x) of as many bytes (2 · M · ffn_dim bf16 read, as many written): the device's copy
+              rate, against which `4 tiles alone` and the epilogue's traffic are read
   packed      the op's epilogue on gate/up stored interleaved ((M, 2F), gate j and up j adjacent), read
               as quack's packed C and written as packed D (mode packed_cd_b16x2: one 32-bit tile load
               and store per pair where the op has two 16-bit ones each), a candidate layout; its
@@ -143,6 +148,31 @@ def dswiglu_r_first_stat(acc, gate, up, r):
     return {"D": a, "g_gate": dg, "g_up": du, "stat": dg * gate + du * up}
 
 
+def four_tiles_alone(gate, a, g_gate, g_up):
+    """`4 tiles alone`: gate and a read, g_gate and g_up (row stride 2F, halves of g_gu) written, one Triton pass."""
+    import triton
+    import triton.language as tl
+
+    global _four_tiles_alone_kernel
+    if _four_tiles_alone_kernel is None:  # built on first use: triton is a GPU-side import here
+        @triton.jit
+        def four_tiles_alone_kernel(gate_ptr, a_ptr, gg_ptr, gu_ptr, F, ld_out, BLOCK: tl.constexpr):
+            row, cols = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+            mask = cols < F
+            g = tl.load(gate_ptr + row * F + cols, mask=mask)
+            x = tl.load(a_ptr + row * F + cols, mask=mask)
+            tl.store(gg_ptr + row * ld_out + cols, g * x, mask=mask)
+            tl.store(gu_ptr + row * ld_out + cols, g + x, mask=mask)
+
+        _four_tiles_alone_kernel = four_tiles_alone_kernel
+    M, F = gate.shape
+    block = 1024
+    _four_tiles_alone_kernel[(M, triton.cdiv(F, block))](gate, a, g_gate, g_up, F, g_gate.stride(0), BLOCK=block)
+
+
+_four_tiles_alone_kernel = None
+
+
 def make_runs(M: int, F: int, d: int, dev: torch.device) -> tuple[dict, SimpleNamespace]:
     """Every row's launch on one set of inputs and output buffers (the buffers, for the comparisons)."""
     rn = lambda *s: torch.randn(*s, device=dev, dtype=torch.bfloat16)  # noqa: E731
@@ -168,6 +198,7 @@ def make_runs(M: int, F: int, d: int, dev: torch.device) -> tuple[dict, SimpleNa
         "2 loads": lambda: gemm(two_loads, g_out, w_down.mT, a, cfg=cfg, epi={"gate": gate, "up": up}),
         "5 tiles": lambda: gemm(five_tiles, g_out, w_down.mT, a, cfg=cfg,
                                 epi={"gate": gate, "up": up, "g_gate": g_gu[:, :F], "g_up": g_gu[:, F:]}),
+        "copy": lambda: g_gu.copy_(gu),
         "bare+stat": lambda: gemm(plain_stat, g_out, w_down.mT, a, cfg=cfg, epi={"stat": stat}),
         "stat of acc": lambda: gemm(dswiglu_rowscale_stat_of_acc, g_out, w_down.mT, a, cfg=cfg,
                                     epi={"gate": gate, "up": up, "r": colvec(r), "g_gate": g_gu[:, :F], "g_up": g_gu[:, F:],
@@ -184,6 +215,8 @@ def make_runs(M: int, F: int, d: int, dev: torch.device) -> tuple[dict, SimpleNa
         "packed": lambda: gemm(dswiglu_packed_rowscale_stat, g_out, w_down.mT, g_gu_i, gu_i, cfg=cfg,
                                epi={"r": colvec(r), "a": a_i, "stat": stat_i[1]}),
     }
+    if dev.type == "cuda":  # a Triton kernel: no CPU build for the compile-only test
+        runs["4 tiles alone"] = lambda: four_tiles_alone(gate_c, a_in, g_gu[:, :F], g_gu[:, F:])
     return runs, SimpleNamespace(cfg=cfg, a=a, g_gu=g_gu, stat=stat, g_gu_i=g_gu_i, a_i=a_i, stat_i=stat_i)
 
 
@@ -217,6 +250,10 @@ def ablate(M: int, F: int, d: int, rows: list[str], sustained_s: float = 0.0) ->
         g_gu_halves = g_gu_i.view(M, F, 2).transpose(1, 2).reshape(M, 2 * F)
         row["packed_rel_err"] = {"a": relative_error(a_i, a_old), "g_gu": relative_error(g_gu_halves, g_gu_old),
                                  "stat": relative_error(stat_i[0].sum(-1), stat_old)}
+    row["tile_bytes"] = 4 * M * F * 2  # the op's two tile loads and two tile stores, bf16
+    for name in ("4 tiles alone", "copy"):  # the streaming rows' rate, in TB/s of those bytes
+        if name in row["ms"]:
+            row.setdefault("tb_per_s", {})[name] = row["tile_bytes"] / row["ms"][name] / 1e9
     if "bare" in row["ms"]:
         row["gemm_tflops"] = 2 * M * F * d / row["ms"]["bare"] / 1e9
     return row
@@ -281,6 +318,9 @@ def main() -> None:
         for n, r in row.get("sustained", {}).items():
             print(f"{s:6s}sustained {n:12s} {r['ms']:8.3f} ms a call at {r['sm_mhz_mean'] or float('nan'):6.0f} MHz, "
                   f"{r['power_w_mean'] or float('nan'):5.0f} W: {r['mcycles'] or float('nan'):7.3f} M SM cycles")
+    for s, row in rows.items():
+        for n, tbs in row.get("tb_per_s", {}).items():
+            print(f"{s}: {n} moves the op's four tiles ({row['tile_bytes'] / 1e6:.0f} MB) at {tbs:.2f} TB/s")
     for s, row in rows.items():
         if "op_vs_gate_up_rel_err" in row:
             print(f"{s}: op vs op (gate, up), relative error: " + ", ".join(f"{k} {v:.2e}" for k, v in row["op_vs_gate_up_rel_err"].items()))
