@@ -305,6 +305,20 @@ def test_a_failed_shard_write_stops_every_rank_with_one_paragraph(tiny, tmp_path
     assert not list((tmp_path / "checkpoints").iterdir())  # the partial write removed
     assert [line["step"] for line in metrics(tmp_path)] == [1, 2]
 
+def test_a_failed_state_write_under_ddp_stops_every_rank_with_one_paragraph(tiny, tmp_path):
+    """Under DDP rank 0 alone writes state.pt: its failed write (disk full) stops every rank with the paragraph (exit 4),
+    not rank 0 alone while rank 1 ended in its next collective with a gloo 'Connection closed by peer' traceback."""
+    result = run_two_ranks(*tiny, "trainer.max_steps=6", "trainer.ckpt_every=2", "trainer.batch_size=2",
+                           "trainer.parallel=ddp", "trainer.eval_every=0", f"trainer.run_dir={tmp_path}",
+                           "debug.disk_full_in_checkpoint_at_step=2")
+    output = result.stdout + result.stderr
+    worker_tracebacks = [f"[rank{rank}]: Traceback" for rank in (0, 1)] + ["Error executing job", "Connection closed"]
+    assert result.returncode != 0 and not any(text in output for text in worker_tracebacks), output[-3000:]
+    assert output.count(f"could not write the checkpoint of step 2 to {tmp_path / 'checkpoints'}") == 2, output[-3000:]
+    assert "exitcode  : 4" in output and "exitcode  : 1" not in output, output[-3000:]
+    assert not list((tmp_path / "checkpoints").iterdir())  # the partial write removed
+    assert [line["step"] for line in metrics(tmp_path)] == [1, 2]
+
 # --- FSDP2 overlap: the order in which units are gathered, blocks run and gradients are reduced ---
 
 OVERLAP_LAYERS = 4

@@ -589,7 +589,8 @@ class Checkpointer:
 
     def save(self, state: TrainState, world: World = World()) -> Optional[Path]:
         """Checkpoint state.step, once: a step already saved (or resumed from) returns its path. Every
-        rank calls it: under FSDP2 each writes its shards; otherwise rank 0 writes state.pt alone. An
+        rank calls it: under FSDP2 each writes its shards; otherwise rank 0 writes state.pt alone, and its failed write
+        (disk full) raises on every rank. An
         asynchronous save returns the path (on rank 0) that finish will publish it under."""
         if self.saved is not None and self.saved[0] == state.step:
             return self.saved[1]
@@ -606,12 +607,18 @@ class Checkpointer:
             path = save_sharded_checkpoint(self.root, state.step, state, self.meta, self.keep_last, world, crash)
             self.saved = (state.step, final)
             return path
-        if not world.is_main:
-            return None
-        state_dict = state.state_dict()
-        full_after = tensor_bytes(state_dict) // 2 if self.disk_full_at_step == state.step else None
-        path = save_checkpoint(self.root, state.step, state_dict, self.meta, self.keep_last, crash, full_after)
-        self.saved = (state.step, path)
+        path, error = None, None
+        if world.is_main:
+            state_dict = state.state_dict()
+            full_after = tensor_bytes(state_dict) // 2 if self.disk_full_at_step == state.step else None
+            try:
+                path = save_checkpoint(self.root, state.step, state_dict, self.meta, self.keep_last, crash, full_after)
+            except OSError as e:  # raised on every rank: the others would wait in their next collective for rank 0
+                error = e
+        error = from_main(error, world)
+        if error is not None:
+            raise error
+        self.saved = (state.step, path)  # on every rank (path None but on rank 0): each skips a step saved already
         return path
 
     def finish(self, world: World = World()) -> Optional[Path]:
