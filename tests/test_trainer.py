@@ -266,6 +266,37 @@ def test_a_repeated_sigterm_does_not_cut_the_stop_short():
     assert twice.returncode != 0 and "KeyboardInterrupt" in twice.stderr and not twice.stdout
 
 
+def test_ctrl_c_again_while_the_stop_is_saving_waits_for_the_checkpoint(tiny, tmp_path):
+    """A second Ctrl-C that lands while the first one's checkpoint is written (here: between state.pt and meta.json, by
+    a sitecustomize) is said in one line and the save completes: it raised KeyboardInterrupt there, which ended the run
+    with a traceback and without that checkpoint."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(
+        "import os, signal\n"
+        "from coda_train.trainer import checkpoint\n"
+        "real = checkpoint.save_checkpoint\n"
+        "def save_checkpoint(root, step, state, meta, keep_last, before_meta=None, full_after=None):\n"
+        "    again = lambda: os.kill(os.getpid(), signal.SIGINT)\n"
+        "    return real(root, step, state, meta, keep_last, again, full_after)\n"
+        "checkpoint.save_checkpoint = save_checkpoint\n")
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "train.py", *tiny, f"trainer.run_dir={run_dir}", "trainer.max_steps=100000",
+                             "trainer.ckpt_every=0"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": f"{hooks}:{REPO}"})
+    deadline = time.time() + 90
+    metrics_file = run_dir / "metrics.jsonl"
+    while not (metrics_file.exists() and metrics_file.read_text().count("\n") >= 3):
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() is not None else "timeout"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "Traceback" not in output, output[-3000:]
+    (saved,) = list_checkpoints(run_dir / "checkpoints")
+    assert output.count(f"Ctrl-C again: the checkpoint of step {verify_checkpoint(saved)['step']} is being written") == 1
+    assert "received SIGINT" in output and not list((run_dir / "checkpoints").glob(".tmp-*"))
+
+
 def test_a_stop_signal_ends_a_multirun_sweep_too(tiny, tmp_path):
     """SIGTERM/SIGINT saves and exits 0 from the whole sweep: the next job does not start."""
     result = run_train("-m", *tiny, "model.impl=eager,coda", "trainer.max_steps=100", "trainer.ckpt_every=0",

@@ -160,18 +160,36 @@ def changes_since_checkpoint(saved: dict[str, Any], cfg: Config, step: int) -> l
 
 class StopSignal:
     """Turns the first SIGTERM/SIGINT into a request to checkpoint and stop after the current step;
-    a second SIGINT (Ctrl-C again) gets the default behaviour (immediate exit). A repeated SIGTERM is the same
+    a second SIGINT (Ctrl-C again) gets the default behaviour (immediate exit), except while a checkpoint is written
+    (saving): it is said and deferred, so the stop's checkpoint is written whole. A repeated SIGTERM is the same
     request: under torchrun a worker gets both the scheduler's (Slurm, systemd signal every process) and torchrun's."""
 
     def __init__(self):
         self.received: Optional[int] = None
+        self._saving: Optional[int] = None  # the step whose checkpoint is being written
         self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def _handle(self, signum, frame) -> None:
+        if self._saving is not None and self.received is not None:  # a KeyboardInterrupt would drop the checkpoint
+            if signum == signal.SIGINT:
+                log.warning("Ctrl-C again: the checkpoint of step %d is being written and the run stops once it is "
+                            "complete (kill -9 %d stops at once, without it)", self._saving, os.getpid())
+            return
         if self.received is None:
             self.received = signum
-        if signum == signal.SIGINT:
+        if signum == signal.SIGINT and self._saving is None:
             signal.signal(signum, self._previous[signum])
+
+    @contextlib.contextmanager
+    def saving(self, step: int):
+        """Inside, a Ctrl-C after the stop request waits for the checkpoint of `step` (said in one line)."""
+        self._saving = step
+        at_entry = signal.signal(signal.SIGINT, self._handle)
+        try:
+            yield
+        finally:
+            self._saving = None
+            signal.signal(signal.SIGINT, self._previous[signal.SIGINT] if self.received == signal.SIGINT else at_entry)
 
     def restore(self) -> None:
         for s, handler in self._previous.items():
@@ -394,7 +412,7 @@ def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, train_step: TrainS
             if metrics_logger is not None:
                 metrics_logger.step_done()
             if should_save:
-                with throughput.excluded():
+                with throughput.excluded(), stop.saving(state.step):
                     _save(checkpointer, state, world)
             if debug.sigkill_after_step == state.step:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -405,8 +423,9 @@ def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, train_step: TrainS
                     _finish(checkpointer, world)
         if state.step < t.max_steps:  # a rank received SIGTERM/SIGINT
             train_step.check()  # never save a state that a non-finite step reached
-            path = _save(checkpointer, state, world)
-            _finish(checkpointer, world)  # published before the message says so
+            with stop.saving(state.step):
+                path = _save(checkpointer, state, world)
+                _finish(checkpointer, world)  # published before the message says so
             stopped_by = signal.Signals(stop.received).name if stop.received else "a stop signal"  # another rank's
             if world.is_main:
                 log.info("received %s: saved %s and stopped; %s", stopped_by, path, hint())
