@@ -18,6 +18,7 @@ each failed job and exits with the first one's code.
 import itertools
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -362,6 +363,20 @@ def end_worker(code: object) -> None:
     os._exit(code or 0)
 
 
+def remove_run_dir_and_die(signum: int, frame: object) -> None:
+    """A torchrun worker's SIGTERM before the run: torchrun ends every worker so once one exits (a start refused on
+    the rank that got there first), and the dir hydra made for this rank stayed behind; removed as a refused start's
+    is (remove_if_made_here_and_empty: one the run holds is not empty), then the signal ends the worker as before."""
+    try:
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+    except Exception:  # HydraConfig not set (or its dir not chosen) yet: hydra made no dir
+        run_dir = None
+    if run_dir is not None:
+        remove_if_made_here_and_empty(run_dir)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
 def sweep_record(argv: list[str]) -> Optional[tuple[Path, Optional[bytes]]]:
     """A multirun into one trainer.run_dir or hydra.sweep.dir, its sweep dir: that dir's multirun.yaml and its bytes
     before hydra rewrites it (None: there is none yet); None for any other command line (a fresh timestamped sweep dir,
@@ -414,6 +429,7 @@ if __name__ == "__main__":
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         launch(sys.argv[1:])
     else:  # a torchrun worker (hydra turns every error into a SystemExit)
+        signal.signal(signal.SIGTERM, remove_run_dir_and_die)  # the training loop handles it itself while it runs
         try:
             launch(sys.argv[1:])
         except SystemExit as e:

@@ -668,6 +668,30 @@ def test_ranks_refused_at_start_remove_their_shared_new_run_dir_without_collidin
     train_entry.remove_if_made_here_and_empty(run_dir)
     assert not run_dir.exists()
 
+def test_a_start_refused_under_torchrun_leaves_no_dir_of_a_rank_torchrun_ends(tiny, tmp_path, monkeypatch):
+    """A refused start (trainer.batch_size=0) leaves nothing new on disk, as one process's does: the rank refused first
+    exits and torchrun ends the other with SIGTERM, which left that rank's timestamped outputs/<date>/<time> behind
+    when it came after hydra made it (here rank 0 is held there by a sitecustomize)."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(
+        "import os, time\n"
+        "if os.environ.get('RANK') == '0':\n"
+        "    from coda_train.trainer import loop\n"
+        "    real = loop.train\n"
+        "    def train(*args, **kwargs):\n"
+        "        time.sleep(60)\n"
+        "        return real(*args, **kwargs)\n"
+        "    loop.train = train\n")
+    monkeypatch.setenv("PYTHONPATH", f"{hooks}:{REPO}")
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(REPO / "train.py"), *tiny, "trainer.batch_size=0"], cwd=cwd, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode != 0 and "trainer.batch_size=0 must be >= 1" in result.stdout + result.stderr, result.stderr[-3000:]
+    assert "SIGTERM" in result.stderr and list(cwd.iterdir()) == [], (list(cwd.rglob("*")), result.stderr[-3000:])
+
 def test_a_sweep_under_torchrun_is_refused_before_it_hangs(tmp_path):
     result = subprocess.run([sys.executable, "train.py", "-m", "model.impl=eager,coda"], cwd=REPO, capture_output=True,
                             text=True, timeout=60, env={**os.environ, "WORLD_SIZE": "2"})
