@@ -18,8 +18,8 @@ import math
 import sys
 
 from coda_train.data import DataError, PreparedData, TokenLoader
-from coda_train.data.sources import (BINARY_FORMATS, FORMAT_BY_SUFFIX, UTF8_BOM, format_suffix, open_binary,
-                                     universal_newlines)
+from coda_train.data.sources import (BINARY_FORMATS, FORMAT_BY_SUFFIX, UTF8_BOM, check_utf8, format_suffix,
+                                     open_binary, universal_newlines)
 from coda_train.data.tokenizer import fingerprint
 from coda_train.errors import ConfigError
 from coda_train.inference import (checkpoint_parser, load_eager_model, log_progress_to_stderr, mean_loss, open_checkpoint,
@@ -52,6 +52,7 @@ def read_texts(files: list[str]) -> list[str]:
         except (OSError, EOFError, lzma.LZMAError) as e:  # unreadable, or a damaged archive
             raise ConfigError(f"cannot read --text {file}: {getattr(e, 'strerror', None) or e}; pass readable text "
                               "files") from e
+        check_utf8(data, file)
         texts.append(universal_newlines(data.removeprefix(UTF8_BOM).decode("utf-8", errors="replace")))
     return texts
 

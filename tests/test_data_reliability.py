@@ -297,6 +297,25 @@ def test_a_text_file_with_a_byte_order_mark_is_read_without_it(tmp_path):
     assert documents_in(data, "train") == ["a document\nfrom Notepad\n"]
 
 
+
+@pytest.mark.parametrize("encoding, name, suffix", [("utf-16", "UTF-16LE", ".txt"), ("utf-16-be", "UTF-16BE", ".jsonl"),
+                                                    ("utf-32", "UTF-32LE", ".jsonl.gz"), ("utf-16", "UTF-16LE", ".json")])
+@pytest.mark.parametrize("mode", ["replace", "skip_document", "strict"])
+def test_a_utf16_or_utf32_file_is_refused_naming_its_encoding(tmp_path, encoding, name, suffix, mode):
+    """Read as UTF-8, UTF-16 ASCII is valid bytes and NULs: under replace it was trained on as such, with one
+    'replaced' count; strict said only 'invalid UTF-8 (invalid start byte at byte 0)'."""
+    docs = make_docs(4)
+    body = ("\n".join(json.dumps({"text": d}) for d in docs) if suffix != ".txt" else docs[0])
+    if encoding == "utf-16-be":
+        body_bytes = b"\xfe\xff" + body.encode(encoding)
+    else:
+        body_bytes = body.encode(encoding)
+    source = tmp_path / f"corpus{suffix}"
+    source.write_bytes(gzip.compress(body_bytes) if suffix.endswith(".gz") else body_bytes)
+    with pytest.raises(DataError, match=rf"{source} is {name} text .*not UTF-8.*iconv -f {name} -t UTF-8"):
+        prepare(config(source, tmp_path / "cache", val_fraction=0.0, decode_errors=mode))
+
+
 def test_each_decode_errors_mode_prepares_its_own_folder(tmp_path):
     """data.decode_errors decides which documents (and so which BPE and shards) a folder holds: data
     prepared under `replace` is not reused by a `strict` or `skip_document` run."""

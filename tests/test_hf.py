@@ -958,3 +958,13 @@ def test_eval_refuses_parquet_and_arrow_files_as_text(trained_run, tmp_path, suf
     result = run_script("eval.py", str(trained_run), "--text", str(held_out), "--seq-len", "16", "--device", "cpu")
     assert result.returncode == 1 and f"--text {held_out} is {suffix.capitalize()}" in result.stderr, result.stderr[-2000:]
     assert "loss" not in result.stdout
+
+
+def test_eval_refuses_a_utf16_text_file_naming_its_encoding(trained_run, tmp_path):
+    """A UTF-16 file (Windows' 'Unicode') read as UTF-8 is ASCII interleaved with NULs: it was scored as such, a loss
+    with no meaning printed as any other."""
+    held_out = tmp_path / "held_out.txt"
+    held_out.write_bytes((TEXT * 20).encode("utf-16"))
+    result = run_script("eval.py", str(trained_run), "--text", str(held_out), "--seq-len", "16", "--device", "cpu")
+    assert result.returncode == 1 and f"{held_out} is UTF-16LE text" in result.stderr, result.stderr[-2000:]
+    assert "loss" not in result.stdout

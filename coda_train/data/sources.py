@@ -260,6 +260,20 @@ def _decode(data: bytes, file: str, line: int, cfg: DataConfig, counts: Document
 
 
 UTF8_BOM = b"\xef\xbb\xbf"
+# byte-order marks of the other Unicode encodings (UTF-32 LE's starts with UTF-16 LE's: it is looked for first)
+OTHER_BOMS = {b"\xff\xfe\x00\x00": "UTF-32LE", b"\x00\x00\xfe\xff": "UTF-32BE", b"\xff\xfe": "UTF-16LE",
+              b"\xfe\xff": "UTF-16BE"}
+
+
+def check_utf8(head: bytes, file: str) -> None:
+    """DataError where a file starts with a UTF-16 or UTF-32 byte-order mark: read as UTF-8, its ASCII text is valid
+    bytes interleaved with NULs, trained on as such under decode_errors=replace."""
+    encoding = next((name for bom, name in OTHER_BOMS.items() if head.startswith(bom)), None)
+    if encoding is not None:
+        raise DataError(f"{file} is {encoding} text (it starts with that byte-order mark), not UTF-8, the only encoding "
+                        f"read; convert it to UTF-8 first (e.g. iconv -f {encoding} -t UTF-8)")
+
+
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # JSON's "\ud83d" escapes decode to code points UTF-8 cannot encode
 
 
@@ -269,6 +283,7 @@ def _text_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -
     with open_binary(file) as f:
         data = f.read()
     counts.bytes_read += len(data)
+    check_utf8(data, file)
     text = _decode(data.removeprefix(UTF8_BOM), file, 1, cfg, counts, warn)
     if text is not None:
         yield f"{file}:1", {"text": universal_newlines(text)}
@@ -277,6 +292,8 @@ def _text_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -
 def _json_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -> Iterator[tuple[str, dict]]:
     """JSON Lines (one object per line), or a file holding one JSON array of objects."""
     with open_binary(file) as f:
+        check_utf8(f.read(4), file)
+        f.seek(0)
         bom = f.read(3) == UTF8_BOM  # a byte-order mark (Windows editors and PowerShell write one) is not JSON
         f.seek(len(UTF8_BOM) if bom else 0)
         is_array = f.read(4096).lstrip()[:1] == b"["
