@@ -316,6 +316,22 @@ def test_a_utf16_or_utf32_file_is_refused_naming_its_encoding(tmp_path, encoding
         prepare(config(source, tmp_path / "cache", val_fraction=0.0, decode_errors=mode))
 
 
+
+def test_json_lines_ended_by_a_lone_cr_are_read_as_lines(tmp_path):
+    """Classic Mac line endings (CR alone), mixed with LF and CR LF: each record is a line, as when the file is opened
+    as text; the whole file was read as line 1 and refused as 'not valid JSON (Extra data ...)'."""
+    docs = make_docs(6)
+    records = [json.dumps({"text": d}).encode() for d in docs]
+    ends = [b"\r", b"\r", b"\n", b"\r\n", b"\r", b"\r"]
+    (tmp_path / "mac.jsonl").write_bytes(b"".join(r + end for r, end in zip(records, ends)))
+    data = prepare(config(tmp_path / "mac.jsonl", tmp_path / "cache", val_fraction=0.0, decode_errors="strict"))
+    assert documents_in(data, "train") == docs
+    # a bad record is named by its line as an editor counts them
+    (tmp_path / "bad.jsonl").write_bytes(b"\r".join([*records[:4], b'{"text": "cut off', *records[5:]]) + b"\r")
+    with pytest.raises(DataError, match=rf"{tmp_path / 'bad.jsonl'}:5: not valid JSON"):
+        prepare(config(tmp_path / "bad.jsonl", tmp_path / "cache", val_fraction=0.0))
+
+
 def test_each_decode_errors_mode_prepares_its_own_folder(tmp_path):
     """data.decode_errors decides which documents (and so which BPE and shards) a folder holds: data
     prepared under `replace` is not reused by a `strict` or `skip_document` run."""

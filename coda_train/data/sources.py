@@ -314,7 +314,7 @@ def _json_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -
             for i, row in enumerate(rows):
                 yield _json_object(row, f"{file} item {i}")
             return
-        for number, line in enumerate(f, start=1):
+        for number, line in enumerate(_lines(f), start=1):
             counts.bytes_read += len(line)
             if not line.strip():
                 continue
@@ -333,6 +333,19 @@ def _json_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -
                     f"that line, or set data.decode_errors=skip_document to skip such lines (counted in the manifest)"
                 ) from e
             yield _json_object(row, where)
+
+
+LONE_CR = re.compile(rb"(?<=\r)(?!\n)")  # where a line ends at a CR not followed by LF (classic Mac line endings)
+
+
+def _lines(f) -> Iterator[bytes]:
+    """A binary file's lines ended by LF, CR LF or a lone CR, as when a file is opened as text: JSON holds no raw CR
+    inside a string, so a lone CR ends a record (one per line was read as a single line, then refused as Extra data)."""
+    for line in f:
+        if b"\r" not in line:
+            yield line
+            continue
+        yield from (piece for piece in LONE_CR.split(line) if piece)
 
 
 _JSON_TYPES = {type(None): "null", bool: "boolean", int: "number", float: "number", str: "string", list: "array"}
