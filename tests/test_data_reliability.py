@@ -535,6 +535,22 @@ def test_a_folder_lists_the_files_its_glob_lists_symlinks_included(tmp_path):
     assert list(resolve_source(config(f"{corpus}/**/*.txt", tmp_path / "cache")).files) == expected
 
 
+
+def test_a_dangling_symlink_in_a_corpus_is_named_not_skipped(tmp_path):
+    """A link whose target is gone (an unmounted disk, a moved file) was skipped without a word: the run trained on
+    the corpus less that file's documents."""
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    (corpus / "a.txt").write_text("a document")
+    (corpus / "sub" / "b.txt").symlink_to(tmp_path / "unmounted" / "b.txt")
+    for source in (corpus, f"{corpus}/**/*.txt"):
+        with pytest.raises(DataError, match=rf"{corpus / 'sub' / 'b.txt'} is a symbolic link to "
+                                            rf"{tmp_path / 'unmounted' / 'b.txt'}, which does not exist.*remove the link"):
+            prepare(config(source, tmp_path / "cache"))
+    (corpus / "sub" / "b.txt").unlink()
+    assert list(resolve_source(config(corpus, tmp_path / "cache")).files) == [str(corpus / "a.txt")]
+
+
 def test_mixed_formats_under_one_glob_are_refused(tmp_path, corpus):
     (tmp_path / "notes.txt").write_text("plain text\n")
     with pytest.raises(DataError, match=r"mixes formats \['json', 'text'\] \(.*corpus.jsonl is json, .*notes.txt is text\); narrow the glob or set data.format"):

@@ -108,10 +108,22 @@ def _expand_files(source: str) -> list[str]:
                 continue
             folders.add(real)
             subfolders[:] = [d for d in subfolders if not d.startswith(".")]
-            visible = (Path(folder, n) for n in names if not n.startswith("."))
+            visible = [Path(folder, n) for n in names if not n.startswith(".")]
+            _check_links(visible, source)
             files.update(str(p.resolve()) for p in visible if p.is_file())
         return sorted(files)
-    return sorted({str(Path(p).resolve()) for p in glob.glob(path, recursive=True) if os.path.isfile(p)})
+    matches = glob.glob(path, recursive=True)
+    _check_links(map(Path, matches), source)
+    return sorted({str(Path(p).resolve()) for p in matches if os.path.isfile(p)})
+
+
+def _check_links(paths, source: str) -> None:
+    """DataError naming a symbolic link whose target is gone (an unmounted disk, a moved corpus): skipped, its
+    documents would be left out of the prepared data without a word."""
+    # realpath, not exists(): a path a glob built through a loop of links (a/loop/a/loop/...) fails stat with ELOOP
+    if dangling := [p for p in paths if p.is_symlink() and not os.path.exists(os.path.realpath(p))]:
+        raise DataError(f"data.source={source!r}: {dangling[0]} is a symbolic link to {os.readlink(dangling[0])}, which "
+                        f"does not exist ({len(dangling)} such link(s) here); restore what it points to, or remove the link")
 
 
 def resolve_source(cfg: DataConfig) -> Source:
