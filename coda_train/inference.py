@@ -76,6 +76,8 @@ def find_checkpoint(path: str | Path) -> Checkpoint:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path} does not exist; pass a run dir (trainer.run_dir) or a checkpoint dir")
+    if path.is_file():  # a file of a checkpoint (state.pt, meta.json) or of a run (metrics.jsonl): "no meta.json" misled
+        raise CheckpointError(f"{path} is a file; pass the directory that holds it ({path.parent}), a checkpoint or a run dir")
     if (path / META_FILE).exists():
         return Checkpoint(path, verify_checkpoint(path))
     if (root := _checkpoints_root(path)) is not None:
@@ -86,6 +88,9 @@ def find_checkpoint(path: str | Path) -> Checkpoint:
     if jobs := sweep_jobs(path, lambda job: bool(list_checkpoints(job / CHECKPOINTS_DIR))):  # a multirun's sweep dir
         raise CheckpointError(f"{path} is a multirun sweep, not one run; pass one of its jobs' run dirs: "
                               f"{', '.join(map(str, jobs))}")
+    if (path / "config.json").is_file():  # e.g. this tool's own export
+        raise CheckpointError(f"{path} is a Hugging Face model directory (config.json), not a coda-train checkpoint: load "
+                              "it with transformers, or train from it with model.init_from; pass a run dir or checkpoint here")
     raise CheckpointError(f"{path} is neither a checkpoint (no {META_FILE}) nor a run dir with checkpoints/step_*; "
                           "pass the trainer.run_dir of a run that saved a checkpoint, or one of its checkpoints/step_* dirs")
 

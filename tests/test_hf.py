@@ -696,6 +696,21 @@ def test_a_directory_without_a_checkpoint_is_a_clear_error(tmp_path):
         assert result.returncode == 1 and "neither a checkpoint" in result.stderr, (script, result.stderr[-2000:])
 
 
+
+def test_a_file_of_a_checkpoint_or_an_hf_export_is_named_as_what_it_is(trained_run, exported):
+    """state.pt or meta.json given for its checkpoint was refused as 'neither a checkpoint (no meta.json) nor a run dir',
+    meta.json itself included; an export, as a directory that is neither."""
+    ckpt = find_checkpoint(trained_run).path
+    for file in (ckpt / "state.pt", ckpt / "meta.json", trained_run / "metrics.jsonl"):
+        with pytest.raises(CheckpointError, match=re.escape(f"{file} is a file; pass the directory that holds it "
+                                                            f"({file.parent})")):
+            find_checkpoint(file)
+    with pytest.raises(CheckpointError, match=f"{exported} is a Hugging Face model directory .*model.init_from"):
+        find_checkpoint(exported)
+    result = run_script("sample.py", str(ckpt / "state.pt"), "--max-new-tokens", "2")
+    assert result.returncode == 1 and f"state.pt is a file; pass the directory that holds it ({ckpt})" in result.stderr
+
+
 def test_a_multirun_sweep_dir_names_its_jobs_run_dirs(tmp_path):
     """The sweep dir of `train.py -m ... trainer.run_dir=DIR` is not one run: the tools name its jobs' run dirs."""
     for job in ("0", "1", "10"):
