@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -55,8 +56,9 @@ def checkpoint_parser(description: str, compute: bool) -> argparse.ArgumentParse
     from coda_train.trainer.device import COMPUTE_DTYPES, DEVICES
 
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", help="run dir or checkpoint dir")
-    parser.add_argument("--tokenizer", help="tokenizer.json or HF dir (default: the run's own, from its prepared data)")
+    # paths as train.py's config takes them: a shell leaves `--out=~/x` and a quoted "~/x" as they are
+    parser.add_argument("checkpoint", type=os.path.expanduser, help="run dir or checkpoint dir")
+    parser.add_argument("--tokenizer", type=os.path.expanduser, help="tokenizer.json or HF dir (default: the run's own, from its prepared data)")
     if compute:
         parser.add_argument("--device", default="auto", choices=DEVICES)
         parser.add_argument("--dtype", default="auto", choices=list(COMPUTE_DTYPES),

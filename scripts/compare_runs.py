@@ -340,10 +340,15 @@ def not_a_comparison(out: Path) -> Optional[Path]:
     return next((f for f in files if f.exists()), None)
 
 
+def expanded(path: str) -> Path:
+    """A path argument with ~ expanded: a shell leaves `--out=~/x` and a quoted "~/x" as they are."""
+    return Path(path).expanduser()
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("runs", nargs="+", type=Path, help="run directories (the first is the reference)")
-    p.add_argument("--out", type=Path, default=None,
+    p.add_argument("runs", nargs="+", type=expanded, help="run directories (the first is the reference)")
+    p.add_argument("--out", type=expanded, default=None,
                    help="the plot's path, ending in .png; the table is written beside it as .md and .json (same name) "
                         "(default: compare.png beside the first run); files of those names are overwritten only if they "
                         "are an earlier comparison's")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import lzma
 import math
+import os
 import sys
 
 from coda_train.data import DataError, PreparedData, TokenLoader
@@ -84,7 +85,7 @@ def eval_batches(data: PreparedData, split: str, batch_size: int, seq_len: int, 
 def main(argv: list[str] | None = None) -> int:
     parser = checkpoint_parser(__doc__, compute=True)
     parser.add_argument("--split", choices=("val", "train"), help="split of the run's prepared data (default: val)")
-    parser.add_argument("--text", nargs="+", metavar="FILE", help="evaluate these text files instead")
+    parser.add_argument("--text", nargs="+", type=os.path.expanduser, metavar="FILE", help="evaluate these text files instead")
     parser.add_argument("--batch-size", type=int, help="sequences per forward (default: the run's trainer.batch_size)")
     parser.add_argument("--seq-len", type=int, help="tokens per window (default: the run's trainer.seq_len)")
     parser.add_argument("--max-batches", type=int, help="evaluate at most this many batches (default: all)")

@@ -11,6 +11,7 @@ generation_config.json; `transformers.LlamaForCausalLM.from_pretrained(DIR)` and
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -24,7 +25,7 @@ from coda_train.trainer.checkpoint import CheckpointError
 
 def main(argv: list[str] | None = None) -> int:
     parser = checkpoint_parser(__doc__, compute=False)
-    parser.add_argument("--out", required=True, help="output directory (must not exist, or be empty)")
+    parser.add_argument("--out", required=True, type=os.path.expanduser, help="output directory (must not exist, or be empty)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weight dtype written")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB or 500MB")
     args = parser.parse_args(argv)

@@ -245,3 +245,17 @@ def test_a_line_with_a_null_loss_is_no_training_step(tmp_path):
     assert list(read.val_steps) == [5] and list(read.val_loss) == [4.0]
     row = compare_runs.compare([read, read], 1)[1]
     assert row["final_train_loss"] == pytest.approx(4.5) and row["mean_abs_dloss"] == 0.0
+
+
+def test_paths_starting_with_a_tilde_are_under_home(tmp_path, monkeypatch):
+    """A shell leaves `--out=~/cmp.png` as it is: the comparison went to a folder named '~' in the working directory,
+    and a run dir given as "~/runs/a" was said not to be found."""
+    compare_runs = compare_runs_module()
+    for name in ("a", "b"):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0}) + "\n")
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path / "cwd")
+    compare_runs.main(["~/runs/a", "~/runs/b", "--out=~/cmp/c.png"])
+    assert (tmp_path / "cmp" / "c.json").is_file() and not (tmp_path / "cwd" / "~").exists()

@@ -983,3 +983,25 @@ def test_eval_refuses_a_utf16_text_file_naming_its_encoding(trained_run, tmp_pat
     result = run_script("eval.py", str(trained_run), "--text", str(held_out), "--seq-len", "16", "--device", "cpu")
     assert result.returncode == 1 and f"{held_out} is UTF-16LE text" in result.stderr, result.stderr[-2000:]
     assert "loss" not in result.stdout
+
+
+def test_tool_paths_starting_with_a_tilde_are_under_home(trained_run, tmp_path):
+    """A shell leaves `--out=~/x` (and a quoted "~/x") as it is: the export went to a folder named '~' in the working
+    directory, and a run dir or tokenizer given so was said not to exist."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir(), cwd.mkdir()
+    (home / "run").symlink_to(trained_run)
+    env = {**os.environ, "HOME": str(home), "PYTHONPATH": str(REPO)}
+
+    def tool(name, *args):
+        return subprocess.run([sys.executable, str(REPO / "scripts" / name), *args], cwd=cwd, capture_output=True,
+                              text=True, timeout=120, env=env)
+
+    result = tool("export_hf.py", "~/run", "--out=~/exports/m")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (home / "exports" / "m" / "config.json").is_file() and not (cwd / "~").exists()
+    result = tool("sample.py", "~/run", "--tokenizer=~/exports/m", "--max-new-tokens", "2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    (home / "held_out.txt").write_text(TEXT * 4)
+    result = tool("eval.py", "~/run", "--text", "~/held_out.txt", "--seq-len", "16")
+    assert result.returncode == 0 and "on 1 text file(s)" in result.stdout, result.stderr[-2000:]
