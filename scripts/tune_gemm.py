@@ -50,24 +50,26 @@ from bench import SHAPES, GpuClocks  # noqa: E402  (the benchmark's shapes: the 
 
 from coda_train.kernels import Dims, Example  # noqa: E402
 from coda_train.kernels.tile_configs import (  # noqa: E402
-    CUBLAS, PLAIN_GEMMS, SHIPPED_TABLE, TOKENS_IN_K, Cfg, config_errors, default_cfg, gpu_key, merge_entries, shape_class)
+    CUBLAS, PLAIN_GEMMS, SHIPPED_TABLE, SM90_CLUSTERS, TOKENS_IN_K, Cfg, config_errors, default_cfg, gpu_key, merge_entries, shape_class)
 from coda_train.model.coda import step_gemm_shapes  # noqa: E402
 from coda_train.model.config import PRESETS  # noqa: E402
 
 TUNED_SHAPES = ("125m", "1b-4x4096", "1b-2x8192", "8b-slice")
 # (tile_M, tile_N, pingpong): quack's default, the narrower pingpong tiles whose heavy epilogues fit
 # in registers (docs/kernels.md, "Register spills"), and the cooperative tiles that often win on
-# large GEMMs; each in two cluster shapes (TMA multicast along M or along N).
+# large GEMMs; each in two cluster shapes (TMA multicast along M or along N; --clusters adds others, e.g.
+# 2x2: both operands multicast, half the L2 reads of the operands a 2x1 or 1x2 cluster makes).
 CANDIDATE_TILES = ((128, 192, True), (128, 160, True), (128, 128, True), (256, 128, False), (256, 192, False), (128, 256, False))
 CANDIDATE_CLUSTERS = ((2, 1), (1, 2))
 TOLERANCE = 1e-2  # relative error vs the default config's output; wrong tiles show up as NaN or O(1)
 MIN_GAIN = 0.01  # a candidate replaces the default only when this much faster (timing noise)
+CLUSTERS = CANDIDATE_CLUSTERS  # --clusters
 COMPILE_ROWS = 256  # token rows of the compile-phase inputs (kernels compile per program, not per M)
 
 
 def candidates(op: str) -> list[Optional[Cfg]]:
     """The configs tried for `op`: its default first, then every candidate it can run; None = cuBLAS."""
-    cands = [default_cfg(op)] + [Cfg(m, n, cm, cn, pp) for m, n, pp in CANDIDATE_TILES for cm, cn in CANDIDATE_CLUSTERS]
+    cands = [default_cfg(op)] + [Cfg(m, n, cm, cn, pp) for m, n, pp in CANDIDATE_TILES for cm, cn in CLUSTERS]
     if op in PLAIN_GEMMS:
         cands.append(None)
     return [c for c in dict.fromkeys(cands) if not config_errors(op, c)]
@@ -194,7 +196,7 @@ def compile_worker(todo: list[dict], shard: int, n_shards: int) -> int:
 def compile_all(args, deadline: float) -> tuple[int, int, float]:
     """Run --workers compile workers until done or the deadline; (compiled, failed, seconds)."""
     env = dict(os.environ, QUACK_ARCH="90", CUTE_DSL_ARCH="sm_90a", CUDA_VISIBLE_DEVICES="")
-    base = [sys.executable, os.path.abspath(__file__), "--shapes", args.shapes, "--ops", args.ops,
+    base = [sys.executable, os.path.abspath(__file__), "--shapes", args.shapes, "--ops", args.ops, "--clusters", args.clusters,
             *(["--launches", args.launches] if args.launches else [])]
     t0 = time.time()
     with tempfile.TemporaryDirectory() as logs:
@@ -328,8 +330,19 @@ def main() -> int:
     ap.add_argument("--sustained-s", type=float, default=0.0,
                     help="time each candidate after this many seconds of itself back to back (the clock a sustained, "
                          "power-capped step runs at) instead of a short burst, and record clock and power")
+    ap.add_argument("--clusters", default=",".join(f"{m}x{n}" for m, n in CANDIDATE_CLUSTERS),
+                    help="cluster shapes tried with every candidate tile, MxN comma-separated (default %(default)s; "
+                         "quack's SM90 kernel takes 1x1, 2x1, 1x2, 2x2, 4x1, 1x4)")
     ap.add_argument("--compile-worker", default="", help=argparse.SUPPRESS)  # "i/n": one shard of the compiles
     args = ap.parse_args()
+    global CLUSTERS
+    try:
+        CLUSTERS = tuple(tuple(int(x) for x in c.lower().split("x")) for c in args.clusters.split(",") if c)
+    except ValueError:
+        ap.error(f"--clusters {args.clusters!r}: write cluster shapes as MxN, comma-separated, e.g. 2x1,1x2,2x2")
+    if not CLUSTERS or set(CLUSTERS) - SM90_CLUSTERS:
+        ap.error(f"--clusters {args.clusters!r}: each must be one of "
+                 f"{', '.join(f'{m}x{n}' for m, n in sorted(SM90_CLUSTERS))}")
     shapes = [s for s in args.shapes.split(",") if s]
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:

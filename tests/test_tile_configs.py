@@ -73,7 +73,8 @@ def test_config_rules():
     assert T.config_errors("matmul", None) == [] and T.config_errors("gemm_rowscale", None)
     assert "not an SM90 tile" in T.config_errors("gemm_rowscale", Cfg(256, 256, 2, 1, False))[0]
     assert "pingpong" in T.config_errors("gemm_rowscale", Cfg(256, 128, 2, 1, True))[0]  # 256-row pingpong: no
-    assert "cluster 2x2" in T.config_errors("gemm_rowscale", Cfg(128, 192, 2, 2, True))[0]
+    assert T.config_errors("gemm_rowscale", Cfg(128, 192, 2, 2, True)) == []  # both operands multicast
+    assert "cluster 4x2" in T.config_errors("gemm_rowscale", Cfg(128, 192, 4, 2, True))[0]  # quack: at most 4 CTAs
     # declared partial sums: one column per 128 output columns, so no narrower N tile (none in quack's SM90 list)
     assert T.STAT_TILE_N == 128 == min(n for _, n, _ in T.SM90_TILES)
     for op in ("gemm_residual_rmsnorm_partial", "gemm_dswiglu_rowscale_stat"):

@@ -79,10 +79,10 @@ STRIP_GEMMS = ("gemm_exp_rmsnorm_backward", "matmul_tn_exp", "matmul_tn_exp_add"
 
 # The (tile_M, tile_N, pingpong) quack 0.6.5 runs on SM90 (its autotuner's list,
 # quack.gemm_config.get_all_configs; tests/test_tile_configs.py keeps the two in step) and the
-# clusters our kernels launch with.
+# clusters its SM90 kernel takes (powers of 2, at most 4 CTAs; its autotuner tries 2x1 and 1x2).
 SM90_TILES = frozenset([(128, n, True) for n in (128, 160, 192, 208)] + [(192, 128, True)]
                        + [(256, n, False) for n in (128, 160, 192, 208)] + [(128, 224, False), (128, 256, False)])
-SM90_CLUSTERS = frozenset([(1, 1), (2, 1), (1, 2)])
+SM90_CLUSTERS = frozenset([(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4)])
 # tile_N multiples some programs need: the RoPE table tiling (any head_dim the limits allow), and
 # quack's paired accumulators with extra tile stores (the SwiGLU epilogue).
 TILE_N_MULTIPLE = {"gemm_rowscale_rope": 128, "gemm_rowscale_swiglu": 32}
@@ -108,7 +108,8 @@ def config_errors(op: str, cfg: Optional[Cfg]) -> list[str]:
         legal = ", ".join(f"{m}x{n} {'pingpong' if p else 'cooperative'}" for m, n, p in sorted(SM90_TILES))
         errors.append(f"{op}: tile {cfg} is not an SM90 tile quack runs ({legal})")
     if (cfg.cluster_M, cfg.cluster_N) not in SM90_CLUSTERS:
-        errors.append(f"{op}: cluster {cfg.cluster_M}x{cfg.cluster_N} must be one of 1x1, 2x1, 1x2")
+        legal = ", ".join(f"{m}x{n}" for m, n in sorted(SM90_CLUSTERS))
+        errors.append(f"{op}: cluster {cfg.cluster_M}x{cfg.cluster_N} must be one of {legal}")
     if OPS[op].partials and cfg.tile_N < STAT_TILE_N:
         errors.append(f"{op}: tile_N={cfg.tile_N} must be >= {STAT_TILE_N} (its partial sums have one "
                       f"column per {STAT_TILE_N} output columns)")
