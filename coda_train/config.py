@@ -102,6 +102,7 @@ class DebugConfig:
     sigkill_in_checkpoint_at_step: Optional[int] = None  # SIGKILL halfway through writing that step's checkpoint
     sigterm_after_step: Optional[int] = None  # send this process SIGTERM after that step (and its checkpoint)
     disk_full_in_checkpoint_at_step: Optional[int] = None  # that step's checkpoint write fails with ENOSPC halfway
+    disk_full_in_metrics_at_step: Optional[int] = None  # writing that step's metrics.jsonl line fails with ENOSPC
     out_of_memory_at_step: Optional[int] = None  # that step raises torch.OutOfMemoryError, as a GPU out of memory does
 
 

@@ -319,6 +319,21 @@ def test_a_failed_state_write_under_ddp_stops_every_rank_with_one_paragraph(tiny
     assert not list((tmp_path / "checkpoints").iterdir())  # the partial write removed
     assert [line["step"] for line in metrics(tmp_path)] == [1, 2]
 
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_failed_metrics_write_stops_every_rank_with_one_paragraph(tiny, tmp_path, parallel):
+    """Rank 0 alone writes metrics.jsonl: its failed write (disk full) stops every rank with the paragraph (exit 4), as a
+    failed state.pt write does; rank 1 ended in its next collective with a gloo 'Connection closed by peer' traceback."""
+    result = run_two_ranks(*tiny, "trainer.max_steps=6", "trainer.ckpt_every=2", "trainer.batch_size=2",
+                           f"trainer.parallel={parallel}", "trainer.eval_every=0", "trainer.log_every=1",
+                           f"trainer.run_dir={tmp_path}", "debug.disk_full_in_metrics_at_step=3")
+    output = result.stdout + result.stderr
+    worker_tracebacks = [f"[rank{rank}]: Traceback" for rank in (0, 1)] + ["Error executing job", "Connection closed"]
+    assert result.returncode != 0 and not any(text in output for text in worker_tracebacks), output[-3000:]
+    assert output.count(f"could not write the metrics of step 3 to {tmp_path / 'metrics.jsonl'}") == 2, output[-3000:]
+    assert "exitcode  : 4" in output and "exitcode  : 1" not in output, output[-3000:]
+    assert [line["step"] for line in metrics(tmp_path)] == [1, 2]
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000002"]
+
 # --- FSDP2 overlap: the order in which units are gathered, blocks run and gradients are reduced ---
 
 OVERLAP_LAYERS = 4

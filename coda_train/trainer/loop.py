@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import logging
 import os
@@ -405,9 +406,7 @@ def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, train_step: TrainS
                 if should_eval:
                     phase = f"the evaluation after step {state.step}"
                     last["val_loss"] = evaluate(state.model, val_loader, t.eval_batches * t.grad_accum_steps, device, world)
-                if metrics_logger is not None:
-                    with writing(f"the metrics of step {state.step}", Path(metrics_logger.file.name), checkpointer.root.parent):
-                        metrics_logger.log(last)
+                _log(metrics_logger, last, checkpointer.root.parent, world, debug.disk_full_in_metrics_at_step == state.step)
                 throughput.reset()
             if metrics_logger is not None:
                 metrics_logger.step_done()
@@ -497,6 +496,24 @@ def _out_of_memory_stop(error: torch.OutOfMemoryError, phase: str, cfg: Config, 
     return ConfigError(f"{phase} ran out of GPU memory{f' ({what})' if what else ''}. The training state fit at the start, so a "
                        f"micro-batch's activations ({t.batch_size} x {t.seq_len} tokens) did not; {resume}: "
                        + "; ".join(fixes) + ".")
+
+
+def _log(metrics_logger: Optional[MetricsLogger], line: dict[str, Any], run_dir: Path, world: World,
+         disk_full: bool = False) -> None:
+    """Rank 0 logs the line; its failed write (disk full) raises on every rank, as a failed state.pt write does: the
+    others would wait in their next collective for rank 0. disk_full: the write fails with ENOSPC (debug)."""
+    error = None
+    if metrics_logger is not None:
+        try:
+            if disk_full:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), metrics_logger.file.name)
+            metrics_logger.log(line)
+        except OSError as e:
+            error = e
+    if any_rank(error is not None, world):  # host-side, as every step's stop check: rank 0's error only when there is one
+        error = from_main(error, world)
+        with writing(f"the metrics of step {line['step']}", run_dir / METRICS_FILE, run_dir):
+            raise error
 
 
 def _save(checkpointer: Checkpointer, state: TrainState, world: World) -> Optional[Path]:
