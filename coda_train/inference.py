@@ -229,10 +229,13 @@ def load_eager_model(ckpt: TrainedCheckpoint, device: torch.device, compute_dtyp
 def text_windows(ckpt: TrainedCheckpoint, texts: Iterable[str], seq_len: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(inputs, targets) batches of the texts tokenized as documents (each followed by EOS, as in
     preparation) and cut into consecutive windows of seq_len + 1 tokens; a last partial batch is kept."""
-    tokens, _ = encode_documents(ckpt.tokenizer, list(texts), ckpt.eos_id, token_dtype(num_ids(ckpt.tokenizer)))
+    tokens, lengths = encode_documents(ckpt.tokenizer, list(texts), ckpt.eos_id, token_dtype(num_ids(ckpt.tokenizer)))
     n_windows = (len(tokens) - 1) // seq_len
+    if (lengths == 1).all():  # each its EOS alone: no --seq-len can help
+        raise DataError("the --text files hold no text to score (empty); pass files with text")
     if n_windows == 0:
-        raise DataError(f"the texts hold {len(tokens)} tokens, fewer than one window of {seq_len}+1; use a smaller --seq-len")
+        raise DataError(f"the --text files hold {len(tokens)} tokens (an EOS after each file), fewer than one window of "
+                        f"{seq_len}+1; pass --seq-len {len(tokens) - 1} or less, or longer texts")
     windows = np.stack([tokens[w * seq_len: w * seq_len + seq_len + 1] for w in range(n_windows)]).astype(np.int64)
     # a generator expression, not a generator function: texts too short are refused here, before the model is loaded
     return ((batch[:, :-1], batch[:, 1:]) for batch in torch.from_numpy(windows).split(batch_size))

@@ -985,6 +985,23 @@ def test_eval_refuses_a_utf16_text_file_naming_its_encoding(trained_run, tmp_pat
     assert "loss" not in result.stdout
 
 
+def test_eval_of_an_empty_or_short_text_file_says_what_is_wrong_and_the_fix(trained_run, tmp_path):
+    """An empty --text file holds no token to score: its message said 'use a smaller --seq-len', which cannot help it.
+    A short one names the --seq-len that fits it."""
+    empty, short = tmp_path / "empty.txt", tmp_path / "short.txt"
+    empty.write_text("")
+    short.write_text("def f")
+    result = run_script("eval.py", str(trained_run), "--text", str(empty), "--device", "cpu")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "hold no text to score (empty)" in result.stderr and "--seq-len" not in result.stderr, result.stderr
+    ckpt = open_checkpoint(trained_run)
+    tokens = len(ckpt.tokenizer.encode("def f", add_special_tokens=False).ids) + 1  # and its EOS
+    result = run_script("eval.py", str(trained_run), "--text", str(short), str(empty), "--device", "cpu")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert (f"hold {tokens + 1} tokens (an EOS after each file), fewer than one window of 32+1; pass --seq-len "
+            f"{tokens} or less, or longer texts") in result.stderr, result.stderr
+
+
 def test_tool_paths_starting_with_a_tilde_are_under_home(trained_run, tmp_path):
     """A shell leaves `--out=~/x` (and a quoted "~/x") as it is: the export went to a folder named '~' in the working
     directory, and a run dir or tokenizer given so was said not to exist."""
