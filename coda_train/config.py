@@ -202,6 +202,9 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"trainer.recompute={t.recompute} recomputes the CODA blocks; use model.impl=coda "
                           "or trainer.recompute=none")
     _choose("logger.name", cfg.logger.name, LOGGERS)
+    if cfg.logger.mode == "disabled":  # wandb's own mode name, which the README says how to get
+        raise ConfigError(f"logger.mode=disabled is not a logger.mode ({', '.join(WANDB_MODES)}): to log without wandb use "
+                          "logger=jsonl (metrics.jsonl only), or set WANDB_MODE=disabled in the environment")
     _choose("logger.mode", cfg.logger.mode, WANDB_MODES)
     for name in ("max_steps", "batch_size", "seq_len", "grad_accum_steps", "log_every", "keep_last"):
         if getattr(t, name) < 1:

@@ -174,6 +174,15 @@ def test_out_of_range_values_fail_the_cross_field_check(override, message):
         check_config(load(override))
 
 
+def test_logger_mode_disabled_names_the_ways_to_turn_wandb_off():
+    """logger.mode=disabled (wandb's own mode name) got the generic 'not one of' error: the README's ways are
+    WANDB_MODE=disabled and logger=jsonl."""
+    with pytest.raises(ConfigError, match=re.escape("logger.mode=disabled is not a logger.mode (auto, online, offline): "
+                                                    "to log without wandb use logger=jsonl (metrics.jsonl only), or set "
+                                                    "WANDB_MODE=disabled in the environment")):
+        check_config(load("logger=wandb", "logger.mode=disabled"))
+
+
 def test_data_checks_see_the_tokenizer_of_model_init_from():
     """A run from a Hugging Face directory tokenizes with its tokenizer: the checks that only hold for the
     BPE a run trains (data.eos_token, data.vocab_size) do not apply, and data.tokenizer still wins."""
