@@ -807,6 +807,30 @@ def test_an_export_to_a_link_goes_where_it_points(tmp_path):
     assert out == tmp_path / "target" and (tmp_path / "link").is_symlink() and (tmp_path / "link" / "config.json").is_file()
 
 
+def test_an_export_to_the_empty_working_directory_is_written_into_it(trained_run, tmp_path, monkeypatch):
+    """--out . in an empty folder (an empty folder is a target as any other) failed with 'Invalid argument': the
+    export, written next to '.', was renamed onto it. Its files are moved in: the folder the shell is in stays."""
+    here = tmp_path / "here"
+    here.mkdir()
+    inode = here.stat().st_ino
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "export_hf.py"), str(trained_run), "--out", "."],
+                            cwd=here, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0 and f"to {here}:" in result.stdout, result.stderr[-2000:]
+    assert here.stat().st_ino == inode and (here / "config.json").is_file() and (here / "model.safetensors").is_file()
+    assert not [p.name for p in here.iterdir() if p.name.startswith(".")] and sorted(p.name for p in tmp_path.iterdir()) == ["here"]
+    import huggingface_hub
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    (tmp_path / "again").mkdir()
+    monkeypatch.chdir(tmp_path / "again")
+    monkeypatch.setattr(huggingface_hub, "save_torch_state_dict", disk_full)
+    ckpt = open_checkpoint(trained_run)
+    with pytest.raises(OSError):
+        export_hf(ckpt.weights, ckpt.model_config, ".", tokenizer_file=ckpt.tokenizer_file, eos_token=ckpt.eos_token)
+    assert list((tmp_path / "again").iterdir()) == []  # a failed write leaves it as empty as it was
+
+
 def test_export_errors_leave_no_temp_folder(trained_run, tmp_path, monkeypatch):
     """A bad --max-shard-size is refused before any write; a write that fails (a full disk) removes the
     half-written folder and says so in one line."""

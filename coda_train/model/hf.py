@@ -252,7 +252,8 @@ def export_hf(state_dict: dict[str, Tensor], cfg: LlamaConfig, out_dir: str | Pa
     """Write a Hugging Face Llama directory (config.json, safetensors weights sharded by
     huggingface_hub above max_shard_size, tokenizer files, generation_config.json) that
     LlamaForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load. out_dir must not exist
-    or be empty; it appears complete or not at all (written next to it, then renamed)."""
+    or be empty; it appears complete or not at all (written next to it, then renamed; the working directory, written
+    inside it, then its files moved up)."""
     transformers = _require_hf()
     from huggingface_hub import save_torch_state_dict
     from tokenizers import Tokenizer
@@ -269,8 +270,12 @@ def export_hf(state_dict: dict[str, Tensor], cfg: LlamaConfig, out_dir: str | Pa
     # ids past the tokenizer's vocabulary are rows that pad the embedding; generation never picks them
     padding_ids = list(range(num_ids(tokenizer), cfg.vocab_size)) or None
 
+    # --out . (the working directory, empty): renamed onto, the folder a shell is in would be replaced; its files are moved in
+    in_place = out.exists() and out.samefile(Path.cwd())
+    out = Path.cwd() if in_place else out
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out if in_place else out.parent))
+    moved = []
     try:  # a full disk, a kill: no half-written folder is left next to the export
         hf_config(cfg, bos_token_id=bos_id, eos_token_id=eos_id, dtype=dtype).save_pretrained(tmp)
         # copies: split views of one fused tensor share storage, which safetensors refuses to write
@@ -287,11 +292,19 @@ def export_hf(state_dict: dict[str, Tensor], cfg: LlamaConfig, out_dir: str | Pa
         tmp.chmod(0o755)
         for file in tmp.iterdir():
             file.chmod(0o644)
-        if out.exists():
-            out.rmdir()  # empty (checked above)
-        os.rename(tmp, out)
+        if in_place:
+            for file in sorted(tmp.iterdir(), key=lambda f: f.name == "config.json"):  # config.json, what loaders open, last
+                os.rename(file, out / file.name)
+                moved.append(out / file.name)
+            tmp.rmdir()
+        else:
+            if out.exists():
+                out.rmdir()  # empty (checked above)
+            os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for file in moved:
+            file.unlink(missing_ok=True)
         raise
     return out
 
