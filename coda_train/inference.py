@@ -25,10 +25,10 @@ from coda_train.model import LlamaConfig, build_model
 from coda_train.model.eager import EagerLlama
 from coda_train.model.hf import check_tokenizer_fits
 from coda_train.model.weights import LlamaWeights
-from coda_train.trainer.checkpoint import (CHECKPOINTS_DIR, META_FILE, Checkpoint, CheckpointError, list_checkpoints,
-                                           load_model_state, newest_good_checkpoint, recorded_prepared_data, saved_model,
-                                           verify_checkpoint)
-from coda_train.trainer.rundir import sweep_jobs
+from coda_train.trainer.checkpoint import (CHECKPOINTS_DIR, META_FILE, STEP_DIR, Checkpoint, CheckpointError,
+                                           list_checkpoints, load_model_state, newest_good_checkpoint, recorded_prepared_data,
+                                           saved_model, verify_checkpoint)
+from coda_train.trainer.rundir import continue_hint, sweep_jobs
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,10 @@ def find_checkpoint(path: str | Path) -> Checkpoint:
     if path.is_file():  # a file of a checkpoint (state.pt, meta.json) or of a run (metrics.jsonl): "no meta.json" misled
         raise CheckpointError(f"{path} is a file; pass the directory that holds it ({path.parent}), a checkpoint or a run dir")
     if (path / META_FILE).exists():
-        return Checkpoint(path, verify_checkpoint(path))
+        try:
+            return Checkpoint(path, verify_checkpoint(path))
+        except CheckpointError as e:
+            raise CheckpointError(f"{e}; {_instead_of_damaged(path)}") from e
     if (root := _checkpoints_root(path)) is not None:
         found = newest_good_checkpoint(root)
         if found is None:
@@ -95,6 +98,22 @@ def find_checkpoint(path: str | Path) -> Checkpoint:
                               "it with transformers, or train from it with model.init_from; pass a run dir or checkpoint here")
     raise CheckpointError(f"{path} is neither a checkpoint (no {META_FILE}) nor a run dir with checkpoints/step_*; "
                           "pass the trainer.run_dir of a run that saved a checkpoint, or one of its checkpoints/step_* dirs")
+
+
+def _instead_of_damaged(path: Path) -> str:
+    """The fix for a damaged checkpoint given explicitly: the newest intact one beside it (and its run dir, which
+    takes it), and how to rewrite this one where a resume of its run redoes its step."""
+    found = newest_good_checkpoint(path.parent, warn=False)
+    if found is None:
+        return "no checkpoint beside it is intact: train again to get one"
+    run = path.parent.parent if path.parent.name == CHECKPOINTS_DIR else None
+    fix = f"pass {found.path} instead (the newest intact checkpoint beside it)"
+    if run is not None:
+        fix += f", or the run dir {run}, which takes it"
+        named = STEP_DIR.match(path.name)
+        if named is not None and int(named.group(1)) > found.meta["step"]:  # a resume continues from found and redoes it
+            fix += f"; to rewrite this one, resume the training ({continue_hint(run)})"
+    return fix
 
 
 def _checkpoints_root(path: Path) -> Optional[Path]:

@@ -790,6 +790,31 @@ def test_a_checkpoint_whose_meta_json_does_not_fit_its_weights_is_refused_by_eve
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
+def test_a_damaged_checkpoint_given_to_a_tool_names_the_one_to_pass_instead(trained_run, tmp_path):
+    """A checkpoint given explicitly whose state.pt is cut short said only 'state.pt is missing or truncated': it now
+    names the newest intact checkpoint beside it and how to rewrite it, or, with none intact, that there is none."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    newest = find_checkpoint(run).path
+    older = newest.with_name("step_00000006")
+    shutil.copytree(newest, older)
+    meta = json.loads((older / "meta.json").read_text())
+    (older / "meta.json").write_text(json.dumps({**meta, "step": 6}))
+    state = (newest / "state.pt").read_bytes()
+    (newest / "state.pt").write_bytes(state[:len(state) // 2])
+    for script, args in (("eval.py", []), ("sample.py", []), ("export_hf.py", ["--out", str(tmp_path / "out")])):
+        result = run_script(script, str(newest), *args)
+        assert result.returncode == 1 and "Traceback" not in result.stderr, (script, result.stderr[-2000:])
+        assert (f"checkpoint {newest}: state.pt is missing or truncated; pass {older} instead (the newest intact checkpoint "
+                f"beside it), or the run dir {run}, which takes it; to rewrite this one, resume the training (to continue, run "
+                f"the same command with trainer.run_dir={run.resolve()})") in result.stderr, (script, result.stderr)
+    shutil.rmtree(older)
+    result = run_script("eval.py", str(newest))
+    assert result.returncode == 1 and (f"checkpoint {newest}: state.pt is missing or truncated; no checkpoint beside it is "
+                                       "intact: train again to get one") in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_export_refuses_a_non_empty_output_dir(trained_run, tmp_path):
     (tmp_path / "keep.txt").write_text("mine")
     result = run_script("export_hf.py", str(trained_run), "--out", str(tmp_path))
