@@ -334,6 +334,22 @@ def test_a_failed_metrics_write_stops_every_rank_with_one_paragraph(tiny, tmp_pa
     assert [line["step"] for line in metrics(tmp_path)] == [1, 2]
     assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000002"]
 
+def test_a_failed_metrics_write_at_the_start_stops_every_rank_with_one_paragraph(tiny, tmp_path):
+    """Rank 0 alone rewinds and opens metrics.jsonl before the first step: its failure (here a directory in its place)
+    stops every rank with the paragraph (exit 4); rank 1 ended in its next collective with a gloo traceback."""
+    common = [*tiny, "trainer.batch_size=2", "trainer.parallel=ddp", "trainer.eval_every=0", f"trainer.run_dir={tmp_path}"]
+    assert run_two_ranks(*common, "trainer.max_steps=2").returncode == 0
+    (tmp_path / "metrics.jsonl").unlink()
+    (tmp_path / "metrics.jsonl").mkdir()
+    result = run_two_ranks(*common, "trainer.max_steps=4")
+    output = result.stdout + result.stderr
+    worker_tracebacks = [f"[rank{rank}]: Traceback" for rank in (0, 1)] + ["Error executing job", "Connection closed"]
+    assert result.returncode != 0 and not any(text in output for text in worker_tracebacks), output[-3000:]
+    assert output.count(f"could not write the run's config.yaml and metrics.jsonl to {tmp_path / 'metrics.jsonl'}: "
+                        "Is a directory") == 2, output[-3000:]
+    assert "exitcode  : 4" in output and "exitcode  : 1" not in output, output[-3000:]
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000002"]
+
 # --- FSDP2 overlap: the order in which units are gathered, blocks run and gradients are reduced ---
 
 OVERLAP_LAYERS = 4

@@ -338,24 +338,32 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
     checkpointer = Checkpointer(run_dir / CHECKPOINTS_DIR, t.keep_last, meta, resume_from,
                                 cfg.debug.sigkill_in_checkpoint_at_step, cfg.debug.disk_full_in_checkpoint_at_step,
                                 t.ckpt_async)
-    metrics_logger = None
+    metrics_logger, error = None, None
     if world.is_main:  # the first writes, after every check
-        with writing("the run's config.yaml and metrics.jsonl", run_dir, run_dir):
-            if state.step < t.max_steps:  # else nothing to do: the files stay as the run that took the steps left them
-                if resume_from is not None:
-                    set_aside_newer(checkpointer.root, resume_from.step, damaged=resumes_newest_good(t.resume))
-                # the lines after the checkpoint (all of them without one, or from another run's checkpoint, whose
-                # steps before it were logged elsewhere) are redone; where they are another trajectory's (an explicitly
-                # named checkpoint, or settings changed since the run that logged them, e.g. a lower lr after a
-                # divergence) they are kept aside
-                own = resume_from is None or (run_dir / CHECKPOINTS_DIR).resolve() in resume_from.path.resolve().parents
-                rewind_metrics(run_dir / METRICS_FILE, state.step if own else 0, keep_dropped=(
-                    resume_from is not None and not resumes_newest_good(t.resume)) or logged_under_other_settings(run_dir, config))
-                (run_dir / CONFIG_FILE).write_text(OmegaConf.to_yaml({**config, "resolved_model": meta["model"]}))
-            if cfg.model.impl == "coda" and backend == "cute":  # the cute backend means a Hopper GPU here
-                report_untuned_gemms(llama, t, gpu_key(torch.cuda.get_device_name(device)), run_dir)
-            metrics_logger = MetricsLogger(run_dir, cfg.logger, config, resume_from is not None,
-                                           t.progress_bar, state.step, t.max_steps)
+        try:
+            with writing("the run's config.yaml and metrics.jsonl", run_dir, run_dir):
+                if state.step < t.max_steps:  # else nothing to do: the files stay as the run that took the steps left them
+                    if resume_from is not None:
+                        set_aside_newer(checkpointer.root, resume_from.step, damaged=resumes_newest_good(t.resume))
+                    # the lines after the checkpoint (all of them without one, or from another run's checkpoint, whose
+                    # steps before it were logged elsewhere) are redone; where they are another trajectory's (an explicitly
+                    # named checkpoint, or settings changed since the run that logged them, e.g. a lower lr after a
+                    # divergence) they are kept aside
+                    own = resume_from is None or (run_dir / CHECKPOINTS_DIR).resolve() in resume_from.path.resolve().parents
+                    rewind_metrics(run_dir / METRICS_FILE, state.step if own else 0, keep_dropped=(
+                        resume_from is not None and not resumes_newest_good(t.resume))
+                        or logged_under_other_settings(run_dir, config))
+                    (run_dir / CONFIG_FILE).write_text(OmegaConf.to_yaml({**config, "resolved_model": meta["model"]}))
+                if cfg.model.impl == "coda" and backend == "cute":  # the cute backend means a Hopper GPU here
+                    report_untuned_gemms(llama, t, gpu_key(torch.cuda.get_device_name(device)), run_dir)
+                metrics_logger = MetricsLogger(run_dir, cfg.logger, config, resume_from is not None,
+                                               t.progress_bar, state.step, t.max_steps)
+        except (RunDirError, ConfigError) as e:  # also wandb's refusal; raised on every rank: the others would wait for rank 0
+            error = e
+    error = from_main(error, world)
+    if error is not None:
+        raise error
+    if world.is_main:
         tokens_per_step = t.batch_size * t.seq_len * t.grad_accum_steps * world.world_size
         log.info("model %s (%s, %.2fM params, vocab %d) | kernels %s | %s %s x%d %s%s | %d tokens/step | run dir %s",
                  cfg.model.init_from or cfg.model.preset, cfg.model.impl, sum(p.numel() for p in state.model.parameters()) / 1e6,
