@@ -299,15 +299,19 @@ print("ok")
 ''', env=dict(ENV, CODA_TILE_CONFIGS=str(table)))
 
 
-def test_tuner_compiles_candidates_gpu_blind(stack, tmp_path):
+def test_tuner_compiles_candidates_gpu_blind(stack, tmp_path, monkeypatch):
     """The tuner's compile phase in worker processes: every candidate of one op with declared
-    partial sums (tile_N 128 to 256) at the 125m widths compiles."""
+    partial sums (tile_N 128 to 256) at the 125m widths compiles, with 2x2 clusters (--clusters, both
+    operands multicast) as well as the default 2x1 and 1x2."""
     run = subprocess.run([sys.executable, "scripts/tune_gemm.py", "--compile-only", "--ops", "gemm_dswiglu_rowscale_stat",
-                          "--shapes", "125m", "--workers", "2"], env=dict(ENV, QUACK_CACHE_DIR=str(tmp_path / "qc")),
-                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+                          "--shapes", "125m", "--workers", "2", "--clusters", "2x1,1x2,2x2"],
+                         env=dict(ENV, QUACK_CACHE_DIR=str(tmp_path / "qc")), cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     compiled = [ln for ln in run.stdout.splitlines() if ln.startswith("compiled")]
-    assert len(compiled) == len(tune.candidates("gemm_dswiglu_rowscale_stat")) == 12, run.stdout
+    assert len(tune.candidates("gemm_dswiglu_rowscale_stat")) == 12
+    monkeypatch.setattr(tune, "CLUSTERS", ((2, 1), (1, 2), (2, 2)))
+    assert len(compiled) == len(tune.candidates("gemm_dswiglu_rowscale_stat")) == 18, run.stdout
+    assert sum(" c2x2 " in ln for ln in compiled) == 6, run.stdout
 
 
 @pytest.mark.parametrize("script", ["tune_gemm.py", "check_kernels.py"])
