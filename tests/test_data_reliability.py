@@ -645,6 +645,18 @@ def test_long_preparations_log_progress_off_a_terminal(tmp_path, corpus, caplog,
     assert lines and "(100%) read" in lines[-1] and "40 documents" in lines[-1] and "tokens" in lines[-1]
 
 
+def test_bpe_reading_progress_of_a_corpus_larger_than_its_cap_gives_no_percentage(tmp_path, caplog, monkeypatch):
+    """BPE training reads TOKENIZER_TRAIN_CHARS characters of text, more bytes than that (UTF-8, JSON syntax): taken as
+    the bytes to read, a Cyrillic corpus was logged '2 MB of 1 MB (203%)'."""
+    monkeypatch.setattr("coda_train.data.progress.LOG_EVERY_SECONDS", 0.0)
+    monkeypatch.setattr(shards_module, "TOKENIZER_TRAIN_CHARS", 20_000)
+    source = write_jsonl(tmp_path / "corpus.jsonl", [{"text": "привет мир"} for _ in range(6000)])
+    with caplog.at_level(logging.INFO):
+        prepare(config(source, tmp_path / "cache", val_fraction=0.0))
+    lines = [r.message for r in caplog.records if r.message.startswith("reading for BPE: ")]
+    assert lines and not any("%" in line for line in lines), lines
+
+
 @pytest.mark.parametrize("key", ["decode_errors", "verify_shards"])
 def test_unknown_modes_are_refused(tmp_path, key):
     with pytest.raises(DataError, match=rf"data.{key}='sometimes' is not one of"):

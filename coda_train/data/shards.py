@@ -403,7 +403,9 @@ def _build(
     total_bytes = sum(os.path.getsize(f) for f in source.files) if plain else None
     if tokenizer is None:
         log.info("training a byte-level BPE (vocab %d) on %s", cfg.vocab_size, source.name)
-        counts, progress = DocumentCounts(), Progress("reading for BPE", min(total_bytes or 0, TOKENIZER_TRAIN_CHARS) or None)
+        # the reading stops at TOKENIZER_TRAIN_CHARS characters of text, an unknown count of bytes (JSON syntax, UTF-8)
+        bpe_total = total_bytes if total_bytes and total_bytes <= TOKENIZER_TRAIN_CHARS else None
+        counts, progress = DocumentCounts(), Progress("reading for BPE", bpe_total)
         docs = _reporting(iter_documents(source, cfg, max_chars=TOKENIZER_TRAIN_CHARS, counts=counts), counts, progress)
         tokenizer = _train_bpe_stoppable(stop.checked(docs), cfg.vocab_size, stop)
         progress.close()
