@@ -24,7 +24,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from coda_train.data import DataConfig, DataError, PreparedData, TokenLoader, prepare
 from coda_train.data import shards as shards_module
-from coda_train.data.sources import resolve_source
+from coda_train.data.sources import iter_documents, resolve_source
 from coda_train.data.tokenizer import EOS_TOKEN, MAX_PIECE_BYTES, load_tokenizer, train_bpe
 from coda_train.durable import LockHeldError, exclusive_lock, lock_holder
 
@@ -655,6 +655,23 @@ def test_bpe_reading_progress_of_a_corpus_larger_than_its_cap_gives_no_percentag
         prepare(config(source, tmp_path / "cache", val_fraction=0.0))
     lines = [r.message for r in caplog.records if r.message.startswith("reading for BPE: ")]
     assert lines and not any("%" in line for line in lines), lines
+
+
+def test_a_big_text_file_is_held_once_while_its_document_is_used(tmp_path):
+    """A text file is one document: its bytes and the text before CR LF became LF were kept alive beside it until the
+    next file, three copies of a multi-GB file through its BPE reading and tokenizing."""
+    import tracemalloc
+
+    source = tmp_path / "big.txt"
+    source.write_bytes(b"a line of text\r\n" * 250_000)  # 4 MB
+    docs = iter_documents(resolve_source(config(source, tmp_path / "cache")), config(source, tmp_path / "cache"))
+    tracemalloc.start()
+    try:
+        text = next(docs)
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert len(text) == 3_750_000 and held < 1.5 * len(text), held
 
 
 @pytest.mark.parametrize("key", ["decode_errors", "verify_shards"])

@@ -298,7 +298,9 @@ def _text_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -
     check_utf8(data, file)
     text = _decode(data.removeprefix(UTF8_BOM), file, 1, cfg, counts, warn)
     if text is not None:
-        yield f"{file}:1", {"text": universal_newlines(text)}
+        text = universal_newlines(text)
+        del data  # the file's bytes (and the text before its newlines were made universal) are not kept through its tokenizing
+        yield f"{file}:1", {"text": text}
 
 
 def _json_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -> Iterator[tuple[str, dict]]:
