@@ -50,6 +50,7 @@ The programs below are module globals so quack's kernel cache can key them.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -148,29 +149,30 @@ def dswiglu_r_first_stat(acc, gate, up, r):
     return {"D": a, "g_gate": dg, "g_up": du, "stat": dg * gate + du * up}
 
 
-def four_tiles_alone(gate, a, g_gate, g_up):
-    """`4 tiles alone`: gate and a read, g_gate and g_up (row stride 2F, halves of g_gu) written, one Triton pass."""
+@functools.cache
+def build_four_tiles_alone():
+    """The Triton kernel of `4 tiles alone` (its name is what ncu_ablation.sh filters on), built on first use: triton is a
+    GPU-side import here."""
     import triton
     import triton.language as tl
 
-    global _four_tiles_alone_kernel
-    if _four_tiles_alone_kernel is None:  # built on first use: triton is a GPU-side import here
-        @triton.jit
-        def four_tiles_alone_kernel(gate_ptr, a_ptr, gg_ptr, gu_ptr, F, ld_out, BLOCK: tl.constexpr):
-            row, cols = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-            mask = cols < F
-            g = tl.load(gate_ptr + row * F + cols, mask=mask)
-            x = tl.load(a_ptr + row * F + cols, mask=mask)
-            tl.store(gg_ptr + row * ld_out + cols, g * x, mask=mask)
-            tl.store(gu_ptr + row * ld_out + cols, g + x, mask=mask)
+    @triton.jit
+    def four_tiles_alone_kernel(gate_ptr, a_ptr, gg_ptr, gu_ptr, F, ld_out, BLOCK: tl.constexpr):
+        row, cols = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < F
+        g = tl.load(gate_ptr + row * F + cols, mask=mask)
+        x = tl.load(a_ptr + row * F + cols, mask=mask)
+        tl.store(gg_ptr + row * ld_out + cols, g * x, mask=mask)
+        tl.store(gu_ptr + row * ld_out + cols, g + x, mask=mask)
 
-        _four_tiles_alone_kernel = four_tiles_alone_kernel
+    return four_tiles_alone_kernel
+
+
+def four_tiles_alone(gate, a, g_gate, g_up):
+    """`4 tiles alone`: gate and a read, g_gate and g_up (row stride 2F, halves of g_gu) written, one Triton pass."""
     M, F = gate.shape
     block = 1024
-    _four_tiles_alone_kernel[(M, triton.cdiv(F, block))](gate, a, g_gate, g_up, F, g_gate.stride(0), BLOCK=block)
-
-
-_four_tiles_alone_kernel = None
+    build_four_tiles_alone()[(M, (F + block - 1) // block)](gate, a, g_gate, g_up, F, g_gate.stride(0), BLOCK=block)
 
 
 def make_runs(M: int, F: int, d: int, dev: torch.device) -> tuple[dict, SimpleNamespace]:

@@ -169,7 +169,7 @@ def resolve_source(cfg: DataConfig) -> Source:
         if len(formats) > 1:
             example = {}
             for f in files:
-                example.setdefault(FORMAT_BY_SUFFIX.get(format_suffix(f), "text"), f)
+                example.setdefault(format_of[f], f)
             found = ", ".join(f"{f} is {kind}" for kind, f in sorted(example.items()))
             fix = "narrow the glob or set data.format"
             # a dataset folder as the hub has it: data.format=parquet alone would then fail on its README.md
@@ -306,9 +306,9 @@ def _text_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -
 def _json_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -> Iterator[tuple[str, dict]]:
     """JSON Lines (one object per line), or a file holding one JSON array of objects."""
     with open_binary(file) as f:
-        check_utf8(f.read(4), file)
-        f.seek(0)
-        bom = f.read(3) == UTF8_BOM  # a byte-order mark (Windows editors and PowerShell write one) is not JSON
+        head = f.read(4)
+        check_utf8(head, file)
+        bom = head.startswith(UTF8_BOM)  # a byte-order mark (Windows editors and PowerShell write one) is not JSON
         f.seek(len(UTF8_BOM) if bom else 0)
         is_array = f.read(4096).lstrip()[:1] == b"["
         f.seek(len(UTF8_BOM) if bom else 0)

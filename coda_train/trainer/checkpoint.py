@@ -62,7 +62,7 @@ from coda_train.errors import ConfigError
 from coda_train.model import LlamaConfig
 
 from ..durable import fsync_dir, sha256_file, unused_name, write_synced
-from .distributed import World, from_main
+from .distributed import World, from_main, raise_from_main
 from .metrics import METRICS_FILE
 from .state import TrainState
 
@@ -615,9 +615,7 @@ class Checkpointer:
                 path = save_checkpoint(self.root, state.step, state_dict, self.meta, self.keep_last, crash, full_after)
             except OSError as e:  # raised on every rank: the others would wait in their next collective for rank 0
                 error = e
-        error = from_main(error, world)
-        if error is not None:
-            raise error
+        raise_from_main(error, world)
         self.saved = (state.step, path)  # on every rank (path None but on rank 0): each skips a step saved already
         return path
 

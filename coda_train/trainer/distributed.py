@@ -203,6 +203,14 @@ def from_main(obj: Any, world: World) -> Any:
     return box[0]
 
 
+def raise_from_main(error: Optional[BaseException], world: World) -> None:
+    """Raise rank 0's error (None: there is none) on every rank, so that all stop together: a rank stopping alone would
+    leave the others waiting for it in their next collective."""
+    error = from_main(error, world)
+    if error is not None:
+        raise error
+
+
 def barrier(world: World) -> None:
     if world.distributed:
         dist.barrier()

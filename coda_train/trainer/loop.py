@@ -33,7 +33,7 @@ from .checkpoint import (CHECKPOINTS_DIR, CheckpointError, Checkpointer, check_c
                          find_resume_checkpoint, list_checkpoints, restore, resumes, resumes_newest_good, set_aside_newer)
 from .device import pick_compute_dtype, pick_device
 from .distributed import (World, any_rank, barrier, check_fsdp_options, close_world, data_parallel, from_main, init_world,
-                          process_device, refused_on_any_rank, resolve_parallel)
+                          process_device, raise_from_main, refused_on_any_rank, resolve_parallel)
 from .graphs import use_cuda_graphs
 from .metrics import METRICS_FILE, MetricsLogger, Throughput, check_logger, metrics_line, mfu, rewind_metrics
 from .optim import OptimConfig, apply_config_after_resume, lr_multiplier, wsd_decay_steps
@@ -360,9 +360,7 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
                                                t.progress_bar, state.step, t.max_steps)
         except (RunDirError, ConfigError) as e:  # also wandb's refusal; raised on every rank: the others would wait for rank 0
             error = e
-    error = from_main(error, world)
-    if error is not None:
-        raise error
+    raise_from_main(error, world)
     if world.is_main:
         tokens_per_step = t.batch_size * t.seq_len * t.grad_accum_steps * world.world_size
         log.info("model %s (%s, %.2fM params, vocab %d) | kernels %s | %s %s x%d %s%s | %d tokens/step | run dir %s",
@@ -519,9 +517,8 @@ def _log(metrics_logger: Optional[MetricsLogger], line: dict[str, Any], run_dir:
         except OSError as e:
             error = e
     if any_rank(error is not None, world):  # host-side, as every step's stop check: rank 0's error only when there is one
-        error = from_main(error, world)
         with writing(f"the metrics of step {line['step']}", run_dir / METRICS_FILE, run_dir):
-            raise error
+            raise_from_main(error, world)
 
 
 def _save(checkpointer: Checkpointer, state: TrainState, world: World) -> Optional[Path]:

@@ -23,7 +23,7 @@ from coda_train.durable import LockHeldError, exclusive_lock
 from coda_train.errors import ConfigError
 
 from .checkpoint import CHECKPOINTS_DIR, list_checkpoints, remove_partial_writes
-from .distributed import World, from_main
+from .distributed import World, raise_from_main
 from .metrics import METRICS_FILE
 
 log = logging.getLogger(__name__)
@@ -253,7 +253,5 @@ def hold_run_dir(run_dir: Path, world: World, early: Optional[EarlyWarnings] = N
                                  "checkpoint), or choose another trainer.run_dir")
             except (RunDirError, ConfigError) as e:
                 error = e
-        error = from_main(error, world)  # every rank stops together
-        if error is not None:
-            raise error
+        raise_from_main(error, world)
         yield
