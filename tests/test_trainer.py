@@ -1117,3 +1117,27 @@ def test_tokens_per_s_leaves_out_checkpoint_saves(tiny, tmp_path, monkeypatch):
     lines = metrics(tmp_path / "run")
     assert [m["step"] for m in lines] == [1, 2, 3, 4]
     assert all(m["tokens_per_s"] > 128 / 0.25 for m in lines[1:])  # a step's 128 tokens in milliseconds, not in 0.5 s
+
+
+def test_tokens_per_s_after_a_resume_leaves_out_the_new_process_warm_up(tiny, tmp_path, monkeypatch):
+    """A resumed process's first step compiles kernels and captures CUDA graphs (made here to take 1 s): a new run's
+    step-1 line shows that step alone, so the resumed run's first line (step 8, over steps 5-8) must not average it in."""
+    from coda_train.trainer.step import TrainStep
+
+    run_dir = tmp_path / "run"
+    steps = ["trainer.log_every=4", "trainer.eval_every=0", "trainer.ckpt_every=4"]
+    train_in_process(run_dir, *tiny, "trainer.max_steps=4", *steps)
+    take_step = TrainStep.__call__
+    warmed_up = []
+
+    def warm_up_then_step(self, *args, **kwargs):
+        if not warmed_up:
+            warmed_up.append(True)
+            time.sleep(1.0)
+        return take_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(TrainStep, "__call__", warm_up_then_step)
+    train_in_process(run_dir, *tiny, "trainer.max_steps=8", *steps)
+    lines = metrics(run_dir)
+    assert [m["step"] for m in lines] == [1, 4, 8] and warmed_up
+    assert lines[-1]["tokens_per_s"] > 4 * 128 / 1.0  # 3 steps' 384 tokens in milliseconds, not 512 tokens in 1 s

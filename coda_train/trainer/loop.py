@@ -386,6 +386,7 @@ def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, train_step: TrainS
     stop = StopSignal()
     state.start_clock()
     throughput = Throughput()
+    first_step = state.step + 1  # this process's first step
     last: Optional[dict[str, Any]] = None
     stopped_by: Optional[str] = None
     exit_code = 0
@@ -413,6 +414,11 @@ def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, train_step: TrainS
                     phase = f"the evaluation after step {state.step}"
                     last["val_loss"] = evaluate(state.model, val_loader, t.eval_batches * t.grad_accum_steps, device, world)
                 _log(metrics_logger, last, checkpointer.root.parent, world, debug.disk_full_in_metrics_at_step == state.step)
+                throughput.reset()
+            elif state.step == first_step:
+                # this process's warm-up (kernel compilation, CUDA-graph capture) is no training time: a new run's
+                # step-1 line shows it alone, and a resumed run's first line would otherwise average it in
+                train_step.check()  # waits for the step's device work: once per process
                 throughput.reset()
             if metrics_logger is not None:
                 metrics_logger.step_done()

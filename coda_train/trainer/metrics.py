@@ -39,7 +39,8 @@ class LoggerConfig:
 
 class Throughput:
     """Tokens trained on since the last reset, and their rate over the training time of that window (the window
-    between two logged lines, less the time spent in `excluded()`: evaluation and checkpoint saves)."""
+    between two logged lines, or from the end of a resumed process's first step, its warm-up, to its first line; less
+    the time spent in `excluded()`: evaluation and checkpoint saves)."""
 
     def __init__(self) -> None:
         self.reset()
