@@ -521,7 +521,7 @@ def _time_sequence(sequence: "FloorSequence", iters: int, warmup: int, sustain_s
 
 def floor_gemm(backend: str, a, b, out_dtype: Optional[torch.dtype] = None) -> Callable[[], torch.Tensor]:
     """a @ b on one of the floor's GEMM backends: "cublas" (torch.matmul), "quack" (quack's default
-    config) or "quack-tuned" (quack's autotuner: its first call tries every SM90 config it can run, and split-K
+    config), "quack-2x2" (that config's tile at a 2x2 cluster) or "quack-tuned" (quack's autotuner: its first call tries every SM90 config it can run, and split-K
     factors where the output has fewer tiles than the GPU has SMs, as cuBLAS may split the wgrads' long K).
     out_dtype: the output's dtype where it is not the inputs' (fp32 weight gradients, as CODA writes them)."""
     if backend == "cublas":
@@ -534,12 +534,45 @@ def floor_gemm(backend: str, a, b, out_dtype: Optional[torch.dtype] = None) -> C
 
     if backend == "quack":
         return functools.partial(quack_gemm, a, b, tuned=False, out_dtype=out_dtype)
+    if backend == "quack-2x2":
+        return _quack_at_2x2(a, b, out_dtype)
     return functools.partial(quack_gemm, a, b, tuned=True, split_k=None, out_dtype=out_dtype)
+
+
+def _quack_at_2x2(a, b, out_dtype: Optional[torch.dtype]) -> Callable[[], torch.Tensor]:
+    """quack's bare GEMM at the tile its default call runs (nvMatmulHeuristics' pick) with a 2x2 cluster: both
+    operands multicast, the L2 reads CODA's 2x2 entries save (docs/kernels.md, "Where B1's traffic goes")."""
+    from dataclasses import replace
+
+    from quack.gemm_config import default_config
+    from quack.gemm_interface import gemm_tuned, nvmmh_config
+
+    base = nvmmh_config(a, b, torch.cuda.get_device_capability(a.device)[0]) or default_config(a.device)
+    config = replace(base, cluster_m=2, cluster_n=2, split_k=1)
+    out = torch.empty(a.shape[0], b.shape[1], device=a.device, dtype=out_dtype or a.dtype)
+    return functools.partial(gemm_tuned.fn, a, b, out, config=config)  # .fn: the kernel at this config, untuned
+
+
+def floor_backends(quack_tuned: bool) -> tuple[str, ...]:
+    """The floor's GEMM backends: cuBLAS and quack's default, quack's autotuner with quack_tuned, and quack at a
+    2x2 cluster where CODA's tile table on this GPU runs one (quack's autotuner tries 2x1 and 1x2 only): a
+    cluster CODA's GEMMs get, the floor's bare GEMMs get too."""
+    backends = ("cublas", "quack", "quack-tuned") if quack_tuned else ("cublas", "quack")
+    return backends + (("quack-2x2",) if _table_runs_2x2() else ())
+
+
+def _table_runs_2x2() -> bool:
+    if DEVICE.type != "cuda":
+        return False
+    from coda_train.kernels import tile_configs
+
+    entries = tile_configs.tables().get(tile_configs.gpu_key(torch.cuda.get_device_name()), {})
+    return any(c is not None and (c.cluster_M, c.cluster_N) == (2, 2) for c in entries.values())
 
 
 def _floor_per_kernel(cfg, shape: Shape, quack_tuned: bool = False) -> dict:
     M = shape.batch * shape.seq
-    backends = ("cublas", "quack", "quack-tuned") if quack_tuned else ("cublas", "quack")
+    backends = floor_backends(quack_tuned)
     rows, total = [], 0.0
     for name, m, n, k, layout, count in step_gemms(cfg, M):
         a, b = gemm_operands(m, n, k, layout)
@@ -562,7 +595,7 @@ def _floor_per_kernel(cfg, shape: Shape, quack_tuned: bool = False) -> dict:
     fwd, bwd = attention_calls(cfg, shape)
     attn_fwd, attn_bwd = do_bench_graph(fwd), do_bench_graph(bwd)
     attention = cfg.n_layers * (attn_fwd + attn_bwd)
-    return {"variant": "floor", "fwd_bwd": {"median_ms": total + attention}, "gemm_ms": total,
+    return {"variant": "floor", "fwd_bwd": {"median_ms": total + attention}, "gemm_ms": total, "backends": list(backends),
             "attention_ms": attention, "attention_fwd_ms": attn_fwd, "attention_bwd_ms": attn_bwd, "gemms": rows}
 
 

@@ -309,9 +309,12 @@ def shape_table(r: dict) -> list[str]:
     if floor:
         tuned = floor.get("quack_tuned")
         on_tuned = sum(g["best"] == "quack-tuned" for g in floor["gemms"])
+        at_2x2 = "quack-2x2" in floor.get("backends", ())  # since 2026-12-07, where CODA's table runs a 2x2 cluster
+        on_2x2 = sum(g["best"] == "quack-2x2" for g in floor["gemms"])
         lines += ["", f"Floor: GEMMs {floor['gemm_ms']:.2f} ms (each at the fastest of cuBLAS and quack's default config"
-                  f"{' and autotuned pick' if tuned else ''}: {sum(g['best'].startswith('quack') for g in floor['gemms'])} of "
-                  f"{len(floor['gemms'])} shapes on quack{f', {on_tuned} of them autotuned' if tuned else ''}) "
+                  f"{' and autotuned pick' if tuned else ''}{', and that config at a 2x2 cluster' if at_2x2 else ''}: "
+                  f"{sum(g['best'].startswith('quack') for g in floor['gemms'])} of {len(floor['gemms'])} shapes on quack"
+                  f"{f', {on_tuned} of them autotuned' if tuned else ''}{f', {on_2x2} at 2x2' if at_2x2 else ''}) "
                   f"+ FlashAttention 4 {floor['attention_ms']:.2f} ms (forward {floor['attention_fwd_ms']:.3f} + "
                   f"backward {floor['attention_bwd_ms']:.3f} ms per layer)."]
         b2b = floor.get("back_to_back")

@@ -272,3 +272,20 @@ def test_the_fa4_peer_is_the_eager_model_with_another_attention_kernel():
     assert torch.allclose(losses[0], losses[1], rtol=1e-12)
     for (name, a), b in zip(eager.named_parameters(), peer.parameters()):
         assert torch.allclose(a.grad, b.grad, rtol=1e-9, atol=1e-12), name
+
+
+def test_the_floor_tries_a_2x2_cluster_where_the_coda_table_runs_one(monkeypatch):
+    """Where CODA's tile table runs a 2x2 cluster on this GPU, the floor's GEMMs get quack at a 2x2 cluster as a
+    candidate too (quack's autotuner tries 2x1 and 1x2 only): on CPU it cannot run, so its error is recorded and
+    cuBLAS stays every GEMM's floor."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench
+
+    assert bench.floor_backends(quack_tuned=False) == ("cublas", "quack")  # CPU: no table of this GPU
+    monkeypatch.setattr(bench, "_table_runs_2x2", lambda: True)
+    assert bench.floor_backends(quack_tuned=True) == ("cublas", "quack", "quack-tuned", "quack-2x2")
+    shape = bench.SHAPES["smoke"]
+    floor = bench._floor_per_kernel(bench.model_config(shape), shape)
+    assert floor["backends"] == ["cublas", "quack", "quack-2x2"]
+    for g in floor["gemms"]:
+        assert g["best"] == "cublas" and "quack_2x2_error" in g and "quack_2x2_ms" not in g, g
