@@ -93,6 +93,44 @@ def test_a_long_document_is_encoded_in_pieces_into_the_ids_of_the_whole(docs, mo
         assert all(np.array_equal(a, b) for a, b in zip(pieces, whole[name])), name
 
 
+SPLIT_PATTERNS = {  # the first pre-tokenizer of GPT-2 (ByteLevel's own regex), Llama 3 and Qwen 2, as their tokenizer.json
+    "llama3": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+
+
+def test_a_cut_after_a_newline_between_visible_characters_ends_a_piece_of_every_accepted_split():
+    """The claim that lets a big text file be read and encoded in parts: cut just after a newline between two non-space
+    characters (NEWLINE_BETWEEN_TEXT), its parts pre-tokenize into the pieces of the whole, for GPT-2's,
+    Llama 3's and Qwen 2's splits, on random text dense in whitespace (Unicode's too), newlines, punctuation, marks,
+    digits and apostrophes.
+    Splits that may join text across a newline are refused (no pre-tokenizer, a non-isolating split, an added token
+    taking in the whitespace before it)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, models, pre_tokenizers
+
+    splits = {"gpt2": pre_tokenizers.ByteLevel(add_prefix_space=False)} | {
+        name: pre_tokenizers.Split(Regex(pattern), behavior="isolated") for name, pattern in SPLIT_PATTERNS.items()}
+    rng = random.Random(0)
+    alphabet = ["\n", "\n", "\n", " ", "  ", "\t", "\r", "a", "Zé", "日本", "1", "234", "'s", "'", ".", "!?", "(", "_", "🙂",
+                "\u00a0", "\u3002", "\u0301", "\u2028", "\u3000", "\x85", "\x1c", "\u200b", "\u0660", "\U0001d7d8"]
+    for _ in range(1000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 80)))
+        cuts = [0, *(m.end() for m in tokenizer_module.NEWLINE_BETWEEN_TEXT.finditer(text)), len(text)]
+        for name, split in splits.items():
+            whole = [piece for piece, _ in split.pre_tokenize_str(text)]
+            parts = [piece for a, b in zip(cuts, cuts[1:]) for piece, _ in split.pre_tokenize_str(text[a:b])]
+            assert parts == whole, (name, text)
+    ours = train_bpe(make_docs(4), vocab_size=300)
+    for pre_tokenizer in (None, pre_tokenizers.Split(Regex(SPLIT_PATTERNS["llama3"]), behavior="merged_with_previous"),
+                          pre_tokenizers.Split(Regex(SPLIT_PATTERNS["llama3"]), behavior="isolated", invert=True)):
+        other = Tokenizer.from_str(ours.to_str())
+        other.pre_tokenizer = pre_tokenizer
+        assert not cuts_at_newlines(other)
+    stripping = Tokenizer.from_str(ours.to_str())
+    stripping.add_tokens([AddedToken("return", lstrip=True)])  # "x\nreturn" is one token for "\nreturn": no cut there
+    assert cuts_at_newlines(ours) and not cuts_at_newlines(stripping)
+
+
 def test_a_loaded_tokenizers_truncation_and_padding_do_not_cut_documents(docs):
     """A tokenizer.json may carry truncation or padding (HF files often do): documents are still encoded whole and
     unpadded, and the tokenizer itself (its fingerprint) is left as it was; an added token holding a newline keeps a

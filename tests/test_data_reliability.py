@@ -25,7 +25,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from coda_train.data import DataConfig, DataError, PreparedData, TokenLoader, prepare
 from coda_train.data import shards as shards_module
 from coda_train.data.sources import iter_documents, resolve_source
-from coda_train.data.tokenizer import EOS_TOKEN, MAX_PIECE_BYTES, load_tokenizer, train_bpe
+from coda_train.data.tokenizer import EOS_TOKEN, MAX_PIECE_BYTES, NEWLINE_BETWEEN_TEXT, load_tokenizer, train_bpe
 from coda_train.durable import LockHeldError, exclusive_lock, lock_holder
 
 WORDS = "the model reads a token stream while loss falls seed rank epoch shard naïve 日本語 def return (x)".split()
@@ -849,3 +849,141 @@ def test_prepared_data_is_not_reused_silently_after_the_tokenizer_config_names_a
         prepare(cfg)
     assert prepare(config(source, tmp_path / "cache", tokenizer=str(tmp_path / "tok"), eos_token="<|endoftext|>")).eos_id == 0
     assert (first.path / "manifest.json").exists()  # nothing removed
+
+
+# --- a big text file read in parts ----------------------------------------------------------------------------------
+
+def awkward_text_bytes(seed: int = 0) -> bytes:
+    """A text file's bytes that a reader in small blocks can get wrong: a BOM, multibyte UTF-8 (2, 3 and 4 bytes), CR LF
+    and lone CRs (one last), blank lines and indents (where no cut may fall), and a long line without any newline."""
+    rng = random.Random(seed)
+    words = ["naïve", "日本語", "🙂", "x", "(y)", "'s", "1234", "end.", "\t", "  "]
+    ends = ["\n", "\r\n", "\r", "\n\n", "\r\n\r\n", " \n", "\n "]
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 12))) + rng.choice(ends) for _ in range(300)]
+    lines.insert(150, "no-newline-here-" * 40)  # 640 characters without a place to cut
+    return b"\xef\xbb\xbf" + "".join(lines).encode() + b"the end\r"
+
+
+def text_rows(file: Path, part_chars, **overrides) -> list[tuple[str, bool]]:
+    from coda_train.data.sources import DocumentCounts, _text_rows
+    cfg = config(file, file.parent / "cache", **overrides)
+    return [(row["text"], ends) for _, row, ends in _text_rows(str(file), cfg, DocumentCounts(), False, part_chars)]
+
+
+def test_a_text_file_read_in_small_blocks_and_parts_is_the_text_read_whole(tmp_path, monkeypatch):
+    """A text file is read and decoded block by block and handed on in parts: a UTF-8 character or a CR LF cut by a
+    block's end, and the byte-order mark, are read as in the whole file; parts join into the whole text, each but the
+    last ends with a newline between two non-space characters, and only the last ends the document."""
+    from coda_train.data import sources
+
+    file = tmp_path / "doc.txt"
+    file.write_bytes(awkward_text_bytes())
+    whole = file.read_bytes()[3:].decode().replace("\r\n", "\n").replace("\r", "\n")
+    assert text_rows(file, None) == [(whole, True)]
+    for block_bytes in (1, 2, 3, 5, 7, 64):
+        monkeypatch.setattr(sources, "TEXT_BLOCK_BYTES", block_bytes)
+        parts = text_rows(file, 50)
+        assert "".join(text for text, _ in parts) == whole, block_bytes
+        assert [ends for _, ends in parts] == [False] * (len(parts) - 1) + [True] and len(parts) > 20
+        assert all(a.endswith("\n") and not a[-2].isspace() and not b[0].isspace() for (a, _), (b, _) in zip(parts, parts[1:]))
+        assert max(len(text) for text, _ in parts) >= 640  # the long line's part grew until a cut was possible
+        assert text_rows(file, None) == [(whole, True)]
+
+
+@pytest.mark.parametrize("mode", ["replace", "strict", "skip_document"])
+def test_invalid_utf8_deep_in_a_text_read_in_parts_is_handled_as_in_the_whole_file(tmp_path, monkeypatch, mode):
+    """Invalid UTF-8 met after parts of the file were handed on: replace gives the whole file's U+FFFD text, strict
+    names the same line and byte, skip_document skips the whole file (checked before its first part) and counts it."""
+    from coda_train.data import sources
+
+    good = awkward_text_bytes()
+    file = tmp_path / "doc.txt"
+    file.write_bytes(good + b"line\nbad \xe2\x82 here\n\xf0\x9f\x99")  # a cut 3-byte character, a 4-byte one at the end
+    whole = file.read_bytes()[3:].decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n")
+    if mode == "strict":
+        with pytest.raises(DataError) as whole_error:
+            text_rows(file, None, decode_errors=mode)
+    monkeypatch.setattr(sources, "TEXT_BLOCK_BYTES", 5)
+    if mode == "strict":
+        with pytest.raises(DataError) as parts_error:
+            text_rows(file, 50, decode_errors=mode)
+        line = good[3:].count(b"\n") + 2
+        assert str(parts_error.value) == str(whole_error.value) and f"doc.txt:{line}: invalid UTF-8" in str(parts_error.value)
+        return
+    parts = text_rows(file, 50, decode_errors=mode)
+    if mode == "replace":
+        assert "".join(text for text, _ in parts) == whole and len(parts) > 20
+    else:
+        assert parts == []
+        (tmp_path / "ok.txt").write_bytes(good)
+        data = prepare(config(tmp_path / "*.txt", tmp_path / "cache", val_fraction=0.0, decode_errors=mode))
+        assert data.manifest["document_counts"]["skipped"] == 1 and data.manifest["num_documents"] == 1
+
+
+def llama3_style_tokenizer(tmp_path: Path) -> Path:
+    """A tokenizer folder as Llama 3's: its split regex, then bytes; its EOS named in tokenizer_config.json."""
+    from tokenizers import Regex
+
+    tokenizer = train_bpe(make_docs() + [awkward_text_bytes(1)[3:].decode()], vocab_size=400)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                                   r"|\s*[\r\n]+|\s+(?!\S)|\s+"), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    folder = tmp_path / "llama3"
+    folder.mkdir()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS_TOKEN}))
+    return folder
+
+
+@pytest.mark.parametrize("tokenizer", ["trained", "llama3"])
+def test_a_big_text_file_is_prepared_in_bounded_parts_into_the_same_shards(tmp_path, monkeypatch, tokenizer):
+    """A text file (one document) was read, BPE-trained on and tokenized whole: memory ~9 times a file's size, so a
+    5-10 GB dump was killed for memory. Read in parts, no text handed to the BPE trainer or the tokenizer is much longer
+    than a part, and the folder is byte for byte the one the whole file gave (same BPE, same shards, one EOS per file)."""
+    from coda_train.data import sources
+
+    (tmp_path / "corpus").mkdir()
+    texts = [awkward_text_bytes(seed) for seed in range(3)]
+    for i, data in enumerate(texts):
+        (tmp_path / "corpus" / f"doc{i}.txt").write_bytes(data)
+    with gzip.open(tmp_path / "corpus" / "doc3.txt.gz", "wb") as f:
+        f.write(texts[0])
+    overrides = dict(val_fraction=0.25, tokens_per_shard=500, num_proc=2)
+    if tokenizer == "llama3":
+        overrides["tokenizer"] = str(llama3_style_tokenizer(tmp_path))
+    whole = prepare(config(tmp_path / "corpus", tmp_path / "whole", **overrides))
+    monkeypatch.setattr(shards_module, "TEXT_PART_CHARS", 100)
+    monkeypatch.setattr(sources, "TEXT_BLOCK_BYTES", 7)
+    in_workers = prepare(config(tmp_path / "corpus", tmp_path / "in_workers", **overrides))
+
+    longest = {"bpe": 0, "encoded": 0}
+    train_bpe_of, encode_of = shards_module.train_bpe, shards_module.encode_documents
+
+    def recording_train_bpe(texts, *args, **kwargs):
+        def seen():
+            for text in texts:
+                longest["bpe"] = max(longest["bpe"], len(text))
+                yield text
+        return train_bpe_of(seen(), *args, **kwargs)
+
+    def recording_encode(tokenizer, texts, *args):
+        longest["encoded"] = max([longest["encoded"], *map(len, texts)])
+        return encode_of(tokenizer, texts, *args)
+
+    monkeypatch.setattr(shards_module, "train_bpe", recording_train_bpe)
+    monkeypatch.setattr(shards_module, "encode_documents", recording_encode)
+    parts = prepare(config(tmp_path / "corpus", tmp_path / "parts", **{**overrides, "num_proc": 1}))  # recorded here
+    decoded = [t[3:].decode().replace("\r\n", "\n").replace("\r", "\n") for t in texts]
+    # a part is about TEXT_PART_CHARS, plus the text up to the next place a cut may fall, plus a block read ahead
+    cuts = [0, *(m.end() for text in decoded for m in NEWLINE_BETWEEN_TEXT.finditer(text))]
+    bound = 100 + max(b - a for a, b in zip(cuts, cuts[1:])) + 7
+    assert bound < 1000 < min(map(len, decoded)) and longest["encoded"] <= bound
+    assert (0 < longest["bpe"] <= bound) if tokenizer == "trained" else longest["bpe"] == 0
+    for data in (parts, in_workers):
+        assert {k: v for k, v in folder_bytes(data.path).items() if k not in ("manifest.json", "verified.json")} == \
+               {k: v for k, v in folder_bytes(whole.path).items() if k not in ("manifest.json", "verified.json")}
+        for key in ("num_documents", "num_characters", "num_tokens", "document_counts", "splits"):
+            assert data.manifest[key] == whole.manifest[key], key
+    assert parts.manifest["num_documents"] == 4 and parts.manifest["splits"]["val"]["num_documents"] == 1
+    assert documents_in(parts, "train") + documents_in(parts, "val") == [decoded[0], decoded[1], decoded[2], decoded[0]]

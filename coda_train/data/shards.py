@@ -28,10 +28,10 @@ from tokenizers import Tokenizer
 from ..durable import LockHeldError, exclusive_lock, fsync_dir, sha256_file, write_synced
 from .config import DataConfig, DataError
 from .progress import Progress
-from .sources import (DECOMPRESSORS, DocumentCounts, Source, check_text_columns, iter_documents, json_read_as_text,
-                      resolve_source)
-from .tokenizer import (encode_documents, find_eos, fingerprint, for_documents, load_tokenizer, num_ids, token_dtype,
-                        train_bpe)
+from .sources import (DECOMPRESSORS, DocumentCounts, Source, check_text_columns, iter_document_parts,
+                      json_read_as_text, resolve_source)
+from .tokenizer import (cuts_at_newlines, encode_documents, find_eos, fingerprint, for_documents, load_tokenizer, num_ids,
+                        token_dtype, train_bpe)
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,9 @@ VERIFIED_FILE = "verified.json"  # shards whose sha256 was checked on this stora
 SPLITS = ("train", "val")
 TOKENIZER_TRAIN_CHARS = 200_000_000  # BPE merges settle long before this; bounds training time and memory on big corpora
 CHUNK_CHARS = 1_000_000  # text per tokenization task: large enough to amortize inter-process transfer
+# a text file (one document) longer than this is read, trained on and tokenized in parts of about this size, so its
+# preparation needs memory for a few parts, not for the file (where the tokenizer allows it, cuts_at_newlines)
+TEXT_PART_CHARS = 1 << 20
 
 
 class PreparationInterrupted(DataError):
@@ -406,7 +409,9 @@ def _build(
         # the reading stops at TOKENIZER_TRAIN_CHARS characters of text, an unknown count of bytes (JSON syntax, UTF-8)
         bpe_total = total_bytes if total_bytes and total_bytes <= TOKENIZER_TRAIN_CHARS else None
         counts, progress = DocumentCounts(), Progress("reading for BPE", bpe_total)
-        docs = _reporting(iter_documents(source, cfg, max_chars=TOKENIZER_TRAIN_CHARS, counts=counts), counts, progress)
+        # in parts: our BPE's pre-tokenizer cuts_at_newlines, so it counts the same words as in whole text files
+        parts = iter_document_parts(source, cfg, TOKENIZER_TRAIN_CHARS, counts, part_chars=TEXT_PART_CHARS)
+        docs = _reporting((text for text, _ in parts), counts, progress)
         tokenizer = _train_bpe_stoppable(stop.checked(docs), cfg.vocab_size, stop)
         progress.close()
     eos_token, eos_id = find_eos(tokenizer, cfg.eos_token, config_eos)
@@ -417,7 +422,13 @@ def _build(
 
     log.info("tokenizing %s with %d process(es)", source.name, cfg.num_proc)
     counts, progress = DocumentCounts(), Progress("tokenizing", total_bytes)
-    docs = stop.checked(iter_documents(source, cfg, counts=counts))
+    part_chars = TEXT_PART_CHARS if cuts_at_newlines(tokenizer) else None
+    if part_chars is None and source.format == "text" and (big := [f for f in source.files if os.path.getsize(f) > 1e9]):
+        log.warning("%s: a text file is one document, and this tokenizer may encode text cut into parts differently "
+                    "(tokenizer.cuts_at_newlines), so each is read and tokenized whole, needing several times its size "
+                    "in memory (%d file(s) over 1 GB); split such files into documents, or write them as JSON Lines",
+                    big[0], len(big))
+    docs = stop.checked(iter_document_parts(source, cfg, counts=counts, part_chars=part_chars))
     splits, num_chars = _write_shards(cfg, _tokenize(docs, tokenizer, eos_id, dtype, cfg.num_proc, stop), out, dtype,
                                       lambda tokens: progress.update(counts.bytes_read, counts.documents, tokens))
     progress.close()
@@ -452,25 +463,27 @@ def _build(
 
 
 def _write_shards(cfg: DataConfig, encoded: Iterator, out: Path, dtype: np.dtype, report) -> tuple[dict, int]:
-    """Each encoded chunk's documents into the train or val shards; returns the manifest's splits and the characters."""
+    """Each encoded chunk's documents into the train or val shards; returns the manifest's splits and the characters.
+    A chunk's texts are documents or parts of one (a text file read in parts): a document's parts go where it goes."""
     writers = {split: _ShardWriter(out, split, dtype, cfg.tokens_per_shard) for split in SPLITS}
     num_docs = {split: 0 for split in SPLITS}
     num_chars = 0
-    doc_index = 0
-    for texts, tokens, lengths in encoded:
+    doc_index = 0  # of the document the next text belongs to
+    for texts, ends, tokens, lengths in encoded:
         num_chars += sum(len(t) for t in texts)
+        ends = np.asarray(ends, dtype=np.int64)
+        index = doc_index + np.cumsum(ends) - ends  # each text's document
         # document i is held out when the running count floor(i * val_fraction) steps up: exact and spread evenly
-        index = np.arange(doc_index, doc_index + len(lengths))
         is_val = np.floor((index + 1) * cfg.val_fraction) > np.floor(index * cfg.val_fraction)
-        doc_index += len(lengths)
-        ends = np.cumsum(lengths)
+        doc_index += int(ends.sum())
+        text_ends = np.cumsum(lengths)
         if not is_val.any():
             writers["train"].write(tokens)
         else:
-            for doc_end, length, val in zip(ends, lengths, is_val):
-                writers["val" if val else "train"].write(tokens[doc_end - length : doc_end])
-        num_docs["val"] += int(is_val.sum())
-        num_docs["train"] += int((~is_val).sum())
+            for text_end, length, val in zip(text_ends, lengths, is_val):
+                writers["val" if val else "train"].write(tokens[text_end - length : text_end])
+        num_docs["val"] += int(is_val[ends == 1].sum())
+        num_docs["train"] += int((~is_val[ends == 1]).sum())
         report(sum(w.num_tokens for w in writers.values()))
     splits = {}
     for split, writer in writers.items():
@@ -487,28 +500,30 @@ def _reporting(docs: Iterator[str], counts: DocumentCounts, progress: Progress) 
 
 
 def _tokenize(
-    docs: Iterator[str], tokenizer: Tokenizer, eos_id: int, dtype: np.dtype, num_proc: int, stop: _StopSignals
-) -> Iterator[tuple[list[str], np.ndarray, np.ndarray]]:
-    """(texts, tokens, lengths) per chunk of documents, in document order, encoded by num_proc processes."""
+    docs: Iterator[tuple[str, bool]], tokenizer: Tokenizer, eos_id: int, dtype: np.dtype, num_proc: int,
+    stop: _StopSignals
+) -> Iterator[tuple[list[str], list[bool], np.ndarray, np.ndarray]]:
+    """(texts, ends, tokens, lengths) per chunk of (text, whether it ends its document), in order, encoded by num_proc
+    processes."""
     chunks = _chunks(docs)
     tokenizer = for_documents(tokenizer)
     if num_proc == 1:
-        for texts in chunks:
-            yield texts, *encode_documents(tokenizer, texts, eos_id, dtype)
+        for texts, ends in chunks:
+            yield texts, ends, *encode_documents(tokenizer, texts, eos_id, dtype, ends)
         return
     context = mp.get_context("fork" if sys.platform == "linux" else "spawn")
     # an executor, not mp.Pool: a worker killed by a signal or the OOM killer breaks it cleanly instead of deadlocking
     pool = ProcessPoolExecutor(num_proc, context, _init_worker, (tokenizer.to_str(), eos_id, dtype.str, os.getpid()))
     try:
         pending: deque = deque()
-        for texts in chunks:
-            pending.append((texts, pool.submit(_encode_in_worker, texts)))
+        for texts, ends in chunks:
+            pending.append((texts, ends, pool.submit(_encode_in_worker, texts, ends)))
             if len(pending) >= 2 * num_proc:  # bounded read-ahead keeps memory flat on huge streamed corpora
-                texts, result = pending.popleft()
-                yield texts, *_result(result, stop)
+                texts, ends, result = pending.popleft()
+                yield texts, ends, *_result(result, stop)
         while pending:
-            texts, result = pending.popleft()
-            yield texts, *_result(result, stop)
+            texts, ends, result = pending.popleft()
+            yield texts, ends, *_result(result, stop)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)  # running chunks finish (under a second each), queued ones are dropped
 
@@ -526,16 +541,17 @@ def _result(result: Future, stop: _StopSignals):
                             "again, with a smaller data.num_proc if memory is short") from e
 
 
-def _chunks(docs: Iterator[str]) -> Iterator[list[str]]:
-    chunk, chars = [], 0
-    for text in docs:
+def _chunks(docs: Iterator[tuple[str, bool]]) -> Iterator[tuple[list[str], list[bool]]]:
+    chunk, ends, chars = [], [], 0
+    for text, end in docs:
         chunk.append(text)
+        ends.append(end)
         chars += len(text)
         if chars >= CHUNK_CHARS:
-            yield chunk
-            chunk, chars = [], 0
+            yield chunk, ends
+            chunk, ends, chars = [], [], 0
     if chunk:
-        yield chunk
+        yield chunk, ends
 
 
 _worker: tuple = ()
@@ -567,9 +583,9 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+def _encode_in_worker(texts: list[str], ends: list[bool]) -> tuple[np.ndarray, np.ndarray]:
     tokenizer, eos_id, dtype = _worker
-    return encode_documents(tokenizer, texts, eos_id, dtype)
+    return encode_documents(tokenizer, texts, eos_id, dtype, ends)
 
 
 class _ShardWriter:

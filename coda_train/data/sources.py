@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bz2
+import codecs
 import glob
 import gzip
 import json
@@ -20,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .config import DataConfig, DataError
+from .tokenizer import NEWLINE_BETWEEN_TEXT
 
 log = logging.getLogger(__name__)
 
@@ -289,18 +291,89 @@ def check_utf8(head: bytes, file: str) -> None:
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # JSON's "\ud83d" escapes decode to code points UTF-8 cannot encode
 
 
-def _text_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -> Iterator[tuple[str, dict]]:
+TEXT_BLOCK_BYTES = 1 << 20  # a text file is read and decoded this many bytes at a time
+
+
+def _text_blocks(f, file: str, on_invalid: Callable[[str], bool]) -> Iterator[tuple[int, str]]:
+    """A binary text file's UTF-8 text block by block, as (bytes read, text): without a UTF-8 byte-order mark, newlines
+    universal. A character or a CR LF cut by a block's end is decoded with the next block, so the blocks join into the
+    whole file decoded at once. At the first invalid UTF-8, on_invalid(problem naming file:line) decides: True reads on
+    with U+FFFD in place of the bad bytes, False stops the reading."""
+    errors, held, held_cr, offset, newlines = "strict", b"", "", 0, 0  # held: the start of a character cut by the block end
+    block = f.read(max(TEXT_BLOCK_BYTES, 4))  # at least a byte-order mark's 4 bytes
+    check_utf8(block, file)
+    size, block = len(block), block.removeprefix(UTF8_BOM)
+    while True:
+        final = size == 0
+        data = held + block
+        try:
+            text, used = codecs.utf_8_decode(data, errors, final)
+        except UnicodeDecodeError as e:
+            line = 1 + newlines + data.count(NEWLINE, 0, e.start)
+            if not on_invalid(f"{file}:{line}: invalid UTF-8 ({e.reason} at byte {offset + e.start} of the document)"):
+                return
+            errors = "replace"
+            text, used = codecs.utf_8_decode(data, errors, final)
+        newlines, offset, held = newlines + data.count(NEWLINE, 0, used), offset + used, data[used:]
+        text = held_cr + text
+        held_cr = "\r" if text.endswith("\r") and not final else ""  # its LF may start the next block
+        yield size, universal_newlines(text[: len(text) - len(held_cr)])
+        if final:
+            return
+        block = f.read(TEXT_BLOCK_BYTES)
+        size = len(block)
+
+
+def _text_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool,
+               part_chars: Optional[int] = None) -> Iterator[tuple[str, dict, bool]]:
     """One document per file, newlines universal ("\r\n" and "\r" become "\n") as when a file is opened as text,
-    without a UTF-8 byte-order mark (Windows editors write one: it marks the encoding, it is not text)."""
+    without a UTF-8 byte-order mark (Windows editors write one: it marks the encoding, it is not text): (where, row,
+    whether the row ends the document). With part_chars the text comes in parts of about that many characters (more
+    where no cut is possible for longer), cut just after a newline between two non-space characters (NEWLINE_BETWEEN_TEXT,
+    where cuts_at_newlines tokenizers end a piece): a 10 GB file is never held whole. Without it, the whole text is one row."""
+    where = f"{file}:1"
+    skipped = False
+
+    def read_on(problem: str) -> bool:  # per data.decode_errors: strict raises, skip_document stops, replace reads on
+        nonlocal skipped
+        skipped = _per_decode_errors(where, problem, lambda: "", cfg, counts, warn) is None
+        return not skipped
+
+    if part_chars is not None and cfg.decode_errors == "skip_document":
+        # a part handed on cannot be taken back: the whole file's UTF-8 is checked before its first part
+        problems: list[str] = []
+
+        def stop(problem: str) -> bool:
+            problems.append(problem)
+            return False
+
+        with open_binary(file) as f:
+            read = sum(size for size, _ in _text_blocks(f, file, stop))
+        if problems:
+            counts.bytes_read += read
+            read_on(problems[0])
+            return
+    pending, pending_chars, tail = [], 0, ""  # text read but not yet handed on, and its last two characters
     with open_binary(file) as f:
-        data = f.read()
-    counts.bytes_read += len(data)
-    check_utf8(data, file)
-    text = _decode(data.removeprefix(UTF8_BOM), file, 1, cfg, counts, warn)
-    if text is not None:
-        text = universal_newlines(text)
-        del data  # the file's bytes (and the text before its newlines were made universal) are not kept through its tokenizing
-        yield f"{file}:1", {"text": text}
+        for size, text in _text_blocks(f, file, read_on):
+            counts.bytes_read += size
+            # the first cut past part_chars, searched in the new text (and at a newline ending the pending text, whose
+            # next character only this text shows), so a long stretch without a cut is not searched again and again
+            while part_chars is not None and pending_chars + len(text) > part_chars:
+                start = len(tail) - 1 + max(0, part_chars - pending_chars)
+                cut = NEWLINE_BETWEEN_TEXT.search(tail + text, max(start, 0))
+                if cut is None:  # no place to cut yet (a very long line): the part grows until there is one
+                    break
+                end = cut.end() - len(tail)
+                yield where, {"text": "".join(pending) + text[:end]}, False
+                pending, pending_chars, tail, text = [], 0, "", text[end:]
+            if text:
+                pending.append(text)
+                pending_chars += len(text)
+                tail = (tail + text[-2:])[-2:]
+    text, pending = "".join(pending), []  # the blocks are not kept beside the text through its BPE reading and tokenizing
+    if not skipped:
+        yield where, {"text": text}, True
 
 
 def _json_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -> Iterator[tuple[str, dict]]:
@@ -483,17 +556,22 @@ def _hub_rows(source: Source, cfg: DataConfig) -> Iterator[tuple[str, dict]]:
         yield f"{source.hub_name} row {number}", row
 
 
-READERS = {"text": _text_rows, "json": _json_rows, "parquet": _parquet_rows, "arrow": _arrow_rows}
+READERS = {"json": _json_rows, "parquet": _parquet_rows, "arrow": _arrow_rows}
 
 
-def _rows(source: Source, cfg: DataConfig, counts: DocumentCounts, warn: bool) -> Iterator[tuple[str, dict]]:
-    """(where, row) in a fixed order; where is file:line (or row/item) for messages."""
+def _rows(source: Source, cfg: DataConfig, counts: DocumentCounts, warn: bool,
+          part_chars: Optional[int]) -> Iterator[tuple[str, dict, bool]]:
+    """(where, row, whether it ends its document) in a fixed order; where is file:line (or row/item) for messages. Only
+    a text file's rows can be parts of one document (_text_rows, with part_chars)."""
     if source.format == "hub":
-        yield from _hub_rows(source, cfg)
+        yield from ((where, row, True) for where, row in _hub_rows(source, cfg))
         return
     for file in source.files:
         try:
-            yield from READERS[source.format](file, cfg, counts, warn)
+            if source.format == "text":
+                yield from _text_rows(file, cfg, counts, warn, part_chars)
+            else:
+                yield from ((where, row, True) for where, row in READERS[source.format](file, cfg, counts, warn))
         except (OSError, EOFError, lzma.LZMAError) as e:  # removed or unreadable after listing, or a damaged archive
             raise DataError(f"could not read documents from {file}: {e}") from e
 
@@ -501,7 +579,19 @@ def _rows(source: Source, cfg: DataConfig, counts: DocumentCounts, warn: bool) -
 def iter_documents(
     source: Source, cfg: DataConfig, max_chars: Optional[int] = None, counts: Optional[DocumentCounts] = None
 ) -> Iterator[str]:
-    """Non-empty document texts in a fixed order; stops after cfg.max_documents documents or once max_chars were yielded.
+    """Non-empty document texts in a fixed order, each whole; see iter_document_parts."""
+    for text, _ in iter_document_parts(source, cfg, max_chars, counts):
+        yield text
+
+
+def iter_document_parts(
+    source: Source, cfg: DataConfig, max_chars: Optional[int] = None, counts: Optional[DocumentCounts] = None,
+    part_chars: Optional[int] = None,
+) -> Iterator[tuple[str, bool]]:
+    """(text, whether it ends its document) of the non-empty documents in a fixed order; stops after cfg.max_documents
+    documents or once max_chars were yielded, at a document's end. With part_chars a text file longer than that comes in
+    parts that encode into the ids of the whole with a cuts_at_newlines tokenizer (_text_rows); every other document
+    is one text.
 
     Rows without the text field, and undecodable ones (per data.decode_errors), are counted in `counts`; passing `counts`
     also logs a warning at the first of each kind (the caller logs the summary).
@@ -511,7 +601,7 @@ def iter_documents(
     field_name = "text" if source.format == "text" else cfg.text_field  # a text file is one document named "text"
     where_all = source.hub_name or cfg.source
     chars, fields_seen = 0, None
-    for where, row in _rows(source, cfg, counts, warn):
+    for where, row, ends in _rows(source, cfg, counts, warn, part_chars):
         text = row.get(field_name)
         if text is None:
             if field_name not in row and fields_seen is None:
@@ -531,9 +621,11 @@ def iter_documents(
             text = _per_decode_errors(where, problem, lambda: LONE_SURROGATE.sub("\ufffd", text), cfg, counts, warn)
             if text is None:
                 continue
-        yield text
-        counts.documents += 1
+        yield text, ends
         chars += len(text)
+        if not ends:
+            continue
+        counts.documents += 1
         if counts.documents == cfg.max_documents or (max_chars is not None and chars >= max_chars):
             return
     if counts.documents == 0 and fields_seen is not None and counts.empty == 0:

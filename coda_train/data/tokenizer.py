@@ -108,18 +108,23 @@ def token_dtype(vocab_size: int) -> np.dtype:
 # a document longer than this is encoded piece by piece (where the tokenizer allows, cuts_at_newlines): an Encoding
 # holds ~150 bytes a token, so one 1 GB text file encoded whole would need ~160 GB
 PIECE_CHARS = 1 << 18
-# a newline between two visible ASCII characters: every GPT-2-style split ends a piece there, also at a text's end
-NEWLINE_BETWEEN_TEXT = re.compile(r"(?<=[!-~])\n(?=[!-~])")
+# a newline between two non-space characters (Python's whitespace includes all of Unicode's, so none of the split
+# regexes' \s comes next to it): every GPT-2-style split ends a piece there, also at a text's end
+NEWLINE_BETWEEN_TEXT = re.compile(r"(?<=\S)\n(?=\S)")
 
 
 def cuts_at_newlines(tokenizer: Tokenizer) -> bool:
-    """Whether a text cut just after a newline between two visible characters encodes, piece by piece, into the ids of
+    """Whether a text cut just after a newline between two non-space characters encodes, piece by piece, into the ids of
     the whole: true where the first pre-tokenizer is a GPT-2-style regex split (ByteLevel with its regex, as ours
-    and GPT-2's, or a Split holding \\s+(?!\\S), as Llama 3's and Qwen's), which always ends a piece at such a newline,
-    and no normalizer or prefix space can add text at a piece's start (SentencePiece-style tokenizers can)."""
+    and GPT-2's, or an isolating Split holding \\s+(?!\\S), as Llama 3's and Qwen's), which always ends a piece at such a
+    newline, and no normalizer or prefix space can add text at a piece's start (SentencePiece-style tokenizers can).
+    Anything else (no pre-tokenizer, another split) may join text across any newline: such tokenizers get no cuts."""
     spec = json.loads(tokenizer.to_str())
-    if any("\n" in token.get("content", "") for token in spec.get("added_tokens") or []):
-        return False  # added tokens are matched before the pre-split: a cut could fall inside one
+    for token in spec.get("added_tokens") or []:
+        # added tokens are matched before the pre-split: a cut could fall inside one, or before one that takes in the
+        # whitespace on its left (lstrip; special ones are not matched inside documents, for_documents)
+        if "\n" in token.get("content", "") or (token.get("lstrip") and not token.get("special")):
+            return False
     normalizer = spec.get("normalizer") or {"type": "NFC"}
     if normalizer.get("type") not in ("NFC", "NFKC", "NFD", "NFKD"):
         return False
@@ -127,11 +132,12 @@ def cuts_at_newlines(tokenizer: Tokenizer) -> bool:
     first = (pre.get("pretokenizers") or [{}])[0] if pre.get("type") == "Sequence" else pre
     if first.get("type") == "ByteLevel":
         return first.get("use_regex", True) and not first.get("add_prefix_space", False)
-    return first.get("type") == "Split" and "\\s+(?!\\S)" in str((first.get("pattern") or {}).get("Regex", ""))
+    return (first.get("type") == "Split" and first.get("behavior") == "Isolated" and not first.get("invert")
+            and "\\s+(?!\\S)" in str((first.get("pattern") or {}).get("Regex", "")))
 
 
 def _pieces(text: str) -> list[str]:
-    """text cut just after a newline between two visible ASCII characters, about every PIECE_CHARS characters
+    """text cut just after a newline between two non-space characters, about every PIECE_CHARS characters
     (a newline before more whitespace would end its piece differently at the piece's end: "\\n\\n" is one piece there)."""
     pieces, start = [], 0
     while len(text) - start > PIECE_CHARS:
@@ -162,11 +168,14 @@ def for_documents(tokenizer: Tokenizer) -> Tokenizer:
     return copy
 
 
-def encode_documents(tokenizer: Tokenizer, texts: list[str], eos_id: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids of the documents, each followed by EOS, concatenated; and each document's length including its EOS.
-    A document longer than PIECE_CHARS is encoded piece by piece where that gives the same ids (cuts_at_newlines);
+def encode_documents(tokenizer: Tokenizer, texts: list[str], eos_id: int, dtype: np.dtype,
+                     ends: Optional[list[bool]] = None) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids of the texts, each followed by EOS where it ends a document (`ends`, by default every text: a text file
+    read in parts has none between them), concatenated; and each text's count of ids, its EOS included.
+    A text longer than PIECE_CHARS is encoded piece by piece where that gives the same ids (cuts_at_newlines);
     callers encoding many chunks pass for_documents(tokenizer) once (a copy per call otherwise)."""
     tokenizer = for_documents(tokenizer)
+    ends = [True] * len(texts) if ends is None else ends
     long = [i for i, text in enumerate(texts) if len(text) > PIECE_CHARS]
     if long and not cuts_at_newlines(tokenizer):
         long = []
@@ -177,10 +186,11 @@ def encode_documents(tokenizer: Tokenizer, texts: list[str], eos_id: int, dtype:
     for i in long:
         pieces = _pieces(texts[i])
         ids[i] = np.concatenate([a for group in range(0, len(pieces), 8) for a in _ids(tokenizer, pieces[group:group + 8], dtype)])
-    lengths = np.array([len(a) + 1 for a in ids], dtype=np.int64)
+    lengths = np.array([len(a) + end for a, end in zip(ids, ends)], dtype=np.int64)
     tokens = np.empty(int(lengths.sum()), dtype=dtype)
-    ends = np.cumsum(lengths)
-    for doc_ids, end, length in zip(ids, ends, lengths):
-        tokens[end - length : end - 1] = doc_ids
-    tokens[ends - 1] = eos_id
+    starts = np.cumsum(lengths) - lengths
+    for doc_ids, start, end in zip(ids, starts, ends):
+        tokens[start : start + len(doc_ids)] = doc_ids
+        if end:
+            tokens[start + len(doc_ids)] = eos_id
     return tokens, lengths
