@@ -30,8 +30,8 @@ from coda_train.model import LlamaConfig, build_model  # noqa: E402
 from coda_train.model.eager import KVCache  # noqa: E402
 from coda_train.trainer.checkpoint import list_checkpoints  # noqa: E402
 from coda_train.model.generate import generate, next_token_distribution  # noqa: E402
-from coda_train.model.hf import (export_hf, from_hf_state_dict, hf_weight_files, llama_config_from_hf,  # noqa: E402
-                                 load_hf_weights, to_hf_state_dict)
+from coda_train.model.hf import (export_hf, from_hf_state_dict, hf_config, hf_weight_files,  # noqa: E402
+                                 llama_config_from_hf, load_hf_weights, to_hf_state_dict)
 from coda_train.trainer.checkpoint import CheckpointError  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -156,6 +156,45 @@ def test_large_export_is_sharded_by_huggingface_hub_and_loads(tmp_path, hf_load_
     load_hf_weights(imported, out)
     for name, tensor in model.state_dict().items():
         assert torch.equal(imported.state_dict()[name], tensor), name
+
+
+def test_exported_config_json_names_rope_theta_as_published_llama_configs_do(tmp_path):
+    """Published Llama 3 config.json files set rope_theta at the top level; readers of that format (transformers 4.x)
+    ignore v5's rope_parameters and take their default theta 10000: without the key an export loads there as another
+    model, silently (was: rope_parameters only)."""
+    cfg, model = tiny_model()
+    out = export_hf(model.state_dict(), cfg, tmp_path / "hf", tokenizer_file=tokenizer_file(tmp_path), eos_token=EOS_TOKEN)
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["rope_theta"] == cfg.rope_theta == 500000.0
+    assert raw["rope_parameters"] == {"rope_type": "default", "rope_theta": 500000.0}
+    assert transformers.LlamaConfig.from_pretrained(out).rope_parameters == {"rope_type": "default", "rope_theta": 500000.0}
+    assert llama_config_from_hf(out) == cfg
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_a_training_step_gives_transformers_loss_and_gradients(tie):
+    """Not only the logits: next-token loss and the gradient of every parameter equal transformers' LlamaForCausalLM
+    on the same weights (GQA, odd vocab), with transformers shifting the labels itself: our targets are the tokens
+    shifted by one, and the q/k row reordering of the export maps gradients too."""
+    cfg, ours = tiny_model(tie, vocab_size=101)
+    with torch.no_grad():  # away from the near-uniform attention and logits of the 0.02 init
+        for p in ours.parameters():
+            if p.dim() == 2:
+                p.mul_(10)
+    hf = transformers.LlamaForCausalLM(hf_config(cfg, bos_token_id=None, eos_token_id=None, dtype=torch.float32))
+    hf.load_state_dict(to_hf_state_dict({k: v.detach().clone() for k, v in ours.state_dict().items()}, cfg),
+                       strict=not tie)  # tied: no lm_head.weight, the embedding is the LM head
+    tokens = torch.randint(0, cfg.vocab_size, (3, 21), generator=torch.Generator().manual_seed(0))
+    loss = ours(tokens[:, :-1], tokens[:, 1:])
+    hf_loss = hf(tokens, labels=tokens).loss
+    loss.backward()
+    hf_loss.backward()
+    assert abs(loss.item() - hf_loss.item()) < 1e-5 * loss.item()
+    hf_grads = {name: p.grad for name, p in hf.named_parameters() if p.grad is not None}
+    ours_from_hf = from_hf_state_dict(hf_grads, cfg)
+    assert ours_from_hf.keys() == dict(ours.named_parameters()).keys()
+    for name, p in ours.named_parameters():
+        assert rel_err(p.grad, ours_from_hf[name]) < 1e-4, name
 
 
 def test_exported_files_are_readable_by_others(tmp_path):

@@ -437,13 +437,23 @@ def test_config_validation(overrides, fragment):
         preset("tiny", **overrides)
 
 
+def shape(cfg: LlamaConfig) -> tuple:
+    return (cfg.dim, cfg.ffn_dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size, cfg.rope_theta,
+            cfg.norm_eps, cfg.tie_embeddings, cfg.max_seq_len)
+
+
 def test_presets():
-    one_b = preset("llama3_1b")
-    assert (one_b.dim, one_b.n_layers, one_b.n_heads, one_b.n_kv_heads, one_b.ffn_dim, one_b.vocab_size,
-            one_b.rope_theta, one_b.tie_embeddings) == (2048, 16, 32, 8, 8192, 128256, 500000.0, True)
-    assert 1.1e9 < one_b.num_params() < 1.3e9
-    eight_b = preset("llama3_8b")
-    assert 7.9e9 < eight_b.num_params() < 8.1e9
+    """The published shapes the README names (Llama 3.2 1B without its RoPE scaling and 131072 positions, Llama 3 8B),
+    with their published parameter counts, which num_params gives and the model has."""
+    one_b, eight_b = preset("llama3_1b"), preset("llama3_8b")
+    assert shape(one_b) == (2048, 8192, 16, 32, 8, 64, 128256, 500000.0, 1e-5, True, 8192)
+    assert shape(eight_b) == (4096, 14336, 32, 32, 8, 128, 128256, 500000.0, 1e-5, False, 8192)
+    assert shape(preset("llama3_125m")) == (768, 2048, 12, 12, 4, 64, 32768, 500000.0, 1e-5, True, 2048)
+    counts = {"tiny": 5_245_184, "llama3_125m": 100_682_496, "llama3_1b": 1_235_814_400, "llama3_8b": 8_030_261_248}
+    for name, count in counts.items():
+        with torch.device("meta"):  # shapes only
+            model = build_model(preset(name), "eager")
+        assert preset(name).num_params() == sum(p.numel() for p in model.parameters()) == count, name
     with pytest.raises(ConfigError, match="unknown model preset"):
         preset("llama9")
     with pytest.raises(ConfigError, match="unknown model config fields"):

@@ -72,15 +72,19 @@ class LlamaConfig:
         return 6.0 * matmul_params + 6.0 * self.n_layers * seq_len * self.dim
 
 
+# A preset's vocab_size is a run's only with model.vocab_size set; train.py otherwise takes the tokenizer's
+# (rounded up to model.vocab_multiple_of). Parameter counts below are at the preset's own vocab.
 PRESETS: dict[str, LlamaConfig] = {
     # Trains on 2 CPU cores in minutes; the default of `python train.py`.
     "tiny": LlamaConfig(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=768, vocab_size=8192,
                         rope_theta=10000.0, max_seq_len=256, tie_embeddings=True),
-    # GPT-2-small-sized Llama-3 shape (12 x 768, GQA 12/4).
+    # GPT-2-small-sized Llama-3 shape (12 x 768, GQA 12/4): 100,682,496 parameters (the name is its size class).
     "llama3_125m": LlamaConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048, vocab_size=32768,
                                rope_theta=500000.0, max_seq_len=2048, tie_embeddings=True),
+    # Llama 3.2 1B's shape (1,235,814,400 parameters) without its llama3 RoPE scaling (factor 32) and 131072 positions.
     "llama3_1b": LlamaConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=128256,
                              rope_theta=500000.0, max_seq_len=8192, tie_embeddings=True),
+    # Llama 3 8B (8,030,261,248 parameters); Llama 3.1 8B differs only in its RoPE scaling and 131072 positions.
     "llama3_8b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
                              rope_theta=500000.0, max_seq_len=8192, tie_embeddings=False),
 }

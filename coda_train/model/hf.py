@@ -109,7 +109,7 @@ def from_hf_state_dict(hf: dict[str, Tensor], cfg: LlamaConfig) -> dict[str, Ten
 def hf_config(cfg: LlamaConfig, *, bos_token_id: Optional[int], eos_token_id: Optional[int], dtype: torch.dtype):
     """transformers.LlamaConfig of our model config."""
     transformers = _require_hf()
-    return transformers.LlamaConfig(
+    config = transformers.LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim, num_hidden_layers=cfg.n_layers,
         num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, hidden_act="silu",
         max_position_embeddings=cfg.max_seq_len, initializer_range=cfg.init_std, rms_norm_eps=cfg.norm_eps,
@@ -117,6 +117,10 @@ def hf_config(cfg: LlamaConfig, *, bos_token_id: Optional[int], eos_token_id: Op
         tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False, attention_dropout=0.0,
         bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=None,
         architectures=["LlamaForCausalLM"], dtype=str(dtype).removeprefix("torch."))
+    # also the top-level key of published Llama 3 config.json files: readers of that format (transformers 4.x)
+    # ignore rope_parameters and would rotate by their default theta 10000, another model; v5 reads rope_parameters
+    config.rope_theta = float(cfg.rope_theta)
+    return config
 
 
 def _why_not_a_model_dir(path: Path) -> str:
