@@ -1013,6 +1013,22 @@ def test_abandoned_metrics_kept_aside_get_a_free_name_when_a_pid_repeats(tmp_pat
     assert kept == {"metrics.replaced-step_00000005-7.jsonl": {"a"}, "metrics.replaced-step_00000005-8.jsonl": {"b"}}
 
 
+def test_rewound_metrics_are_synced_before_they_replace_the_runs_history(tmp_path, monkeypatch):
+    """A resume after a kill rewrites metrics.jsonl whole (every line of the run so far): the new file must be on disk
+    before the rename, or a power loss right after it can leave the run's history empty (a rename is not a data sync)."""
+    from coda_train.trainer.metrics import rewind_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 11)))
+    events, fsync, replace = [], os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))), fsync(fd)))
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(a))), replace(a, b)))
+    rewind_metrics(path, 5)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
+    tmp = str(path.with_name("metrics.jsonl.tmp"))
+    assert ("replace", tmp) in events and ("fsync", tmp) in events[:events.index(("replace", tmp))]
+
+
 def test_a_checkpoint_whose_meta_step_was_edited_is_damaged(tiny, straight_run, tmp_path, caplog):
     """meta.json's step must name its directory's step: an edited one would set aside the checkpoint being resumed
     (step moved down) or skip saving the steps up to it (moved up)."""

@@ -82,7 +82,7 @@ def metrics_line(result: StepResult, tokens: int, tokens_per_s: float, elapsed_s
 
 def rewind_metrics(path: Path, step: int, keep_dropped: bool = False) -> None:
     """Drop lines logged after `step` (by the interrupted run whose last steps the resumed run redoes),
-    so metrics.jsonl reads as one uninterrupted run. Rewritten atomically. keep_dropped (the dropped lines are another
+    so metrics.jsonl reads as one uninterrupted run. Rewritten atomically and synced. keep_dropped (the dropped lines are another
     trajectory's: an older checkpoint resumed, or other settings): they go to metrics.replaced-step_<step>-<n>.jsonl."""
     if not path.exists():
         return
@@ -100,7 +100,7 @@ def rewind_metrics(path: Path, step: int, keep_dropped: bool = False) -> None:
         write_synced(aside, "".join(dropped).encode())
         log.warning("the metrics of steps after %d (another trajectory) are moved to %s", step, aside)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept))
+    write_synced(tmp, "".join(kept).encode())  # synced before the rename: a power loss must not leave an empty history
     os.replace(tmp, path)
 
 
