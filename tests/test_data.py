@@ -131,6 +131,25 @@ def test_a_cut_after_a_newline_between_visible_characters_ends_a_piece_of_every_
     assert cuts_at_newlines(ours) and not cuts_at_newlines(stripping)
 
 
+def test_a_split_followed_by_a_metaspace_prepending_to_the_first_piece_only_gets_no_cuts(docs, monkeypatch):
+    """cuts_at_newlines looked at the first pre-tokenizer only: a Metaspace after it with prepend_scheme="first" adds
+    "\u2581" to a text's first piece alone, so each part of a cut text (a long document's pieces, a text file's parts)
+    got one that the whole text does not have: silently other ids. Such a tokenizer encodes its documents whole;
+    prepending to every piece ("always") gives the same pieces either way, and cuts."""
+    from tokenizers import Regex, Tokenizer, pre_tokenizers
+
+    text = "\n".join(docs)
+    tokenizer = Tokenizer.from_str(train_bpe([*docs, "\u2581" + text], vocab_size=400).to_str())
+    monkeypatch.setattr(tokenizer_module, "PIECE_CHARS", 20)
+    for scheme in ("first", "always"):
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(SPLIT_PATTERNS["llama3"]), behavior="isolated"),
+            pre_tokenizers.Metaspace(prepend_scheme=scheme),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        assert cuts_at_newlines(tokenizer) == (scheme == "always")
+        tokens, _ = encode_documents(tokenizer, [text], 0, np.dtype(np.uint32))
+        assert tokens[:-1].tolist() == tokenizer.encode(text, add_special_tokens=False).ids, scheme
+
 def test_a_loaded_tokenizers_truncation_and_padding_do_not_cut_documents(docs):
     """A tokenizer.json may carry truncation or padding (HF files often do): documents are still encoded whole and
     unpadded, and the tokenizer itself (its fingerprint) is left as it was; an added token holding a newline keeps a

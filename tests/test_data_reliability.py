@@ -920,6 +920,23 @@ def test_invalid_utf8_deep_in_a_text_read_in_parts_is_handled_as_in_the_whole_fi
         assert data.manifest["document_counts"]["skipped"] == 1 and data.manifest["num_documents"] == 1
 
 
+@pytest.mark.parametrize("part_chars", [None, 50])
+def test_a_text_file_skipped_for_invalid_utf8_counts_all_its_bytes_as_read(tmp_path, monkeypatch, part_chars):
+    """The progress counts the bytes read against the files' total size: a text file skipped for invalid UTF-8 near its
+    start (decode_errors=skip_document) counts all its bytes, as when it was read whole, not only those up to the bad
+    block (the progress stopped short of the total, by the rest of each skipped file)."""
+    from coda_train.data import sources
+    from coda_train.data.sources import DocumentCounts, _text_rows
+
+    file = tmp_path / "doc.txt"
+    file.write_bytes(b"bad \xff here\n" + awkward_text_bytes())
+    monkeypatch.setattr(sources, "TEXT_BLOCK_BYTES", 5)
+    counts = DocumentCounts()
+    assert list(_text_rows(str(file), config(file, tmp_path / "cache", decode_errors="skip_document"), counts, False,
+                           part_chars)) == []
+    assert counts.skipped == 1 and counts.bytes_read == file.stat().st_size
+
+
 def llama3_style_tokenizer(tmp_path: Path) -> Path:
     """A tokenizer folder as Llama 3's: its split regex, then bytes; its EOS named in tokenizer_config.json."""
     from tokenizers import Regex

@@ -298,7 +298,7 @@ def _text_blocks(f, file: str, on_invalid: Callable[[str], bool]) -> Iterator[tu
     """A binary text file's UTF-8 text block by block, as (bytes read, text): without a UTF-8 byte-order mark, newlines
     universal. A character or a CR LF cut by a block's end is decoded with the next block, so the blocks join into the
     whole file decoded at once. At the first invalid UTF-8, on_invalid(problem naming file:line) decides: True reads on
-    with U+FFFD in place of the bad bytes, False stops the reading."""
+    with U+FFFD in place of the bad bytes, False stops the decoding (the rest is read only to count its bytes)."""
     errors, held, held_cr, offset, newlines = "strict", b"", "", 0, 0  # held: the start of a character cut by the block end
     block = f.read(max(TEXT_BLOCK_BYTES, 4))  # at least a byte-order mark's 4 bytes
     check_utf8(block, file)
@@ -311,6 +311,8 @@ def _text_blocks(f, file: str, on_invalid: Callable[[str], bool]) -> Iterator[tu
         except UnicodeDecodeError as e:
             line = 1 + newlines + data.count(NEWLINE, 0, e.start)
             if not on_invalid(f"{file}:{line}: invalid UTF-8 ({e.reason} at byte {offset + e.start} of the document)"):
+                # a skipped file is still read to its end, as the progress counts (and the file sizes total) its bytes
+                yield size + sum(len(rest) for rest in iter(lambda: f.read(TEXT_BLOCK_BYTES), b"")), ""
                 return
             errors = "replace"
             text, used = codecs.utf_8_decode(data, errors, final)
@@ -341,17 +343,10 @@ def _text_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool,
 
     if part_chars is not None and cfg.decode_errors == "skip_document":
         # a part handed on cannot be taken back: the whole file's UTF-8 is checked before its first part
-        problems: list[str] = []
-
-        def stop(problem: str) -> bool:
-            problems.append(problem)
-            return False
-
         with open_binary(file) as f:
-            read = sum(size for size, _ in _text_blocks(f, file, stop))
-        if problems:
+            read = sum(size for size, _ in _text_blocks(f, file, read_on))
+        if skipped:
             counts.bytes_read += read
-            read_on(problems[0])
             return
     pending, pending_chars, tail = [], 0, ""  # text read but not yet handed on, and its last two characters
     with open_binary(file) as f:

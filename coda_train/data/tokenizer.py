@@ -129,7 +129,10 @@ def cuts_at_newlines(tokenizer: Tokenizer) -> bool:
     if normalizer.get("type") not in ("NFC", "NFKC", "NFD", "NFKD"):
         return False
     pre = spec.get("pre_tokenizer") or {}
-    first = (pre.get("pretokenizers") or [{}])[0] if pre.get("type") == "Sequence" else pre
+    steps = (pre.get("pretokenizers") or [{}]) if pre.get("type") == "Sequence" else [pre]
+    if any(step.get("type") == "Metaspace" and step.get("prepend_scheme") == "first" for step in steps):
+        return False  # it prepends "▁" to the first piece of a text only: to each part's, once cut
+    first = steps[0]
     if first.get("type") == "ByteLevel":
         return first.get("use_regex", True) and not first.get("add_prefix_space", False)
     return (first.get("type") == "Split" and first.get("behavior") == "Isolated" and not first.get("invert")
