@@ -12,10 +12,11 @@
 # 3. SHAPE's coda-graphs step / the graph floor in paired rounds with the tuned table ($OUT/bench_<shape>-tuned.json;
 #    the floor's GEMMs get quack at 2x2 too wherever the tuned table runs it: bench.py floor_backends);
 # 4. SHAPE's coda-graphs step with the shipped table and the tuned one, alternately, as many rounds as the
-#    call's 590 s leave ($OUT/step_ab.txt).
-# TUNE_S bounds step 1 (default 200 s).
+#    call's TOTAL_S leave ($OUT/step_ab.txt).
+# TUNE_S bounds step 1 (default 200 s), TOTAL_S the whole call (default 590 s).
 set -uo pipefail
 SHAPE=${1:-125m}
+TOTAL_S=${TOTAL_S:-590}  # the call's seconds: steps 3 and 4 fit in what step 1 and 2 leave
 OUT=${OUT:-runs/cluster_tune}
 mkdir -p "$OUT/tune"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -30,11 +31,11 @@ tuned="CODA_TILE_CONFIGS=$OUT/tune/tile_configs.json"
 ablation_shape=$(echo "$SHAPE" | sed 's/-.*//')  # epilogue_ablation.py's shapes: 125m, 1b, 8b
 env "$tuned" timeout 90 python3 scripts/epilogue_ablation.py --shapes "$ablation_shape" --rows "bare,4 tiles,op" \
   --out "$OUT/ablation" 2>&1 | grep -v -i warn | tail -n 4
-left=$(( 590 - SECONDS - 120 ))  # leaves one shipped/tuned round of step 4
+left=$(( TOTAL_S - SECONDS - 120 ))  # leaves one shipped/tuned round of step 4
 [ $left -gt 90 ] && env "$tuned" timeout $left python3 scripts/bench.py --shape "$SHAPE" --variants coda-graphs,floor \
   --profile-steps 0 --paired-rounds 3 --tag=-tuned --out "$OUT" 2>&1 | grep -v -i warn | tail -n 6
 step() {  # $1: label, then env settings: one bench.py run of SHAPE's coda-graphs step, within what the call has left
-  local label=$1 left=$(( 590 - SECONDS )); shift
+  local label=$1 left=$(( TOTAL_S - SECONDS )); shift
   [ $left -gt 60 ] || return 1
   env "$@" timeout $(( left > 130 ? 130 : left )) python3 scripts/bench.py --shape "$SHAPE" --variants coda-graphs \
     --profile-steps 0 --out "/tmp/cluster_tune_$label" 2>&1 | grep -E "^coda-graphs " \
