@@ -106,7 +106,7 @@ def test_a_cut_after_a_newline_between_visible_characters_ends_a_piece_of_every_
     digits and apostrophes.
     Splits that may join text across a newline are refused (no pre-tokenizer, a non-isolating split, an added token
     taking in the whitespace before it)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, models, pre_tokenizers
+    from tokenizers import AddedToken, Regex, Tokenizer, pre_tokenizers
 
     splits = {"gpt2": pre_tokenizers.ByteLevel(add_prefix_space=False)} | {
         name: pre_tokenizers.Split(Regex(pattern), behavior="isolated") for name, pattern in SPLIT_PATTERNS.items()}
