@@ -20,7 +20,7 @@ from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import asdict
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, TypeVar
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -34,6 +34,7 @@ from .tokenizer import (cuts_at_newlines, encode_documents, find_eos, fingerprin
                         token_dtype, train_bpe)
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")  # what _StopSignals.checked passes through: documents, or (text, ends) parts
 
 FORMAT_VERSION = 1  # bump when the shard layout or any choice below changes what gets written
 MANIFEST = "manifest.json"
@@ -341,10 +342,10 @@ class _StopSignals:
         if self.signum is not None:
             raise PreparationInterrupted(self.signum)
 
-    def checked(self, docs: Iterator[str]) -> Iterator[str]:
-        for text in docs:
+    def checked(self, items: Iterator[T]) -> Iterator[T]:
+        for item in items:
             self.check()
-            yield text
+            yield item
 
 
 def _train_bpe_stoppable(docs: Iterator[str], vocab_size: int, stop: _StopSignals) -> Tokenizer:
