@@ -1157,3 +1157,30 @@ def test_tokens_per_s_after_a_resume_leaves_out_the_new_process_warm_up(tiny, tm
     lines = metrics(run_dir)
     assert [m["step"] for m in lines] == [1, 4, 8] and warmed_up
     assert lines[-1]["tokens_per_s"] > 4 * 128 / 1.0  # 3 steps' 384 tokens in milliseconds, not 512 tokens in 1 s
+
+
+def test_a_wandb_that_refuses_to_start_leaves_no_metrics_file_open(tmp_path, monkeypatch):
+    """wandb is started before metrics.jsonl is opened: a refusal (ConfigError) left the file open, in a sweep's process
+    one more per failed job, and an empty metrics.jsonl in the run dir."""
+    from coda_train.trainer.metrics import LoggerConfig, MetricsLogger
+
+    def refuse(*args, **kwargs):
+        raise ConfigError("wandb could not start its run")
+
+    monkeypatch.setattr(MetricsLogger, "_start_wandb", staticmethod(refuse))
+    with pytest.raises(ConfigError):
+        MetricsLogger(tmp_path, LoggerConfig(name="wandb"), {}, resumed=False, progress_bar=False, initial=0, total=1)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_leftover_temporary_dirs_are_named_for_what_the_dead_run_was_doing(tmp_path, caplog):
+    from coda_train.trainer.checkpoint import remove_partial_writes
+
+    (tmp_path / ".tmp-step_00000004").mkdir()
+    (tmp_path / ".tmp-delete-step_00000002").mkdir()
+    with caplog.at_level("INFO", logger="coda_train.trainer.checkpoint"):
+        remove_partial_writes(tmp_path)
+    assert not list(tmp_path.iterdir())
+    said = {r.getMessage().split("/")[-1] for r in caplog.records}
+    assert said == {".tmp-step_00000004, left by a run that stopped while writing it",
+                    ".tmp-delete-step_00000002, left by a run that stopped while deleting it"}

@@ -134,7 +134,8 @@ def remove_partial_writes(root: Path) -> None:
     half deleted. Call only while holding the run dir's lock (no live writer)."""
     if root.is_dir():
         for stale in root.glob(".tmp-*"):
-            log.info("removing %s, left by a run that stopped while writing it", stale)
+            doing = "deleting" if stale.name.startswith(".tmp-delete-") else "writing"  # a pruned checkpoint, or a new one
+            log.info("removing %s, left by a run that stopped while %s it", stale, doing)
             shutil.rmtree(stale, ignore_errors=True)
 
 

@@ -151,10 +151,10 @@ class MetricsLogger:
 
     def __init__(self, run_dir: Path, cfg: LoggerConfig, config: dict[str, Any], resumed: bool,
                  progress_bar: bool, initial: int, total: int):
-        self.file = open(run_dir / METRICS_FILE, "a")
         self.wandb_run = None
-        if cfg.name == "wandb":
+        if cfg.name == "wandb":  # first: a wandb that refuses to start leaves no metrics.jsonl open (a sweep's next job)
             self.wandb_run = self._start_wandb(run_dir, cfg, config, resumed)
+        self.file = open(run_dir / METRICS_FILE, "a")
         self.bar = None
         if progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
