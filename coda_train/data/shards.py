@@ -423,14 +423,16 @@ def _build(
 
     log.info("tokenizing %s with %d process(es)", source.name, cfg.num_proc)
     counts, progress = DocumentCounts(), Progress("tokenizing", total_bytes)
-    part_chars = TEXT_PART_CHARS if cuts_at_newlines(tokenizer) else None
+    cuts = cuts_at_newlines(tokenizer)
+    part_chars = TEXT_PART_CHARS if cuts else None
     if part_chars is None and source.format == "text" and (big := [f for f in source.files if os.path.getsize(f) > 1e9]):
         log.warning("%s: a text file is one document, and this tokenizer may encode text cut into parts differently "
                     "(tokenizer.cuts_at_newlines), so each is read and tokenized whole, needing several times its size "
                     "in memory (%d file(s) over 1 GB); split such files into documents, or write them as JSON Lines",
                     big[0], len(big))
     docs = stop.checked(iter_document_parts(source, cfg, counts=counts, part_chars=part_chars))
-    splits, num_chars = _write_shards(cfg, _tokenize(docs, tokenizer, eos_id, dtype, cfg.num_proc, stop), out, dtype,
+    encoded = _tokenize(docs, tokenizer, cuts, eos_id, dtype, cfg.num_proc, stop)
+    splits, num_chars = _write_shards(cfg, encoded, out, dtype,
                                       lambda tokens: progress.update(counts.bytes_read, counts.documents, tokens))
     progress.close()
     for line in counts.summary():
@@ -501,20 +503,20 @@ def _reporting(docs: Iterator[str], counts: DocumentCounts, progress: Progress) 
 
 
 def _tokenize(
-    docs: Iterator[tuple[str, bool]], tokenizer: Tokenizer, eos_id: int, dtype: np.dtype, num_proc: int,
+    docs: Iterator[tuple[str, bool]], tokenizer: Tokenizer, cuts: bool, eos_id: int, dtype: np.dtype, num_proc: int,
     stop: _StopSignals
 ) -> Iterator[tuple[list[str], list[bool], np.ndarray, np.ndarray]]:
     """(texts, ends, tokens, lengths) per chunk of (text, whether it ends its document), in order, encoded by num_proc
-    processes."""
+    processes; cuts: cuts_at_newlines(tokenizer), worked out once."""
     chunks = _chunks(docs)
     tokenizer = for_documents(tokenizer)
     if num_proc == 1:
         for texts, ends in chunks:
-            yield texts, ends, *encode_documents(tokenizer, texts, eos_id, dtype, ends)
+            yield texts, ends, *encode_documents(tokenizer, texts, eos_id, dtype, ends, cuts)
         return
     context = mp.get_context("fork" if sys.platform == "linux" else "spawn")
     # an executor, not mp.Pool: a worker killed by a signal or the OOM killer breaks it cleanly instead of deadlocking
-    pool = ProcessPoolExecutor(num_proc, context, _init_worker, (tokenizer.to_str(), eos_id, dtype.str, os.getpid()))
+    pool = ProcessPoolExecutor(num_proc, context, _init_worker, (tokenizer.to_str(), cuts, eos_id, dtype.str, os.getpid()))
     try:
         pending: deque = deque()
         for texts, ends in chunks:
@@ -558,7 +560,7 @@ def _chunks(docs: Iterator[tuple[str, bool]]) -> Iterator[tuple[list[str], list[
 _worker: tuple = ()
 
 
-def _init_worker(tokenizer_json: str, eos_id: int, dtype: str, parent: int) -> None:
+def _init_worker(tokenizer_json: str, cuts: bool, eos_id: int, dtype: str, parent: int) -> None:
     global _worker
     _die_with_parent(parent)
     # Ctrl-C and SIGTERM reach the whole process group; the parent stops the pool in order. A worker killed
@@ -567,7 +569,7 @@ def _init_worker(tokenizer_json: str, eos_id: int, dtype: str, parent: int) -> N
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism; also silences the after-fork warning
     # as _tokenize's: for_documents once here, since to_str() keeps no encode_special_tokens (a copy per chunk otherwise)
-    _worker = (for_documents(Tokenizer.from_str(tokenizer_json)), eos_id, np.dtype(dtype))
+    _worker = (for_documents(Tokenizer.from_str(tokenizer_json)), cuts, eos_id, np.dtype(dtype))
 
 
 def _die_with_parent(parent: int) -> None:
@@ -585,8 +587,8 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _encode_in_worker(texts: list[str], ends: list[bool]) -> tuple[np.ndarray, np.ndarray]:
-    tokenizer, eos_id, dtype = _worker
-    return encode_documents(tokenizer, texts, eos_id, dtype, ends)
+    tokenizer, cuts, eos_id, dtype = _worker
+    return encode_documents(tokenizer, texts, eos_id, dtype, ends, cuts)
 
 
 class _ShardWriter:

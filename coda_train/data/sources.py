@@ -264,12 +264,17 @@ def _per_decode_errors(where: str, problem: str, repaired: Callable[[], str], cf
     return None if cfg.decode_errors == "skip_document" else repaired()
 
 
+def _invalid_utf8(file: str, line: int, e: UnicodeDecodeError, offset: int = 0) -> str:
+    """The problem: a document's invalid UTF-8 at file:line, e (its decoding of bytes from the document's byte offset)."""
+    return f"{file}:{line}: invalid UTF-8 ({e.reason} at byte {offset + e.start} of the document)"
+
+
 def _decode(data: bytes, file: str, line: int, cfg: DataConfig, counts: DocumentCounts, warn: bool) -> Optional[str]:
     """UTF-8 text of a document starting at file:line, per data.decode_errors; None means skip this document."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        problem = f"{file}:{line + data.count(NEWLINE, 0, e.start)}: invalid UTF-8 ({e.reason} at byte {e.start} of the document)"
+        problem = _invalid_utf8(file, line + data.count(NEWLINE, 0, e.start), e)
         return _per_decode_errors(f"{file}:{line}", problem, lambda: data.decode("utf-8", errors="replace"), cfg, counts, warn)
 
 
@@ -309,8 +314,7 @@ def _text_blocks(f, file: str, on_invalid: Callable[[str], bool]) -> Iterator[tu
         try:
             text, used = codecs.utf_8_decode(data, errors, final)
         except UnicodeDecodeError as e:
-            line = 1 + newlines + data.count(NEWLINE, 0, e.start)
-            if not on_invalid(f"{file}:{line}: invalid UTF-8 ({e.reason} at byte {offset + e.start} of the document)"):
+            if not on_invalid(_invalid_utf8(file, 1 + newlines + data.count(NEWLINE, 0, e.start), e, offset)):
                 # a skipped file is still read to its end, as the progress counts (and the file sizes total) its bytes
                 yield size + sum(len(rest) for rest in iter(lambda: f.read(TEXT_BLOCK_BYTES), b"")), ""
                 return

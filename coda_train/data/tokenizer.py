@@ -172,15 +172,16 @@ def for_documents(tokenizer: Tokenizer) -> Tokenizer:
 
 
 def encode_documents(tokenizer: Tokenizer, texts: list[str], eos_id: int, dtype: np.dtype,
-                     ends: Optional[list[bool]] = None) -> tuple[np.ndarray, np.ndarray]:
+                     ends: Optional[list[bool]] = None, cuts: Optional[bool] = None) -> tuple[np.ndarray, np.ndarray]:
     """Token ids of the texts, each followed by EOS where it ends a document (`ends`, by default every text: a text file
     read in parts has none between them), concatenated; and each text's count of ids, its EOS included.
-    A text longer than PIECE_CHARS is encoded piece by piece where that gives the same ids (cuts_at_newlines);
-    callers encoding many chunks pass for_documents(tokenizer) once (a copy per call otherwise)."""
+    A text longer than PIECE_CHARS is encoded piece by piece where that gives the same ids (`cuts`: cuts_at_newlines);
+    callers encoding many chunks pass for_documents(tokenizer) and cuts_at_newlines(tokenizer) once (a copy and a parse
+    of the tokenizer's JSON per call otherwise: ~0.5 s for a 128K vocabulary's, more than encoding 1 MB of text)."""
     tokenizer = for_documents(tokenizer)
     ends = [True] * len(texts) if ends is None else ends
     long = [i for i, text in enumerate(texts) if len(text) > PIECE_CHARS]
-    if long and not cuts_at_newlines(tokenizer):
+    if long and not (cuts_at_newlines(tokenizer) if cuts is None else cuts):
         long = []
     short = sorted(set(range(len(texts))) - set(long))
     ids: list = [None] * len(texts)
