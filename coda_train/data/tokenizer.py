@@ -177,7 +177,7 @@ def encode_documents(tokenizer: Tokenizer, texts: list[str], eos_id: int, dtype:
     read in parts has none between them), concatenated; and each text's count of ids, its EOS included.
     A text longer than PIECE_CHARS is encoded piece by piece where that gives the same ids (`cuts`: cuts_at_newlines);
     callers encoding many chunks pass for_documents(tokenizer) and cuts_at_newlines(tokenizer) once (a copy and a parse
-    of the tokenizer's JSON per call otherwise: ~0.5 s for a 128K vocabulary's, more than encoding 1 MB of text)."""
+    of the tokenizer's JSON per call otherwise: 11 ms for the builtin 8192-token BPE's 217 KB, growing with its size)."""
     tokenizer = for_documents(tokenizer)
     ends = [True] * len(texts) if ends is None else ends
     long = [i for i, text in enumerate(texts) if len(text) > PIECE_CHARS]
