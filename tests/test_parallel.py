@@ -727,3 +727,31 @@ def test_a_sweep_under_torchrun_is_refused_before_it_hangs(tmp_path):
     result = subprocess.run([sys.executable, "train.py", "-m", "model.impl=eager,coda"], cwd=REPO, capture_output=True,
                             text=True, timeout=60, env={**os.environ, "WORLD_SIZE": "2"})
     assert result.returncode == 1 and "a multirun sweep (-m) cannot run under torchrun" in result.stderr, result.stderr
+
+
+def test_a_resume_under_torchrun_hashes_the_checkpoint_on_rank_0_alone(tiny, tmp_path, monkeypatch):
+    """Every rank read and hashed every file of the checkpoint it resumed (8x the reads on 8 GPUs); rank 0 alone
+    verifies it now and hands it to the others. A sitecustomize logs each rank's hashed files."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(
+        "import os\n"
+        "from coda_train.trainer import checkpoint\n"
+        "real = checkpoint.sha256_file\n"
+        "def sha256_file(path):\n"
+        f"    with open('{tmp_path}/hashed.' + os.environ['RANK'], 'a') as f:\n"
+        "        f.write(str(path) + '\\n')\n"
+        "    return real(path)\n"
+        "checkpoint.sha256_file = sha256_file\n")
+    common = [*tiny, "trainer.ckpt_every=2", "trainer.eval_every=0", "trainer.batch_size=2", "trainer.parallel=fsdp",
+              f"trainer.run_dir={tmp_path / 'run'}"]
+    assert run_two_ranks(*common, "trainer.max_steps=2").returncode == 0
+    monkeypatch.setenv("PYTHONPATH", f"{hooks}:{REPO}")
+    resumed = run_two_ranks(*common, "trainer.max_steps=3")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout + resumed.stderr
+    step_2 = tmp_path / "run" / "checkpoints" / "step_00000002"
+    files = [str(step_2 / name) for name in json.loads((step_2 / "meta.json").read_text())["files"]]
+    assert (tmp_path / "hashed.0").read_text().split()[:len(files)] == files  # then step 3's, which rank 0 saves
+    assert not (tmp_path / "hashed.1").exists()
+

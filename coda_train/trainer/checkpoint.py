@@ -460,10 +460,24 @@ def resumes(resume: str, run_dir: Path) -> bool:
     return resume not in ("auto", "never") or (resume == "auto" and bool(list_checkpoints(Path(run_dir) / CHECKPOINTS_DIR)))
 
 
-def find_resume_checkpoint(resume: str, run_dir: Path, warn: bool = True) -> Optional[Checkpoint]:
+def find_resume_checkpoint(resume: str, run_dir: Path, world: World = World()) -> Optional[Checkpoint]:
     """The checkpoint this run continues, per trainer.resume: auto (the newest good one of run_dir,
     None in a new run), never (None; run_dir must hold no run), or a path (a checkpoint, a
-    checkpoints dir or a run dir). warn: say which damaged ones are skipped (every rank looks, one says)."""
+    checkpoints dir or a run dir). Rank 0 alone looks, verifies and says which damaged ones it skips; every rank gets
+    what it found, or its refusal (every rank hashing every file was 8x the reads on 8 GPUs)."""
+    found, error = None, None
+    if world.is_main:
+        try:
+            found = _find_resume_checkpoint(resume, run_dir)
+        except (CheckpointError, OSError) as e:  # raised on every rank: the others would wait for rank 0
+            error = e
+    found, error = from_main((found, error), world)
+    if error is not None:
+        raise error
+    return found
+
+
+def _find_resume_checkpoint(resume: str, run_dir: Path) -> Optional[Checkpoint]:
     root = run_dir / CHECKPOINTS_DIR
     if resume == "never":
         if list_checkpoints(root) or (run_dir / METRICS_FILE).exists():
@@ -471,12 +485,12 @@ def find_resume_checkpoint(resume: str, run_dir: Path, warn: bool = True) -> Opt
                                   "a new one into it; choose a new trainer.run_dir or use trainer.resume=auto")
         return None
     if resume == "auto":
-        found = newest_good_checkpoint(root, warn)
+        found = newest_good_checkpoint(root)
         if found is None and list_checkpoints(root):  # never silently restart a run whose progress is damaged
             raise CheckpointError(f"every checkpoint in {root} is damaged (see the warnings above); point "
                                   "trainer.resume at a good checkpoint elsewhere, or start over in a new trainer.run_dir")
         return found
-    found = _checkpoint_at(Path(resume), resume, warn)
+    found = _checkpoint_at(Path(resume), resume)
     own = list_checkpoints(root)
     if own and root.resolve() not in found.path.resolve().parents:
         # another run's checkpoint into a run dir with progress of its own: starting over would set that progress
@@ -493,7 +507,7 @@ def resumes_newest_good(resume: str) -> bool:
     return resume == "auto" or not (Path(resume) / META_FILE).exists() and not (Path(resume) / STATE_FILE).exists()
 
 
-def _checkpoint_at(path: Path, resume: str, warn: bool = True) -> Checkpoint:
+def _checkpoint_at(path: Path, resume: str) -> Checkpoint:
     """The checkpoint trainer.resume=path names: that checkpoint (it must be good), or the newest good one of
     a run dir or checkpoints dir."""
     if (path / META_FILE).exists() or (path / STATE_FILE).exists():  # one checkpoint: it must be good
@@ -504,7 +518,7 @@ def _checkpoint_at(path: Path, resume: str, warn: bool = True) -> Checkpoint:
                                   "to take the newest good one of this run)") from e
     for root in (path / CHECKPOINTS_DIR, path):  # a run dir or its checkpoints dir: newest good one
         if list_checkpoints(root):
-            found = newest_good_checkpoint(root, warn)
+            found = newest_good_checkpoint(root)
             if found is None:
                 raise CheckpointError(f"trainer.resume={resume}: no checkpoint there is intact; "
                                       "point trainer.resume at another checkpoint or use trainer.resume=never")

@@ -281,8 +281,8 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
                     "(optim.decay_fraction=%g): the decay starts when warmup ends and takes %d step(s); lower "
                     "optim.warmup_steps or optim.decay_fraction", o.warmup_steps, decay_steps, t.max_steps,
                     o.decay_fraction, t.max_steps - o.warmup_steps)
-    # before data preparation, which can be long; every rank verifies, rank 0 names the damaged ones skipped
-    resume_from = find_resume_checkpoint(t.resume, run_dir, warn=world.is_main)
+    # before data preparation, which can be long; rank 0 verifies and names the damaged ones skipped
+    resume_from = find_resume_checkpoint(t.resume, run_dir, world)
     # model.init_from moved or deleted since the run began (an HF cache cleaned): its checkpoint records the shape,
     # checked here before the data as train()'s early check does for any other run
     shape = init_from_shape(cfg, resume_from) if resume_from is not None and init_from_missing(cfg) else None
