@@ -755,3 +755,10 @@ def test_a_resume_under_torchrun_hashes_the_checkpoint_on_rank_0_alone(tiny, tmp
     assert (tmp_path / "hashed.0").read_text().split()[:len(files)] == files  # then step 3's, which rank 0 saves
     assert not (tmp_path / "hashed.1").exists()
 
+
+def test_reusing_prepared_data_is_said_once_under_torchrun(tiny, tmp_path):
+    """Every rank calls prepare(), which logged "reusing prepared data" once per rank; rank 0 alone says it now."""
+    result = run_two_ranks(*tiny, "trainer.max_steps=1", "trainer.eval_every=0", "trainer.batch_size=2",
+                           f"trainer.run_dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (result.stdout + result.stderr).count("reusing prepared data") == 1

@@ -191,11 +191,12 @@ def _write_verified(folder: Path, verified: dict) -> None:
                     "data.verify_shards=never to skip that", folder, e)
 
 
-def prepare(cfg: DataConfig) -> PreparedData:
+def prepare(cfg: DataConfig, log_reuse: bool = True) -> PreparedData:
     """Prepare cfg's data under cfg.cache_dir, or reuse the folder prepared from the same inputs.
 
     Runs preparing the same inputs take turns on a lock file, so a second one waits and reuses the first one's folder.
     SIGTERM/SIGINT raise PreparationInterrupted after the worker pool and the temp folder are cleaned up.
+    log_reuse: say which folder is reused (the trainer's rank 0 alone: every rank calls this).
     """
     if not isinstance(cfg, DataConfig):  # a hydra DictConfig or a plain dict with the same keys
         cfg = DataConfig(**cfg)
@@ -204,7 +205,8 @@ def prepare(cfg: DataConfig) -> PreparedData:
     cache_dir = final.parent
     expected_tokenizer = fingerprint(requested) if requested else None
     if final.exists():
-        log.info("reusing prepared data %s", final)
+        if log_reuse:
+            log.info("reusing prepared data %s", final)
         return _same_eos(PreparedData.open(final, expected_tokenizer, cfg.verify_shards), requested, cfg, config_eos)
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
@@ -215,7 +217,8 @@ def prepare(cfg: DataConfig) -> PreparedData:
                         f"folder (or at the copy that already holds this data)") from e
     with _StopSignals() as stop, exclusive_lock(_lock_of(cache_dir, final.name), wait=True):
         if final.exists():
-            log.info("another run prepared %s while this one waited; reusing it", final)
+            if log_reuse:
+                log.info("another run prepared %s while this one waited; reusing it", final)
         else:
             _remove_dead_temp_folders(cache_dir, final.name)
             _build_atomically(cfg, source, requested, config_eos, inputs, final, stop)
