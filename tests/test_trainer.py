@@ -942,12 +942,12 @@ def test_changes_on_resume_are_announced_with_what_they_do(tiny, tmp_path):
     now = compose_config(tmp_path, *tiny, "trainer.max_steps=24", "trainer.grad_accum_steps=2", "trainer.resume=auto",
                          "trainer.progress_bar=false", "model.impl=coda")
     saved_config = OmegaConf.to_container(OmegaConf.structured(saved))
-    assert changes_since_checkpoint(saved_config, saved, 12) == []
-    lines = changes_since_checkpoint(saved_config, now, 12)
-    assert lines[0] == "settings changed since the checkpoint apply from step 13 on: trainer.max_steps 12 -> 24, " \
+    assert changes_since_checkpoint(saved_config, saved, 6) == []
+    lines = changes_since_checkpoint(saved_config, now, 6)
+    assert lines[0] == "settings changed since the checkpoint apply from step 7 on: trainer.max_steps 12 -> 24, " \
                        "trainer.grad_accum_steps 1 -> 2, model.impl eager -> coda"
-    lr = [now.optim.lr * lr_multiplier(12, now.optim, m) for m in (12, 24)]
-    assert lines[1] == (f"the cosine schedule now spans 24 steps, not 12: the learning rate at step 13 is {lr[1]:.3g} "
+    lr = [now.optim.lr * lr_multiplier(6, now.optim, m) for m in (12, 24)]
+    assert lines[1] == (f"the cosine schedule now spans 24 steps, not 12: the learning rate at step 7 is {lr[1]:.3g} "
                         f"where the saved run's would be {lr[0]:.3g}; keep trainer.max_steps=12 to continue its schedule")
     assert len(lines) == 2  # the new global batch is the loader's to say (tests/test_data.py)
     # resumed inside warmup with a shorter run: the lr is the saved run's to the end of warmup, then not
@@ -958,6 +958,25 @@ def test_changes_on_resume_are_announced_with_what_they_do(tiny, tmp_path):
     assert lines[1] == (f"the cosine schedule now spans 22 steps, not 40: the learning rate follows the saved run's until "
                         f"step 20, and at step 21 it is {lr[1]:.3g} where the saved run's would be {lr[0]:.3g}; keep "
                         "trainer.max_steps=40 to continue its schedule")
+
+
+def test_extending_a_finished_run_names_the_settings_that_train_on_at_its_last_rate(tiny, tmp_path):
+    """A run that finished its schedule, continued to a longer max_steps: keeping its max_steps would take no step, so
+    the line names the settings that go on at the rate its last step applied (cosine and WSD: the floor), and a run
+    resumed with them is not told that its lr parts."""
+    from coda_train.trainer.loop import changes_since_checkpoint
+
+    for schedule in ("cosine", "wsd"):
+        saved = compose_config(tmp_path, *tiny, "trainer.max_steps=12", f"optim.schedule={schedule}")
+        saved_config = OmegaConf.to_container(OmegaConf.structured(saved))
+        longer = compose_config(tmp_path, *tiny, "trainer.max_steps=24", f"optim.schedule={schedule}")
+        lines = changes_since_checkpoint(saved_config, longer, 12)
+        assert "keep trainer.max_steps=12" not in lines[1]
+        assert lines[1].endswith("where the saved run ended its schedule at step 12, its last step applying 0.0003; to "
+                                 "train on at that rate, set optim.schedule=constant optim.warmup_steps=0 optim.lr=0.0003")
+        at_floor = compose_config(tmp_path, *tiny, "trainer.max_steps=24", "optim.schedule=constant",
+                                  "optim.warmup_steps=0", "optim.lr=0.0003")
+        assert len(changes_since_checkpoint(saved_config, at_floor, 12)) == 1  # the settings, no parting
 
 
 def test_a_changed_schedule_on_resume_is_compared_with_the_saved_run_s_own(tiny, tmp_path):

@@ -7,6 +7,7 @@ import dataclasses
 import errno
 import functools
 import logging
+import math
 import os
 import signal
 import time
@@ -144,18 +145,26 @@ def changes_since_checkpoint(saved: dict[str, Any], cfg: Config, step: int) -> l
         new_max = cfg.trainer.max_steps
         old_max = saved.get("trainer", {}).get("max_steps", new_max)
         saved_optim = OptimConfig(**{k: saved.get("optim", {}).get(k, getattr(cfg.optim, k)) for k in _SCHEDULE_OPTIM})
-        lrs = ((s, saved_optim.lr * lr_multiplier(s, saved_optim, old_max), cfg.optim.lr * lr_multiplier(s, cfg.optim, new_max))
-               for s in range(step, new_max))
-        parted = next(((s, old_lr, new_lr) for s, old_lr, new_lr in lrs if old_lr != new_lr), None)
+        # past the saved run's end (a finished run extended), the rate its last step applied
+        lrs = ((s, saved_optim.lr * lr_multiplier(min(s, old_max - 1), saved_optim, old_max),
+                cfg.optim.lr * lr_multiplier(s, cfg.optim, new_max)) for s in range(step, new_max))
+        # to rounding: a rate given as printed below (0.0003 for 3e-3 x 0.1) is the saved one
+        parted = next(((s, old_lr, new_lr) for s, old_lr, new_lr in lrs if not math.isclose(old_lr, new_lr, rel_tol=1e-9)),
+                      None)
         if parted is not None:
             s, old_lr, new_lr = parted
             spans = (f"the {cfg.optim.schedule} schedule now spans {new_max} steps, not {old_max}: "
                      if "trainer.max_steps" in changed else "")
             where = (f"the learning rate at step {s + 1} is" if s == step else
                      f"the learning rate follows the saved run's until step {s}, and at step {s + 1} it is")
-            keep = " ".join(f"{k}={changed[k][0]}" for k in shaping)
-            lines.append(f"{spans}{where} {new_lr:.3g} where the saved run's would be {old_lr:.3g}; keep {keep} "
-                         "to continue its schedule")
+            if step >= old_max:  # keeping the saved max_steps would take no step: name the settings that go on as it ended
+                lines.append(f"{spans}{where} {new_lr:.3g} where the saved run ended its schedule at step {old_max}, its "
+                             f"last step applying {old_lr:.3g}; to train on at that rate, set optim.schedule=constant "
+                             f"optim.warmup_steps=0 optim.lr={old_lr:.12g}")
+            else:
+                keep = " ".join(f"{k}={changed[k][0]}" for k in shaping)
+                lines.append(f"{spans}{where} {new_lr:.3g} where the saved run's would be {old_lr:.3g}; keep {keep} "
+                             "to continue its schedule")
     return lines
 
 
