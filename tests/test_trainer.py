@@ -878,6 +878,18 @@ def test_resume_with_another_vocabulary_names_the_tokenizer_not_the_model_settin
         check_same_model(checkpoint, dataclasses.replace(llama, vocab_size=512, dim=32))
 
 
+def test_resume_with_another_model_vocab_setting_names_that_setting_not_the_tokenizer(tiny, straight_run, tmp_path):
+    """model.vocab_multiple_of or model.vocab_size changed since the checkpoint, the tokenizer as it was: the message
+    names that setting's saved value, not the tokenizer the run already has."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight_run, run_dir)
+    for change, fix in (("model.vocab_multiple_of=64", "model.vocab_multiple_of=128"),
+                        ("model.vocab_size=512", "model.vocab_size=null")):
+        with pytest.raises(CheckpointError, match=rf"Run with {fix} \(as the checkpoint's run set it\) to continue it") as raised:
+            train_in_process(run_dir, *tiny, f"trainer.max_steps={N + 2}", change)
+        assert "its tokenizer" not in str(raised.value)
+
+
 def test_resume_of_another_shape_names_the_model_init_from_the_checkpoint_started_from(straight_run):
     """A run begun from a Hugging Face directory, resumed without model.init_from (or the other way round): the shape
     came from that directory (or the preset), so the message names model.init_from, not data.vocab_size."""

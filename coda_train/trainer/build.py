@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -252,7 +252,12 @@ def check_resume_before_data(cfg: Config, checkpoint: Checkpoint, world_size: in
     # a vocabulary that follows the tokenizer is checked with the data (the tokenizer is read there); any other field now
     vocab = checkpoint.meta["model"].get("vocab_size", 1) if cfg.model.vocab_size is None else 1
     check_same_model(checkpoint, resolve_model_config(cfg.model, vocab, cfg.trainer.seq_len, init_from_shape),
-                     recorded_init_from(cfg))
+                     recorded_init_from(cfg), vocab_settings(cfg))
+
+
+def vocab_settings(cfg: Config) -> dict[str, Any]:
+    """This run's model.* settings that decide its vocabulary, for check_same_model's message."""
+    return {"vocab_size": cfg.model.vocab_size, "vocab_multiple_of": cfg.model.vocab_multiple_of}
 
 
 def _shape_errors(cfg: Config, llama: LlamaConfig, backend: str) -> list[str]:

@@ -551,9 +551,11 @@ def recorded_prepared_folder(meta: dict[str, Any]) -> Optional[Path]:
     return Path(folder) if folder is not None and (Path(folder) / MANIFEST).is_file() else None
 
 
-def check_same_model(checkpoint: Checkpoint, model: LlamaConfig, init_from: Optional[str] = None) -> None:
+def check_same_model(checkpoint: Checkpoint, model: LlamaConfig, init_from: Optional[str] = None,
+                     vocab_settings: Optional[dict[str, Any]] = None) -> None:
     """The checkpoint's model (its meta's "model" fields) is `model`, up to RESUME_MAY_CHANGE; init_from: this run's
-    model.init_from as its config records it (absolute), None where it sets none."""
+    model.init_from as its config records it (absolute), None where it sets none; vocab_settings: this run's
+    model.vocab_size and model.vocab_multiple_of, which a message about another vocabulary names where they changed."""
     saved = checkpoint.meta["model"]
     diffs = {k: (saved.get(k), v) for k, v in dataclasses.asdict(model).items()
              if k not in RESUME_MAY_CHANGE and saved.get(k) != v}
@@ -565,6 +567,8 @@ def check_same_model(checkpoint: Checkpoint, model: LlamaConfig, init_from: Opti
             settings = [f"model.init_from={started} (the checkpoint's run started from it, and took its shape and "
                         "tokenizer)" if started else "no model.init_from (the checkpoint's run started from the "
                         "preset's random weights)"]
+        elif "vocab_size" in diffs and (moved := _changed_vocab_settings(checkpoint, vocab_settings or {})):
+            settings.append(f"{' '.join(moved)} (as the checkpoint's run set it)")
         elif "vocab_size" in diffs:  # most often no model.* setting changed, but the tokenizer did
             data = checkpoint.meta.get("config", {}).get("data", {})
             saved = ", ".join(f"data.{k}={data[k]}" for k in ("vocab_size", "tokenizer") if data.get(k) is not None)
@@ -573,6 +577,14 @@ def check_same_model(checkpoint: Checkpoint, model: LlamaConfig, init_from: Opti
         raise CheckpointError(f"checkpoint {checkpoint.path} holds a different model shape ({detail}). Run with "
                               f"{' and '.join(settings)} to continue it, or choose a new trainer.run_dir "
                               "(or trainer.resume=never in an empty dir) to start fresh; nothing was deleted")
+
+
+def _changed_vocab_settings(checkpoint: Checkpoint, vocab_settings: dict[str, Any]) -> list[str]:
+    """The model.* settings that decide the vocabulary (vocab_settings: this run's) whose value the checkpoint's config
+    records otherwise, as overrides that restore it (null for None, as hydra reads it)."""
+    saved = ((checkpoint.meta.get("config") or {}).get("model") or {})
+    return [f"model.{k}={'null' if saved[k] is None else saved[k]}" for k, v in vocab_settings.items()
+            if k in saved and saved[k] != v]
 
 
 def check_ckpt_async(ckpt_async: bool, parallel: str) -> None:

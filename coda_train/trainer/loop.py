@@ -29,7 +29,7 @@ from coda_train.model.liger import require_liger
 from .build import (build_loader, build_train_state, check_compute, check_missing_tokenizer_is_the_runs,
                     check_model_before_data, check_resume_before_data, check_state_fits, checkpoint_data, data_config,
                     init_from_missing, init_from_shape, recorded_init_from, report_untuned_gemms, resolve_model,
-                    resumed_runs_prepared_data, tokenizer_missing, tune_untuned_gemms)
+                    resumed_runs_prepared_data, tokenizer_missing, tune_untuned_gemms, vocab_settings)
 from .checkpoint import (CHECKPOINTS_DIR, CheckpointError, Checkpointer, check_ckpt_async, check_same_model,
                          find_resume_checkpoint, list_checkpoints, restore, resumes, resumes_newest_good, set_aside_newer)
 from .device import pick_compute_dtype, pick_device
@@ -325,7 +325,7 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
     val_loader = build_loader(data, "val", t, world) if t.eval_every else None
     llama = resolve_model(cfg, data.vocab_size, backend, shape)
     if resume_from is not None:
-        check_same_model(resume_from, llama, recorded_init_from(cfg))
+        check_same_model(resume_from, llama, recorded_init_from(cfg), vocab_settings(cfg))
     if cfg.model.impl == "coda" and backend == "cute" and cfg.kernels.tune == "once":  # before the model takes GPU memory
         tune_untuned_gemms(llama, t, gpu_key(torch.cuda.get_device_name(device)), world)
 
