@@ -2,6 +2,7 @@
 hand-written backwards against autograd of their forward formulas."""
 
 
+import random
 import subprocess
 import sys
 import weakref
@@ -110,6 +111,57 @@ def test_lm_head_in_chunks_matches_eager_float64(chunk_rows, monkeypatch):
     for n in grads_e:
         assert rel(grads_c[n], grads_e[n]) < 1e-10, n
 
+
+
+def random_legal_config(rng: random.Random) -> LlamaConfig:
+    """Any shape LlamaConfig.validate accepts, small: head_dim from 2, MHA to MQA, odd FFN widths, vocabularies
+    of 1 row to past two 128-column stat groups (ragged), and extreme but legal eps, theta and init std."""
+    n_heads = rng.choice([1, 2, 3, 4, 6])
+    return LlamaConfig(dim=n_heads * rng.choice([2, 4, 6, 10, 16]), n_layers=rng.choice([1, 2, 3]), n_heads=n_heads,
+                       n_kv_heads=rng.choice([g for g in range(1, n_heads + 1) if n_heads % g == 0]),
+                       ffn_dim=rng.choice([1, 7, 33, 64]), vocab_size=rng.choice([1, 2, 17, 128, 129, 257, 300]),
+                       rope_theta=rng.choice([0.01, 10.0, 5e5, 1e9]), norm_eps=rng.choice([1e-12, 1e-5, 1.0, 10.0]),
+                       max_seq_len=16, tie_embeddings=rng.random() < 0.5,
+                       init_std=rng.choice([0.02, 0.2, 1.0])).validate()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_legal_configs_match_eager_float64(seed, monkeypatch):
+    """Random legal shapes, not only the presets: sequences of 1 to 16 tokens, batch 1 to 3, the LM head in ragged
+    chunks or one, recompute=block or not, 1 to 3 accumulated micro-batches (loss / n each): the summed loss and every
+    accumulated gradient equal eager's in float64, and so do the evaluation loss and the logits."""
+    rng = random.Random(seed)
+    cfg = random_legal_config(rng)
+    batch, seq, n_micro = rng.choice([1, 2, 3]), rng.choice([1, 2, 5, 7, 16]), rng.choice([1, 2, 3])
+    chunk_rows = rng.choice([1, 3, 5, None])
+    if chunk_rows is not None:
+        monkeypatch.setattr(coda_module, "LOGITS_CHUNK_BYTES", chunk_rows * cfg.vocab_size * 8)
+    torch.manual_seed(seed)
+    eager = build_model(cfg, "eager", compute_dtype=torch.float64).double()
+    coda = build_model(cfg, "coda", compute_dtype=torch.float64, recompute=rng.choice(["none", "block"])).double()
+    with torch.no_grad():
+        for p in eager.parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    coda.load_state_dict(eager.state_dict())
+    g = torch.Generator().manual_seed(seed)
+    micro = [tuple(torch.randint(0, cfg.vocab_size, (batch, seq), generator=g) for _ in range(2)) for _ in range(n_micro)]
+    results = {}
+    for name, model in (("eager", eager), ("coda", coda)):
+        losses = []
+        for tokens, targets in micro:
+            loss = model(tokens, targets)
+            (loss / n_micro).backward()
+            losses.append(loss.detach())
+        with torch.no_grad():
+            evaluated, logits = model(*micro[0]), model.logits(micro[0][0])
+        results[name] = torch.stack(losses), evaluated, logits, {n: p.grad for n, p in model.named_parameters()}
+    (loss_e, eval_e, logits_e, grads_e), (loss_c, eval_c, logits_c, grads_c) = results["eager"], results["coda"]
+    assert (loss_c - loss_e).abs().max() < 1e-12 * max(1.0, loss_e.abs().max().item())  # vocab 1: loss 0
+    assert abs(eval_c - eval_e) < 1e-12 * max(1.0, eval_e.abs().item())
+    assert rel(logits_c, logits_e) < 1e-12
+    for n in grads_e:
+        assert (grads_c[n] - grads_e[n]).norm() <= 1e-10 * grads_e[n].norm() + 1e-14, (cfg, n)
 
 def test_logits_chunk_rows_follow_the_memory_budget():
     # llama3_1b in bf16: 4096 rows of 128256 logits is 0.98 GiB, a multiple of the 128-row tile
