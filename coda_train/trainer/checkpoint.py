@@ -471,10 +471,8 @@ def find_resume_checkpoint(resume: str, run_dir: Path, world: World = World()) -
             found = _find_resume_checkpoint(resume, run_dir)
         except (CheckpointError, OSError) as e:  # raised on every rank: the others would wait for rank 0
             error = e
-    found, error = from_main((found, error), world)
-    if error is not None:
-        raise error
-    return found
+    raise_from_main(error, world)
+    return from_main(found, world)
 
 
 def _find_resume_checkpoint(resume: str, run_dir: Path) -> Optional[Checkpoint]:
