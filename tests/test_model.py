@@ -716,3 +716,16 @@ def test_the_trainers_adamw_vouches_for_every_update():
     assert not coda.weight_updates_tracked
     build_optimizer(coda, OptimConfig(), torch.device("cpu"))
     assert coda.weight_updates_tracked
+
+
+@pytest.mark.parametrize("impl", ["eager", "coda"])
+def test_a_batch_of_other_id_dtypes_or_no_tokens_is_refused_with_the_fix(impl):
+    """uint8 ids indexed the CODA model's embedding as a boolean mask (an IndexError deep inside), int32 targets passed
+    CODA but not eager's cross-entropy, and an empty batch crashed in a reshape: each is one message now."""
+    model = build_model(preset("tiny"), impl)
+    ids = torch.randint(0, 10, (2, 8))
+    for tokens, targets, words in ((ids.to(torch.uint8), ids, "convert them with .long()"),
+                                   (ids, ids.int(), "convert them with .long()"),
+                                   (ids[:, :0], ids[:, :0], "not empty")):
+        with pytest.raises(ValueError, match=words):
+            model(tokens, targets)

@@ -161,6 +161,10 @@ class LlamaWeights(nn.Module):
         return table.repeat(rows // seq_len, 1)
 
     def _check_batch(self, tokens: Tensor, targets: Tensor) -> None:
-        if tokens.dim() != 2 or tokens.shape != targets.shape:
-            raise ValueError(f"tokens and targets must both be (batch, seq_len); got {tuple(tokens.shape)} "
+        if tokens.dim() != 2 or tokens.shape != targets.shape or tokens.numel() == 0:
+            raise ValueError(f"tokens and targets must both be (batch, seq_len), not empty; got {tuple(tokens.shape)} "
                              f"and {tuple(targets.shape)}")
+        # uint8 or bool ids would index as a mask, not as rows; cross-entropy takes int64 targets only
+        if tokens.dtype != torch.int64 or targets.dtype != torch.int64:
+            raise ValueError(f"tokens and targets must be int64 ids; got {tokens.dtype} and {targets.dtype}: "
+                             "convert them with .long()")
