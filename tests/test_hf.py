@@ -980,6 +980,10 @@ def test_generate_checks_its_arguments_when_called(trained_run):
             generate(model, [0], 4, **kwargs)
     with pytest.raises(ValueError, match="exceeds the model's max_seq_len=256"):
         generate(model, [0, 1], 255)
+    # a CODA model has the same weights but no KV cache: it used to fail in its logits() with a TypeError on a keyword
+    coda = build_model(model.cfg, "coda")
+    with pytest.raises(TypeError, match=r"EagerLlama\(model.cfg\).load_state_dict\(model.state_dict\(\)\)"):
+        generate(coda, [0], 4)
 
 
 def test_a_missing_tokenizer_names_the_setting_that_gave_it(trained_run, exported, tiny, tmp_path):

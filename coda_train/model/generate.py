@@ -50,6 +50,9 @@ def generate(model: EagerLlama, prompt: list[int], max_new_tokens: int, *, tempe
     past vocab_limit (embedding rows beyond the tokenizer) are never chosen; stop_token ends the
     sequence after it is yielded. The arguments are checked here, when called (ValueError), not at the
     first token: a caller can refuse them before printing anything."""
+    if not isinstance(model, EagerLlama):  # the KV cache is the eager model's; the weights are the same
+        raise TypeError(f"generate samples from an EagerLlama (it keeps the KV cache), not a {type(model).__name__}: "
+                        "load the same weights into one, EagerLlama(model.cfg).load_state_dict(model.state_dict())")
     if not prompt:
         raise ValueError("the prompt is empty; start it with at least one token (e.g. the EOS that separates documents)")
     check_sampling(max_new_tokens, temperature, top_k, top_p)
