@@ -238,3 +238,13 @@ def test_weight_decay_skips_norms_and_the_embedding():
         "layers.0.w_down", "layers.0.w_gate_up", "layers.0.w_o", "layers.0.w_qkv"]
     assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
     assert "tok_emb" in {names[id(p)] for p in plain["params"]}
+
+
+def test_a_data_revision_is_a_hub_datasets_and_refused_for_the_builtin_corpus_at_start():
+    from coda_train.data import DataError
+
+    with pytest.raises(DataError, match=re.escape("data.revision='abc123' pins a Hugging Face hub dataset, but "
+                                                  "data.source='builtin' is the embedded corpus")):
+        check_config(load("data.revision=abc123"))
+    assert load().data.revision is None  # unpinned by default, as before
+    check_config(load("data.source=org/corpus", "data.revision=abc123"))

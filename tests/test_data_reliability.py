@@ -8,6 +8,7 @@ import logging
 import lzma
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -1025,3 +1026,78 @@ def test_parquet_memory_is_bounded_by_a_few_rows_not_the_row_group(tmp_path):
         read.append(row["text"])
     assert read == docs
     assert peak < 5_000_000, f"{peak:,} bytes of Arrow memory while reading an 8 MB row group"
+
+
+# --- hub revisions ----------------------------------------------------------------------------------------------------
+
+
+def fake_hub(monkeypatch, docs_by_revision: dict) -> list[dict]:
+    """datasets.load_dataset as the hub would answer it, offline: each revision's documents; the calls' arguments."""
+    calls = []
+
+    def load_dataset(name, **kwargs):
+        calls.append({"name": name, **kwargs})
+        return [{"text": d} for d in docs_by_revision[kwargs.get("revision")]]
+
+    monkeypatch.setattr("datasets.load_dataset", load_dataset)
+    return calls
+
+
+def test_a_hub_revision_is_read_and_prepares_its_own_folder_which_records_it(tmp_path, monkeypatch):
+    """A hub dataset was identified by its name alone: after the dataset got a new revision, a later run reused the
+    old prepared data without a word; data.revision is passed to load_dataset, names its own folder and is recorded."""
+    monkeypatch.chdir(tmp_path)
+    calls = fake_hub(monkeypatch, {None: make_docs(20), "abc123": make_docs(30, seed=1), "def456": make_docs(25, seed=2)})
+    unpinned = prepare(config("org/corpus", tmp_path / "cache"))
+    pinned = prepare(config("org/corpus", tmp_path / "cache", revision="abc123"))
+    other = prepare(config("org/corpus", tmp_path / "cache", revision="def456"))
+    assert [c["revision"] for c in calls] == [None, None, "abc123", "abc123", "def456", "def456"]  # BPE, tokenizing
+    assert len({unpinned.path, pinned.path, other.path}) == 3
+    assert [d.manifest["num_documents"] for d in (unpinned, pinned, other)] == [20, 30, 25]
+    assert pinned.manifest["inputs"]["source"] == {"hub": "org/corpus", "revision": "abc123"}
+    assert pinned.manifest["source"] == "org/corpus at revision abc123"
+    assert pinned.manifest["prepared_with"]["revision"] == "abc123"
+    assert unpinned.manifest["inputs"]["source"] == {"hub": "org/corpus"}  # folders prepared unpinned keep their names
+    assert prepare(config("org/corpus", tmp_path / "cache", revision="abc123")).path == pinned.path
+    assert len(calls) == 6  # reused, not read again
+
+
+def test_an_unpinned_hub_dataset_is_said_once_with_the_fix(tmp_path, monkeypatch, caplog):
+    monkeypatch.chdir(tmp_path)
+    fake_hub(monkeypatch, {None: make_docs(20), "abc123": make_docs(20)})
+    with caplog.at_level(logging.INFO):
+        prepare(config("org/corpus", tmp_path / "cache"))
+        prepare(config("org/corpus", tmp_path / "cache"), log_notes=False)  # a trainer's other ranks
+    notes = [r.message for r in caplog.records if "not pinned" in r.message]
+    assert notes == ["hub dataset 'org/corpus' is not pinned (data.revision unset): it is prepared from whatever revision "
+                     "the hub serves at the time, and a folder prepared so is reused after the dataset changes; set "
+                     "data.revision=<commit sha> to pin it (a branch or tag can move)"]
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        prepare(config("org/corpus", tmp_path / "cache", revision="abc123"))
+        prepare(config(make_jsonl(tmp_path), tmp_path / "cache"))
+    assert "not pinned" not in caplog.text
+
+
+def make_jsonl(tmp_path: Path) -> Path:
+    return write_jsonl(tmp_path / "corpus.jsonl", [{"text": d} for d in make_docs(20)])
+
+
+@pytest.mark.parametrize("kind", ["file", "folder read through datasets", "builtin", "missing path"])
+def test_a_revision_for_a_local_source_is_refused_before_any_work(tmp_path, monkeypatch, kind):
+    """load_dataset ignores a revision for a local folder, and the other local sources never read one: it would pin
+    nothing, silently."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("datasets.load_dataset", lambda *a, **k: pytest.fail("the hub must not be tried"))
+    source, fmt, what = {"file": (str(make_jsonl(tmp_path)), "auto", "a local file, folder or glob"),
+                         "folder read through datasets": (str(tmp_path), "hub", "a local file, folder or glob"),
+                         "builtin": ("builtin", "auto", "the embedded corpus"),
+                         "missing path": ("./corpus/*.jsonl", "auto", "a local file, folder or glob")}[kind]
+    cfg = config(source, tmp_path / "cache", format=fmt, revision="abc123")
+    with pytest.raises(DataError, match=re.escape(f"data.revision='abc123' pins a Hugging Face hub dataset, but "
+                                                  f"data.source={source!r} is {what}, which is identified by its files: "
+                                                  "remove data.revision (or set data.source to the hub dataset's name)")):
+        prepare(cfg)
+    assert not (tmp_path / "cache").exists()
+    with pytest.raises(DataError, match=r"data.revision='' is empty"):
+        config("org/corpus", tmp_path / "cache", revision="").validate()

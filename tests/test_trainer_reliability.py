@@ -559,6 +559,27 @@ def test_a_resume_with_another_corpus_setting_says_which_not_that_the_files_chan
     assert "its files changed" not in caplog.text
 
 
+def test_a_resume_with_another_hub_revision_continues_on_the_data_it_prepared(tiny, tmp_path, monkeypatch, caplog):
+    """data.revision is part of a hub dataset's identity: resumed with another one (or pinned after an unpinned start),
+    the run continues on the folder it prepared with a warning naming data.revision, as for another data.source."""
+    corpus = next(a for a in tiny if a.startswith("data.source=")).split("=", 1)[1]
+    docs = [json.loads(line)["text"] for line in Path(corpus).read_text().splitlines()]
+    monkeypatch.setattr("datasets.load_dataset", lambda name, split, streaming, revision: [{"text": d} for d in docs])
+    monkeypatch.chdir(tmp_path)  # "org" is no local folder here
+    run = (*tiny, "data.source=org/corpus", f"data.cache_dir={tmp_path / 'cache'}", "trainer.eval_every=0")
+    train_in_process(tmp_path / "run", *run, "trainer.max_steps=2")
+    monkeypatch.setattr("coda_train.trainer.loop.prepare", lambda *a, **k: pytest.fail("the data was prepared again"))
+    train_in_process(tmp_path / "run", *run, "trainer.max_steps=3", "data.revision=abc123")
+    assert ("this run's data settings differ from the checkpoint's (data.revision: checkpoint None vs this run "
+            "'abc123'); this resumed run continues on the data it prepared") in caplog.text
+    caplog.clear()
+    train_in_process(tmp_path / "run", *run, "trainer.max_steps=4", "data.revision=def456")
+    assert ("this run's data settings differ from the checkpoint's (data.revision: checkpoint 'abc123' vs this run "
+            "'def456'); this resumed run continues on the data it prepared") in caplog.text
+    assert [m["step"] for m in metrics(tmp_path / "run")] == [1, 2, 3, 4]
+    assert len(list((tmp_path / "cache").iterdir())) == 1  # the one folder the run prepared
+
+
 def test_a_resume_whose_data_tokenizer_is_gone_continues_on_the_data_it_prepared(tiny, tmp_path, monkeypatch, caplog):
     """data.tokenizer deleted after the run began: the resumed run continues on the folder it prepared, which holds a
     copy of it (as a resume whose corpus or model.init_from is gone does). With that folder gone too it stops before

@@ -20,6 +20,8 @@ class DataConfig:
     format: str = "auto"  # auto|text|json|parquet|arrow|hub
     text_field: str = "text"  # column holding the document text (json/parquet/arrow/hub)
     split: str = "train"  # hub split, or the split of a DatasetDict folder saved by save_to_disk
+    # hub only: the dataset's commit sha (a branch or tag name can move to other data); None -> what the hub serves now
+    revision: Optional[str] = None
     streaming: bool = False  # hub only; local files are always streamed
     tokenizer: Optional[str] = None  # tokenizer.json or HF tokenizer dir; None -> train byte-level BPE
     eos_token: Optional[str] = None  # None -> the tokenizer's own EOS (tokenizer_config.json, special_tokens_map.json or a known name)
@@ -84,3 +86,17 @@ class DataConfig:
             raise DataError(f"data.verify_shards={self.verify_shards!r} is not one of {VERIFY_SHARDS}")
         if self.tokens_per_shard < 1:
             raise DataError(f"data.tokens_per_shard={self.tokens_per_shard} must be >= 1")
+        if self.revision is not None:
+            self._check_revision()
+
+    def _check_revision(self) -> None:
+        from .sources import names_hub_dataset  # sources imports this module
+
+        if not self.revision.strip():
+            raise DataError(f"data.revision={self.revision!r} is empty: set a commit sha of the hub dataset, or leave "
+                            "data.revision unset (null)")
+        if not names_hub_dataset(self):  # load_dataset ignores a revision for a local folder: it would pin nothing
+            what = "the embedded corpus" if self.source == "builtin" else "a local file, folder or glob"
+            raise DataError(f"data.revision={self.revision!r} pins a Hugging Face hub dataset, but data.source="
+                            f"{self.source!r} is {what}, which is identified by its files: remove data.revision (or "
+                            "set data.source to the hub dataset's name)")

@@ -29,7 +29,7 @@ from ..durable import LockHeldError, exclusive_lock, fsync_dir, sha256_file, wri
 from .config import DataConfig, DataError
 from .progress import Progress
 from .sources import (DECOMPRESSORS, DocumentCounts, Source, check_text_columns, iter_document_parts,
-                      json_read_as_text, resolve_source)
+                      json_read_as_text, names_hub_dataset, resolve_source)
 from .tokenizer import (cuts_at_newlines, encode_documents, find_eos, fingerprint, for_documents, load_tokenizer, num_ids,
                         token_dtype, train_bpe)
 
@@ -191,21 +191,26 @@ def _write_verified(folder: Path, verified: dict) -> None:
                     "data.verify_shards=never to skip that", folder, e)
 
 
-def prepare(cfg: DataConfig, log_reuse: bool = True) -> PreparedData:
+def prepare(cfg: DataConfig, log_notes: bool = True) -> PreparedData:
     """Prepare cfg's data under cfg.cache_dir, or reuse the folder prepared from the same inputs.
 
     Runs preparing the same inputs take turns on a lock file, so a second one waits and reuses the first one's folder.
     SIGTERM/SIGINT raise PreparationInterrupted after the worker pool and the temp folder are cleaned up.
-    log_reuse: say which folder is reused (the trainer's rank 0 alone: every rank calls this).
+    log_notes: say which folder is reused, and that a hub dataset is not pinned (the trainer's rank 0 alone: every rank
+    calls this).
     """
     if not isinstance(cfg, DataConfig):  # a hydra DictConfig or a plain dict with the same keys
         cfg = DataConfig(**cfg)
     source, inputs, final = _prepared_at(cfg)
+    if log_notes and cfg.revision is None and names_hub_dataset(cfg):
+        log.info("hub dataset %r is not pinned (data.revision unset): it is prepared from whatever revision the hub "
+                 "serves at the time, and a folder prepared so is reused after the dataset changes; set "
+                 "data.revision=<commit sha> to pin it (a branch or tag can move)", cfg.source)
     requested, config_eos = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else (None, None)
     cache_dir = final.parent
     expected_tokenizer = fingerprint(requested) if requested else None
     if final.exists():
-        if log_reuse:
+        if log_notes:
             log.info("reusing prepared data %s", final)
         return _same_eos(PreparedData.open(final, expected_tokenizer, cfg.verify_shards), requested, cfg, config_eos)
     try:
@@ -217,7 +222,7 @@ def prepare(cfg: DataConfig, log_reuse: bool = True) -> PreparedData:
                         f"folder (or at the copy that already holds this data)") from e
     with _StopSignals() as stop, exclusive_lock(_lock_of(cache_dir, final.name), wait=True):
         if final.exists():
-            if log_reuse:
+            if log_notes:
                 log.info("another run prepared %s while this one waited; reusing it", final)
         else:
             _remove_dead_temp_folders(cache_dir, final.name)
@@ -443,7 +448,8 @@ def _build(
     manifest = {
         "format_version": FORMAT_VERSION,
         "inputs": inputs,
-        "source": f"builtin: {len(source.files)} Python stdlib files" if cfg.source == "builtin" else cfg.source,
+        "source": (f"builtin: {len(source.files)} Python stdlib files" if cfg.source == "builtin" else
+                   cfg.source + (f" at revision {cfg.revision}" if cfg.revision is not None else "")),
         "tokenizer": {
             "file": TOKENIZER_FILE,
             "fingerprint": fingerprint(tokenizer),

@@ -62,13 +62,17 @@ class Source:
     format: str  # text|json|parquet|hub
     files: tuple[str, ...] = ()  # absolute local paths, sorted; empty for hub
     hub_name: str = ""
+    revision: Optional[str] = None  # data.revision of a hub dataset
 
     def identity(self) -> dict:
-        """What decides the documents: file paths with size and mtime (a stat is cheap, hashing a corpus is not), or the name."""
+        """What decides the documents: file paths with size and mtime (a stat is cheap, hashing a corpus is not), or the
+        name and data.revision."""
         if self.format == "hub":
             # a local dataset folder (data.format=hub reads it through datasets): an edit in place keeps its name
             local = _expand_files(self.hub_name) if os.path.isdir(os.path.expanduser(self.hub_name)) else []
-            return {"hub": self.hub_name} | ({"files": _file_stats(local)} if local else {})
+            # the revision only where set: folders prepared unpinned keep their names
+            return ({"hub": self.hub_name} | ({"revision": self.revision} if self.revision is not None else {})
+                    | ({"files": _file_stats(local)} if local else {}))
         return {"format": self.format, "files": _file_stats(self.files)}
 
 
@@ -99,6 +103,14 @@ def _looks_local(source: str) -> bool:
     if Path(source).suffix in LOCAL_SUFFIXES or source.count("/") > 1:
         return True
     return "/" in source and os.path.isdir(source.split("/")[0])  # "data/corpus" with a local data/ folder
+
+
+def names_hub_dataset(cfg: DataConfig) -> bool:
+    """Whether data.source is a dataset load_dataset fetches from the Hugging Face hub by name (or takes from its
+    cache), not a local file, folder or glob (data.format=hub reads a local folder through datasets too)."""
+    if cfg.source == "builtin" or os.path.exists(os.path.expanduser(cfg.source)):
+        return False
+    return cfg.format == "hub" or (cfg.format == "auto" and not _looks_local(cfg.source))
 
 
 def _expand_files(source: str) -> list[str]:
@@ -140,7 +152,7 @@ def resolve_source(cfg: DataConfig) -> Source:
     if cfg.format in ("auto", "hub", "arrow") and (saved := _saved_dataset_files(cfg)):  # load_dataset refuses these
         return Source(_slug(Path(cfg.source).expanduser().resolve().name), "arrow", tuple(saved))
     if cfg.format == "hub" or (cfg.format == "auto" and not _looks_local(cfg.source)):
-        return Source(_slug(cfg.source), "hub", hub_name=cfg.source)
+        return Source(_slug(cfg.source), "hub", hub_name=cfg.source, revision=cfg.revision)
     # data.cache_dir inside the source's folder: its prepared files are not corpus
     cache = Path(cfg.cache_dir).expanduser().resolve()
     files = [f for f in _expand_files(cfg.source) if cache not in Path(f).parents]
@@ -540,12 +552,15 @@ def _no_text_column(file: str, columns: list[str], cfg: DataConfig, more: str = 
 
 def _hub_rows(source: Source, cfg: DataConfig) -> Iterator[tuple[str, dict]]:
     try:
-        rows = iter(datasets.load_dataset(source.hub_name, split=cfg.split, streaming=cfg.streaming))
+        rows = iter(datasets.load_dataset(source.hub_name, split=cfg.split, streaming=cfg.streaming,
+                                          revision=source.revision))
     except Exception as e:  # datasets raises many types here; the user needs one message
+        revision = f", revision {source.revision!r}" if source.revision is not None else ""
         raise DataError(
-            f"could not load hub dataset {source.hub_name!r} (split {cfg.split!r}): {e}\n"
-            f"If it is a local path, it does not exist (cwd {os.getcwd()}); if it is a hub dataset, check the name and "
-            f"the network, or set HF_DATASETS_OFFLINE=1 to use a cached copy."
+            f"could not load hub dataset {source.hub_name!r} (split {cfg.split!r}{revision}): {e}\n"
+            f"If it is a local path, it does not exist (cwd {os.getcwd()}); if it is a hub dataset, check the name"
+            f"{' and data.revision' if revision else ''} and the network, or set HF_DATASETS_OFFLINE=1 to use a cached "
+            f"copy."
         ) from e
     number = 0
     while True:

@@ -133,11 +133,11 @@ def checkpoint_data(checkpoint: Checkpoint, cfg: Config) -> PreparedData:
         raise DataError(f"{lost}the checkpoint's prepared data ({checkpoint.meta.get('prepared_data') or 'not recorded'}) "
                         f"is gone, and without {gone} it cannot be prepared again. {fix}); nothing was prepared or changed")
     inputs = prepared.manifest.get("inputs") or {}
-    saved_source = (saved.get("data") or {}).get("source")
+    saved_data = {"revision": None, **(saved.get("data") or {})}  # runs before data.revision read the hub unpinned
     changed = [f"data.{k}: checkpoint {inputs[k]!r} vs this run {getattr(data, k)!r}" for k in _PREPARED_BY
                if k in inputs and inputs[k] is not None and inputs[k] != getattr(data, k)]
-    if saved_source not in _spellings(data.source):
-        changed.append(f"data.source: checkpoint {saved_source!r} vs this run {data.source!r}")
+    changed += [f"data.{k}: checkpoint {saved_data.get(k)!r} vs this run {getattr(data, k)!r}"
+                for k in ("source", "revision") if saved_data.get(k) not in _spellings(getattr(data, k))]
     if changed:
         raise DataError(f"{lost}this run's data settings differ from the checkpoint's ({', '.join(changed)}), and "
                         f"without {gone} the data cannot be prepared again. Resume with the checkpoint's data settings; "
@@ -147,12 +147,13 @@ def checkpoint_data(checkpoint: Checkpoint, cfg: Config) -> PreparedData:
 
 # the settings that choose the corpus and how it is read, which check_resume_before_data leaves to this check: one
 # changed since the checkpoint, not the corpus files, is then why the prepared folder differs
-_CORPUS_SETTINGS = ("source", "format", "text_field", "split", "tokenizer")
+_CORPUS_SETTINGS = ("source", "revision", "format", "text_field", "split", "tokenizer")
 
 
 def _changed_corpus_settings(checkpoint: Checkpoint, data: DataConfig) -> list[str]:
     """The _CORPUS_SETTINGS of data that differ from the checkpoint's (which records local paths absolute)."""
-    saved = (checkpoint.meta.get("config") or {}).get("data") or {}
+    # runs before data.revision read the hub unpinned
+    saved = {"revision": None, **((checkpoint.meta.get("config") or {}).get("data") or {})}
     changed = []
     for key in _CORPUS_SETTINGS:
         value = getattr(data, key)

@@ -319,7 +319,7 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
                         "with it, %s, which holds a copy of it", cfg.data.tokenizer, data.path)
     else:  # a resumed run whose corpus changed continues on the data it prepared
         prepared = resumed_runs_prepared_data(resume_from, data_config(cfg), world) if resume_from is not None else None
-        data = prepared or prepare(data_config(cfg), log_reuse=world.is_main)
+        data = prepared or prepare(data_config(cfg), log_notes=world.is_main)
     # both loaders before the model: a split too small for one batch stops the run before any GPU work
     train_loader = build_loader(data, "train", t, world)
     val_loader = build_loader(data, "val", t, world) if t.eval_every else None
