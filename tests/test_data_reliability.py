@@ -25,7 +25,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from coda_train.data import DataConfig, DataError, PreparedData, TokenLoader, prepare
 from coda_train.data import shards as shards_module
-from coda_train.data.sources import iter_documents, resolve_source
+from coda_train.data.sources import iter_document_parts, resolve_source
 from coda_train.data.tokenizer import EOS_TOKEN, MAX_PIECE_BYTES, NEWLINE_BETWEEN_TEXT, load_tokenizer, train_bpe
 from coda_train.durable import LockHeldError, exclusive_lock, lock_holder
 
@@ -665,10 +665,10 @@ def test_a_big_text_file_is_held_once_while_its_document_is_used(tmp_path):
 
     source = tmp_path / "big.txt"
     source.write_bytes(b"a line of text\r\n" * 250_000)  # 4 MB
-    docs = iter_documents(resolve_source(config(source, tmp_path / "cache")), config(source, tmp_path / "cache"))
+    docs = iter_document_parts(resolve_source(config(source, tmp_path / "cache")), config(source, tmp_path / "cache"))
     tracemalloc.start()
     try:
-        text = next(docs)
+        text, _ = next(docs)
         held = tracemalloc.get_traced_memory()[0]
     finally:
         tracemalloc.stop()

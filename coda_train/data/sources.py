@@ -401,7 +401,7 @@ def _json_rows(file: str, cfg: DataConfig, counts: DocumentCounts, warn: bool) -
         if is_array:
             data = f.read()
             counts.bytes_read += len(data)
-            # invalid UTF-8 as lone surrogates (strict stops here, naming the line): iter_documents then repairs or skips
+            # invalid UTF-8 as lone surrogates (strict stops here, naming the line): iter_document_parts then repairs or skips
             # each document holding some, per data.decode_errors, not the whole file's documents as one
             strict = cfg.decode_errors == "strict"
             text = _decode(data, file, 1, cfg, counts, warn) if strict else data.decode("utf-8", errors="surrogateescape")
@@ -592,14 +592,6 @@ def _rows(source: Source, cfg: DataConfig, counts: DocumentCounts, warn: bool,
                 yield from ((where, row, True) for where, row in READERS[source.format](file, cfg, counts, warn))
         except (OSError, EOFError, lzma.LZMAError) as e:  # removed or unreadable after listing, or a damaged archive
             raise DataError(f"could not read documents from {file}: {e}") from e
-
-
-def iter_documents(
-    source: Source, cfg: DataConfig, max_chars: Optional[int] = None, counts: Optional[DocumentCounts] = None
-) -> Iterator[str]:
-    """Non-empty document texts in a fixed order, each whole; see iter_document_parts."""
-    for text, _ in iter_document_parts(source, cfg, max_chars, counts):
-        yield text
 
 
 def iter_document_parts(
