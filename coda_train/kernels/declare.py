@@ -82,9 +82,9 @@ class Example:
         t = torch.randn(shape, generator=self.gen, device=self.device, dtype=stat_dtype(dtype))
         return (t * scale + shift).to(dtype)
 
-    def act(self, *shape: int, scale: float = 1.0) -> Tensor:
-        """Activations ~ N(0, scale^2)."""
-        return self._randn(shape, self.dtype, scale)
+    def act(self, *shape: int) -> Tensor:
+        """Activations ~ N(0, 1)."""
+        return self._randn(shape, self.dtype)
 
     def weight(self, n: int, k: int, scale: float = 1.0) -> Tensor:
         """An (out, in) weight ~ N(0, scale^2 / k): unit-variance outputs for unit-variance inputs."""

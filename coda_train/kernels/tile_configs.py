@@ -192,9 +192,9 @@ def _read_table_file(path, fix: str) -> dict:
     return data
 
 
-def load_table(path, fix: str = _ENV_FIX) -> dict[str, dict[Key, Optional[Cfg]]]:
+def load_table(path) -> dict[str, dict[Key, Optional[Cfg]]]:
     """{GPU: {shape_class: config}} from a table file ({"gpus": {GPU: [entry, ...]}})."""
-    data = _read_table_file(path, fix)
+    data = _read_table_file(path, _ENV_FIX)
     return {gpu: parse_entries(entries, f"{path}: gpus.{gpu}") for gpu, entries in data["gpus"].items()}
 
 

@@ -23,11 +23,11 @@ import time
 from typing import Optional
 
 
-def parse_dims(spec: str, rows: int = 300, seq_len: int = 100):
-    """Dims from 'dim=..,n_heads=..,n_kv_heads=..,ffn_dim=..,vocab_size=..' (rows, seq_len optional)."""
+def parse_dims(spec: str):
+    """Dims from 'dim=..,n_heads=..,n_kv_heads=..,ffn_dim=..,vocab_size=..' (rows, seq_len optional: 300, 100)."""
     from ..declare import Dims
 
-    fields = dict(rows=rows, seq_len=seq_len)
+    fields = dict(rows=300, seq_len=100)
     fields.update({k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))})
     return Dims(**fields)
 
