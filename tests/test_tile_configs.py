@@ -258,7 +258,7 @@ from coda_train.kernels import Example
 from coda_train.kernels.cute import _launch
 from coda_train.kernels.declare import n_stat_cols
 from coda_train.kernels.library import CUTE_IMPLS
-from coda_train.kernels.tile_configs import Cfg, forced
+from coda_train.kernels.tile_configs import CFG_DEFAULT, Cfg, forced
 from coda_train.model.config import PRESETS
 
 seen, epis = [], []
@@ -290,7 +290,7 @@ with _launch.compile_only():
     assert len(epis) == 1 and rot.shape == (1, dims.qkv_dim) and rot.dtype == torch.float32
     assert (rot[0, :dims.n_rope_cols] == 1).all() and (rot[0, dims.n_rope_cols:] == 0).all()
     h, r, w = torch.empty(64, 256, dtype=torch.bfloat16), torch.empty(64), torch.empty(128, 256, dtype=torch.bfloat16)
-for gpu, want in (("H200", Cfg(256, 128, 1, 2, False)), (None, _launch.CFG_DEFAULT), ("A100", _launch.CFG_DEFAULT)):
+for gpu, want in (("H200", Cfg(256, 128, 1, 2, False)), (None, CFG_DEFAULT), ("A100", CFG_DEFAULT)):
     seen.clear()
     with _launch.compile_only(gpu):
         C.gemm_rowscale.kernel(h, r, w)

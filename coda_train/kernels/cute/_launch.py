@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from ..declare import STRIP_COLS, n_stat_cols
-from ..tile_configs import CFG_DEFAULT, CFG_ROPE, Cfg, gpu_key, lookup  # noqa: F401  (Cfg, CFG_*: re-exported)
+from ..tile_configs import Cfg, gpu_key, lookup
 
 _compile_only = False
 _compile_gpu: Optional[str] = None  # the GPU whose table entries compile_only() compiles (None: defaults)
