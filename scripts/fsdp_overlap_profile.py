@@ -7,8 +7,9 @@ NCCL kernel time during which a compute kernel ran too.
 
 Random tokens, AdamW steps as in training (no clipping). Prints and writes <out>/fsdp_overlap.json:
 per kind of NCCL kernel (all-gather, reduce-scatter, other) its busy time and the part of it that
-overlapped compute kernels, plus the compute busy time and the GPU span per step. On CPU (gloo) it
-runs and reports no device kernels.
+overlapped compute kernels, plus the compute busy time and the GPU span per step. Without a CUDA GPU it
+stops at once (gloo on CPU runs no device kernels, so there is nothing to measure; tests/test_parallel.py checks
+the order of FSDP2's gathers and reductions on CPU).
 """
 
 from __future__ import annotations
@@ -106,6 +107,9 @@ def parse_args() -> argparse.Namespace:
     if int(os.environ.get("WORLD_SIZE", "1")) < 2:  # FSDP2 needs a process group of several processes
         ap.error("fsdp_overlap_profile.py profiles FSDP2 across processes; launch it with "
                  "torchrun --standalone --nproc_per_node=2 (or more), as its docstring shows")
+    if not torch.cuda.is_available():  # on CPU it ran the GPU-sized default for minutes to report zeros (or was OOM-killed)
+        ap.error("fsdp_overlap_profile.py measures NCCL kernels against compute kernels on CUDA GPUs, and no GPU is "
+                 "visible: run it on a multi-GPU machine (on CPU, tests/test_parallel.py checks FSDP2's overlap order)")
     return args
 
 

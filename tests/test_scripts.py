@@ -120,3 +120,19 @@ def test_readme_command_lines_parse(script, monkeypatch):
             unknown = ([s for s in args.shapes.split(",") if s and s not in module.SHAPES]
                        + [o for o in args.ops.split(",") if o and o not in known_ops])
         assert not unknown, f"README.md: `{command}` names {unknown}, which scripts/{script} does not know"
+
+
+def test_fsdp_overlap_profile_without_a_gpu_stops_with_one_line(tmp_path):
+    """docs/distributed.md's overlap command (llama3_1b, 4 layers, 2 x 4 x 2048) on a CPU machine ran for minutes and was
+    OOM-killed (a torchrun traceback), or on a smaller preset reported zeros: gloo runs no device kernels."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible")
+    proc = subprocess.run([sys.executable, "scripts/fsdp_overlap_profile.py", "--out", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": "2"})
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "GPU" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+    assert not any(tmp_path.iterdir())
