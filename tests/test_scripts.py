@@ -58,15 +58,22 @@ def test_fsdp_overlap_profile_without_torchrun_says_to_launch_it_with_torchrun(t
     assert "torchrun" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
 
 
-def _readme_commands(script: str) -> list[str]:
-    """Every `python scripts/<script> ...` command line in README.md (in code blocks and inline code spans, which
-    may wrap across lines), from the script's path on, without a trailing comment."""
+def _doc_spans(doc: str) -> list[str]:
+    """The code of a markdown file: each line of its code blocks (a line ending in a backslash joined to the next)
+    and each inline code span (which may wrap across lines)."""
     import re
 
-    text = (ROOT / "README.md").read_text()
-    spans = [line for block in re.findall(r"```[^\n]*\n(.*?)```", text, re.S) for line in block.splitlines()]
-    spans += re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
-    return [" ".join(span[span.index(f"scripts/{script}"):].split()) for span in spans if f"scripts/{script} " in span]
+    text = (ROOT / doc).read_text()
+    spans = [line for block in re.findall(r"```[^\n]*\n(.*?)```", text, re.S)
+             for line in block.replace("\\\n", " ").splitlines()]
+    return spans + re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+
+
+def _readme_commands(script: str, doc: str = "README.md") -> list[str]:
+    """Every `python scripts/<script> ...` command line in README.md (or doc), from the script's path on, without a
+    trailing comment."""
+    return [" ".join(span[span.index(f"scripts/{script}"):].split()) for span in _doc_spans(doc)
+            if f"scripts/{script} " in span]
 
 
 class _Parsed(Exception):
@@ -120,6 +127,99 @@ def test_readme_command_lines_parse(script, monkeypatch):
             unknown = ([s for s in args.shapes.split(",") if s and s not in module.SHAPES]
                        + [o for o in args.ops.split(",") if o and o not in known_ops])
         assert not unknown, f"README.md: `{command}` names {unknown}, which scripts/{script} does not know"
+
+
+# the pages of docs/ whose command lines a reader runs as written: launches, comparisons, the device calls they name
+DOCS = ["docs/distributed.md", "docs/loss_curves.md"]
+
+
+def _train_commands(doc: str) -> list[list[str]]:
+    """The arguments of every `train.py ...` command line of doc (python or torchrun), without a trailing comment and
+    with its placeholders (`[other overrides]`, `$RUNS`) left out."""
+    import shlex
+
+    commands = []
+    for span in _doc_spans(doc):
+        if "train.py " in span and ("python" in span or "torchrun" in span):
+            argv = shlex.split(span[span.index("train.py ") + len("train.py "):].replace("[other overrides]", ""),
+                               comments=True)
+            commands.append([a for a in argv if "$" not in a])
+    return commands
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_doc_train_command_lines_compose_and_pass_the_start_checks(doc, monkeypatch):
+    """docs/distributed.md's and docs/loss_curves.md's train.py command lines (every job of a sweep) compose and pass
+    the checks a run makes before its data, as `--cfg job` and a sweep's check make them: a renamed key or preset,
+    or a value a run would refuse, fails here, not on the GPU machine."""
+    import importlib.util
+    import itertools
+
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from coda_train.config import to_dataclass
+
+    monkeypatch.syspath_prepend(str(ROOT))
+    spec = importlib.util.spec_from_file_location("train_for_docs", ROOT / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    commands = _train_commands(doc)
+    assert commands, f"no train.py command line found in {doc}"
+    with initialize_config_dir(config_dir=train.CONFIG_DIR, version_base="1.3", job_name=train.JOB_NAME):
+        parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+        for argv in commands:
+            sweep = "-m" in argv or "--multirun" in argv
+            parsed = parser.parse_overrides([a for a in argv if not a.startswith("-")])
+            values = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
+                      else [o.input_line] for o in parsed]
+            assert sweep or all(len(v) == 1 for v in values), f"{doc}: `train.py {' '.join(argv)}` sweeps without -m"
+            for job, overrides in enumerate(itertools.product(*values)):
+                try:
+                    train.check_config_and_model(to_dataclass(train.compose_job(list(overrides), job if sweep else None)))
+                except Exception as e:
+                    pytest.fail(f"{doc}: `train.py {' '.join(argv)}` (job {' '.join(overrides)}) is refused: {e}")
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_doc_script_command_lines_parse(doc, monkeypatch):
+    """The scripts/*.py command lines of docs/distributed.md and docs/loss_curves.md name flags the scripts take."""
+    import re
+    import shlex
+
+    scripts = sorted({m for span in _doc_spans(doc) for m in re.findall(r"scripts/(\w+\.py) ", span)})
+    assert scripts, f"no scripts/*.py command line found in {doc}"
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    _stop_after_parsing(monkeypatch)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # fsdp_overlap_profile.py's lines run under torchrun
+    for script in scripts:
+        module = __import__(script[:-3])
+        for command in _readme_commands(script, doc):
+            argv = [a.replace("$RUNS", "runs/x") for a in shlex.split(command, comments=True)[1:]]
+            monkeypatch.setattr(sys, "argv", [module.__file__, *argv])
+            try:
+                module.main()
+            except _Parsed:
+                continue
+            except SystemExit:
+                pytest.fail(f"{doc}: `{command}` does not parse (scripts/{script} exits 2)")
+            pytest.fail(f"scripts/{script}'s main() returned without parsing its arguments")
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_doc_shell_command_lines_name_scripts_and_settings_that_exist(doc):
+    """`VAR=value bash scripts/x.sh` in docs/distributed.md and docs/loss_curves.md: the script exists and reads
+    each variable set before it (a renamed one would be ignored silently on the GPU machine)."""
+    import re
+
+    commands = [m for span in _doc_spans(doc) for m in re.findall(r"((?:[A-Z0-9_]+=\S+ )*)bash (scripts/\S+\.sh)", span)]
+    assert commands, f"no bash scripts/*.sh command line found in {doc}"
+    for settings, script in commands:
+        assert (ROOT / script).is_file(), f"{doc} names {script}, which does not exist"
+        text = (ROOT / script).read_text()
+        for name in re.findall(r"([A-Z0-9_]+)=", settings):
+            assert "${" + name in text or "$" + name in text, f"{doc}: {script} does not read {name}"
 
 
 def test_fsdp_overlap_profile_without_a_gpu_stops_with_one_line(tmp_path):
