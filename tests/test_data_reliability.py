@@ -488,7 +488,7 @@ def test_concurrent_preparations_take_turns_and_share_one_result(tmp_path):
     first_out, first_err = first.communicate(timeout=120)
     second_out, second_rest = second.communicate(timeout=120)
     assert first.returncode == 0 and second.returncode == 0, first_err + second_rest
-    assert "another run prepared" in second_rest and "reusing it" in second_rest
+    assert "another process (another run, or another rank of this one) prepared" in second_rest and "reusing it" in second_rest
     prepared = [p for p in cache.iterdir() if (p / "manifest.json").is_file()]
     assert len(prepared) == 1 and [p.name for p in cache.iterdir()] == [prepared[0].name]
     assert first_out.splitlines()[0] == second_out.splitlines()[0] == f"prepared  {prepared[0]}"

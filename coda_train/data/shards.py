@@ -223,7 +223,8 @@ def prepare(cfg: DataConfig, log_notes: bool = True) -> PreparedData:
     with _StopSignals() as stop, exclusive_lock(_lock_of(cache_dir, final.name), wait=True):
         if final.exists():
             if log_notes:
-                log.info("another run prepared %s while this one waited; reusing it", final)
+                log.info("another process (another run, or another rank of this one) prepared %s while this one waited; "
+                         "reusing it", final)
         else:
             _remove_dead_temp_folders(cache_dir, final.name)
             _build_atomically(cfg, source, requested, config_eos, inputs, final, stop)
