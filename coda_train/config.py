@@ -122,26 +122,29 @@ def _first_non_null(value: Any, default: Any) -> Any:
 
 
 BOOL_TYPES = (bool, Optional[bool])
+# names that may look like numbers, which hydra reads as such: data.revision=1.10 (a tag) is 1.1, 12e4567 (a sha) is inf
+NAME_SETTINGS = ("data.revision",)
 
 
-def _bools_as_given(schema: type) -> type:
-    """schema as hydra composes it: every bool field, in every group, typed Any. OmegaConf turns whatever it sets
-    into a bool field into a bool (2, 'yes' and 'on' become True), so to_dataclass sees the value as given
-    and refuses what is not true or false (_non_bools)."""
+def _as_given(schema: type, prefix: str = "") -> type:
+    """schema as hydra composes it: every bool field, in every group, and the NAME_SETTINGS typed Any. OmegaConf turns
+    whatever it sets into a bool field into a bool (2, 'yes' and 'on' become True) and a number into a str field into
+    its str (1.10 into '1.1'), so to_dataclass sees the value as given and refuses what is not true or false
+    (_non_bools) or not a string."""
     hints = typing.get_type_hints(schema)
     fields = []
     for f in dataclasses.fields(schema):
         if dataclasses.is_dataclass(hints[f.name]):
-            group = _bools_as_given(hints[f.name])
+            group = _as_given(hints[f.name], f"{prefix}{f.name}.")
             fields.append((f.name, group, dataclasses.field(default_factory=group)))
-        elif hints[f.name] in BOOL_TYPES:
+        elif hints[f.name] in BOOL_TYPES or prefix + f.name in NAME_SETTINGS:
             fields.append((f.name, Any, dataclasses.field(default=f.default)))
     return dataclasses.make_dataclass(schema.__name__, fields, bases=(schema,), namespace={"__module__": __name__})
 
 
 def register_configs() -> None:
     """Make the schema known to hydra (as `base_config`) and the resolvers the run dir uses."""
-    ConfigStore.instance().store(name="base_config", node=_bools_as_given(Config))
+    ConfigStore.instance().store(name="base_config", node=_as_given(Config))
     if not OmegaConf.has_resolver("first_non_null"):
         OmegaConf.register_new_resolver("first_non_null", _first_non_null)
     if not OmegaConf.has_resolver("expanduser"):  # hydra makes trainer.run_dir itself, before expand_home runs
@@ -338,5 +341,9 @@ def to_dataclass(cfg: Any) -> Config:
         accepted = "true or false" if kind == bool else "true, false or null (the preset's value)"
         raise ConfigError(f"{key}={'null' if value is None else repr(value)} is not a boolean: {key} takes "
                           f"{accepted} (unquoted)")
+    for key in NAME_SETTINGS:
+        if (value := OmegaConf.select(cfg, key)) is not None and not isinstance(value, str):
+            raise ConfigError(f"{key}={value} was read by hydra as a number or boolean, not as typed: quote it, as in "
+                              f"'{key}=\"<sha or tag>\"'")
     # the Config schema itself, whose bool fields now hold bools
     return expand_home(OmegaConf.to_object(OmegaConf.merge(Config, OmegaConf.to_container(cfg, resolve=True))))

@@ -248,3 +248,16 @@ def test_a_data_revision_is_a_hub_datasets_and_refused_for_the_builtin_corpus_at
         check_config(load("data.revision=abc123"))
     assert load().data.revision is None  # unpinned by default, as before
     check_config(load("data.source=org/corpus", "data.revision=abc123"))
+
+
+@pytest.mark.parametrize("given, read", [("1.10", "1.1"), ("1e5", "100000.0"), ("12e4567", "inf"), ("1_000", "1000"),
+                                         ("1234567", "1234567"), ("true", "True")])
+def test_a_data_revision_hydra_reads_as_a_number_is_refused_naming_the_quotes(given, read):
+    """hydra reads data.revision=1.10 (a tag) as the float 1.1 and 12e4567 (a short sha) as inf, which the str field
+    then held: the run pinned another revision than the one typed, or failed on the hub naming one never typed."""
+    with pytest.raises(ConfigError, match=re.escape(f"data.revision={read} was read by hydra as a number or boolean, not "
+                                                    "as typed: quote it, as in 'data.revision=\"<sha or tag>\"'")):
+        load("data.source=org/corpus", f"data.revision={given}")
+    assert load("data.source=org/corpus", f"data.revision='{given}'").data.revision == given
+    assert load("data.source=org/corpus", "data.revision=0a1b2c3").data.revision == "0a1b2c3"
+    assert load("data.source=org/corpus", "data.revision=null").data.revision is None
