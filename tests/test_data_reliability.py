@@ -1083,7 +1083,7 @@ def make_jsonl(tmp_path: Path) -> Path:
     return write_jsonl(tmp_path / "corpus.jsonl", [{"text": d} for d in make_docs(20)])
 
 
-@pytest.mark.parametrize("kind", ["file", "folder read through datasets", "builtin", "missing path"])
+@pytest.mark.parametrize("kind", ["file", "glob", "folder read through datasets", "builtin"])
 def test_a_revision_for_a_local_source_is_refused_before_any_work(tmp_path, monkeypatch, kind):
     """load_dataset ignores a revision for a local folder, and the other local sources never read one: it would pin
     nothing, silently."""
@@ -1092,7 +1092,7 @@ def test_a_revision_for_a_local_source_is_refused_before_any_work(tmp_path, monk
     source, fmt, what = {"file": (str(make_jsonl(tmp_path)), "auto", "a local file, folder or glob"),
                          "folder read through datasets": (str(tmp_path), "hub", "a local file, folder or glob"),
                          "builtin": ("builtin", "auto", "the embedded corpus"),
-                         "missing path": ("./corpus/*.jsonl", "auto", "a local file, folder or glob")}[kind]
+                         "glob": (str(tmp_path / "*.jsonl"), "auto", "a local file, folder or glob")}[kind]
     cfg = config(source, tmp_path / "cache", format=fmt, revision="abc123")
     with pytest.raises(DataError, match=re.escape(f"data.revision='abc123' pins a Hugging Face hub dataset, but "
                                                   f"data.source={source!r} is {what}, which is identified by its files: "
@@ -1101,3 +1101,18 @@ def test_a_revision_for_a_local_source_is_refused_before_any_work(tmp_path, monk
     assert not (tmp_path / "cache").exists()
     with pytest.raises(DataError, match=r"data.revision='' is empty"):
         config("org/corpus", tmp_path / "cache", revision="").validate()
+
+
+@pytest.mark.parametrize("source, fmt, org_folder", [("org/corpus", "auto", True), ("org/corpus", "json", False),
+                                                     ("./corpus/*.jsonl", "auto", False)])
+def test_a_revision_for_a_path_that_is_not_there_names_data_format_hub(tmp_path, monkeypatch, source, fmt, org_folder):
+    """A hub name read as a local path (an org/ folder in the cwd, or data.format=json) was said to be "a local file,
+    folder or glob ... set data.source to the hub dataset's name", which it already was: the fix is data.format=hub."""
+    monkeypatch.chdir(tmp_path)
+    if org_folder:
+        (tmp_path / "org").mkdir()
+    with pytest.raises(DataError, match=re.escape(
+            f"data.revision='abc123' pins a Hugging Face hub dataset, but data.source={source!r} is read as a local "
+            f"path (data.format={fmt}), and there is none (cwd {tmp_path}): set data.format=hub if it is a hub "
+            "dataset's name, or remove data.revision")):
+        config(source, tmp_path / "cache", format=fmt, revision="abc123").validate()

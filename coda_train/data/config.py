@@ -1,6 +1,8 @@
 """Data configuration (a hydra structured config) and the one error type users see."""
 
 import dataclasses
+import glob
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -95,8 +97,13 @@ class DataConfig:
         if not self.revision.strip():
             raise DataError(f"data.revision={self.revision!r} is empty: set a commit sha of the hub dataset, or leave "
                             "data.revision unset (null)")
-        if not names_hub_dataset(self):  # load_dataset ignores a revision for a local folder: it would pin nothing
-            what = "the embedded corpus" if self.source == "builtin" else "a local file, folder or glob"
-            raise DataError(f"data.revision={self.revision!r} pins a Hugging Face hub dataset, but data.source="
-                            f"{self.source!r} is {what}, which is identified by its files: remove data.revision (or "
-                            "set data.source to the hub dataset's name)")
+        if names_hub_dataset(self):
+            return
+        refused = f"data.revision={self.revision!r} pins a Hugging Face hub dataset, but data.source={self.source!r} is"
+        if self.source != "builtin" and not glob.glob(os.path.expanduser(self.source)):  # a hub name taken for a path
+            raise DataError(f"{refused} read as a local path (data.format={self.format}), and there is none (cwd "
+                            f"{os.getcwd()}): set data.format=hub if it is a hub dataset's name, or remove data.revision")
+        # load_dataset ignores a revision for a local folder: it would pin nothing
+        what = "the embedded corpus" if self.source == "builtin" else "a local file, folder or glob"
+        raise DataError(f"{refused} {what}, which is identified by its files: remove data.revision (or set data.source "
+                        "to the hub dataset's name)")
