@@ -151,7 +151,7 @@ def resolve_source(cfg: DataConfig) -> Source:
         return Source("builtin", "text", tuple(files))
     if cfg.format in ("auto", "hub", "arrow") and (saved := _saved_dataset_files(cfg)):  # load_dataset refuses these
         return Source(_slug(Path(cfg.source).expanduser().resolve().name), "arrow", tuple(saved))
-    if cfg.format == "hub" or (cfg.format == "auto" and not _looks_local(cfg.source)):
+    if cfg.format == "hub" or names_hub_dataset(cfg):  # data.format=hub also reads a local folder through datasets
         return Source(_slug(cfg.source), "hub", hub_name=cfg.source, revision=cfg.revision)
     # data.cache_dir inside the source's folder: its prepared files are not corpus
     cache = Path(cfg.cache_dir).expanduser().resolve()
