@@ -248,6 +248,8 @@ def test_a_data_revision_is_a_hub_datasets_and_refused_for_the_builtin_corpus_at
         check_config(load("data.revision=abc123"))
     assert load().data.revision is None  # unpinned by default, as before
     check_config(load("data.source=org/corpus", "data.revision=abc123"))
+    with pytest.raises(DataError, match=re.escape("data.revision=' abc123' has spaces around it: set it to 'abc123'")):
+        check_config(load("data.source=org/corpus", "data.revision=' abc123'"))
 
 
 @pytest.mark.parametrize("given, read", [("1.10", "1.1"), ("1e5", "100000.0"), ("12e4567", "inf"), ("1_000", "1000"),

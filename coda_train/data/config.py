@@ -97,6 +97,8 @@ class DataConfig:
         if not self.revision.strip():
             raise DataError(f"data.revision={self.revision!r} is empty: set a commit sha of the hub dataset, or leave "
                             "data.revision unset (null)")
+        if self.revision != self.revision.strip():  # the hub would be asked for a revision with the spaces in it
+            raise DataError(f"data.revision={self.revision!r} has spaces around it: set it to {self.revision.strip()!r}")
         if names_hub_dataset(self):
             return
         refused = f"data.revision={self.revision!r} pins a Hugging Face hub dataset, but data.source={self.source!r} is"
