@@ -133,11 +133,9 @@ def checkpoint_data(checkpoint: Checkpoint, cfg: Config) -> PreparedData:
         raise DataError(f"{lost}the checkpoint's prepared data ({checkpoint.meta.get('prepared_data') or 'not recorded'}) "
                         f"is gone, and without {gone} it cannot be prepared again. {fix}); nothing was prepared or changed")
     inputs = prepared.manifest.get("inputs") or {}
-    saved_data = {"revision": None, **(saved.get("data") or {})}  # runs before data.revision read the hub unpinned
     changed = [f"data.{k}: checkpoint {inputs[k]!r} vs this run {getattr(data, k)!r}" for k in _PREPARED_BY
                if k in inputs and inputs[k] is not None and inputs[k] != getattr(data, k)]
-    changed += [f"data.{k}: checkpoint {saved_data.get(k)!r} vs this run {getattr(data, k)!r}"
-                for k in ("source", "revision") if saved_data.get(k) not in _spellings(getattr(data, k))]
+    changed += _changed_data_settings(checkpoint, data, ("source", "revision"))
     if changed:
         raise DataError(f"{lost}this run's data settings differ from the checkpoint's ({', '.join(changed)}), and "
                         f"without {gone} the data cannot be prepared again. Resume with the checkpoint's data settings; "
@@ -150,16 +148,12 @@ def checkpoint_data(checkpoint: Checkpoint, cfg: Config) -> PreparedData:
 _CORPUS_SETTINGS = ("source", "revision", "format", "text_field", "split", "tokenizer")
 
 
-def _changed_corpus_settings(checkpoint: Checkpoint, data: DataConfig) -> list[str]:
-    """The _CORPUS_SETTINGS of data that differ from the checkpoint's (which records local paths absolute)."""
+def _changed_data_settings(checkpoint: Checkpoint, data: DataConfig, keys: tuple[str, ...]) -> list[str]:
+    """The data settings `keys` of data that differ from the checkpoint's (which records local paths absolute)."""
     # runs before data.revision read the hub unpinned
     saved = {"revision": None, **((checkpoint.meta.get("config") or {}).get("data") or {})}
-    changed = []
-    for key in _CORPUS_SETTINGS:
-        value = getattr(data, key)
-        if key in saved and saved[key] not in _spellings(value):
-            changed.append(f"data.{key}: checkpoint {saved[key]!r} vs this run {value!r}")
-    return changed
+    return [f"data.{key}: checkpoint {saved[key]!r} vs this run {getattr(data, key)!r}" for key in keys
+            if key in saved and saved[key] not in _spellings(getattr(data, key))]
 
 
 def resumed_runs_prepared_data(checkpoint: Checkpoint, data: DataConfig, world: World) -> Optional[PreparedData]:
@@ -192,7 +186,7 @@ def resumed_runs_prepared_data(checkpoint: Checkpoint, data: DataConfig, world: 
         log.info("data.cache_dir=%s holds no prepared copy of this run's data: it continues on the folder it prepared, %s",
                  data.cache_dir, recorded)
     elif prepared is not None and world.is_main:  # every rank takes the folder; one says so
-        if changed := _changed_corpus_settings(checkpoint, data):
+        if changed := _changed_data_settings(checkpoint, data, _CORPUS_SETTINGS):
             what, new_run = f"this run's data settings differ from the checkpoint's ({', '.join(changed)})", "with them"
         else:
             what, new_run = f"data.source={data.source}: {why}", "on the corpus as it is now"
