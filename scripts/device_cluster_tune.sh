@@ -13,7 +13,8 @@
 #    the floor's GEMMs get quack at 2x2 too wherever the tuned table runs it: bench.py floor_backends);
 # 4. SHAPE's coda-graphs step with the shipped table and the tuned one, alternately, as many rounds as the
 #    call's TOTAL_S leave ($OUT/step_ab.txt).
-# TUNE_S bounds step 1 (default 200 s), TOTAL_S the whole call (default 590 s).
+# TUNE_S bounds step 1 (default 200 s), TOTAL_S the whole call (default 590 s); PAIRED=0 skips step 3
+# (then step 4 gets its time: the A/B of the tuned table alone).
 set -uo pipefail
 SHAPE=${1:-125m}
 TOTAL_S=${TOTAL_S:-590}  # the call's seconds: steps 3 and 4 fit in what step 1 and 2 leave
@@ -32,7 +33,7 @@ ablation_shape=$(echo "$SHAPE" | sed 's/-.*//')  # epilogue_ablation.py's shapes
 env "$tuned" timeout 90 python3 scripts/epilogue_ablation.py --shapes "$ablation_shape" --rows "bare,4 tiles,op" \
   --out "$OUT/ablation" 2>&1 | grep -v -i warn | tail -n 4
 left=$(( TOTAL_S - SECONDS - 120 ))  # leaves one shipped/tuned round of step 4
-[ $left -gt 90 ] && env "$tuned" timeout $left python3 scripts/bench.py --shape "$SHAPE" --variants coda-graphs,floor \
+[ "${PAIRED:-1}" != 0 ] && [ $left -gt 90 ] && env "$tuned" timeout $left python3 scripts/bench.py --shape "$SHAPE" --variants coda-graphs,floor \
   --profile-steps 0 --paired-rounds 3 --tag=-tuned --out "$OUT" 2>&1 | grep -v -i warn | tail -n 6
 step() {  # $1: label, then env settings: one bench.py run of SHAPE's coda-graphs step, within what the call has left
   local label=$1 left=$(( TOTAL_S - SECONDS )); shift
