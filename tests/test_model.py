@@ -410,6 +410,22 @@ def test_f5_stores_tiny_gates_so_b1_keeps_up_in_bf16():
     assert rel(g_gu[:, :4].float(), want_gate[:, :4]) < 2e-2
 
 
+def test_f5_gate_floor_moves_a_by_less_than_2_pow_minus_100_of_up():
+    """The bound docs/design.md and reference.floor_gate state for F5's floor, in float64: a = silu(gate) * up
+    moves by less than 2^-100 |up|, and by more than 2^-101 |up| (the bound they used to state) for a gate just
+    above -2^-100, where silu(gate) is about -2^-101 and the stored silu(2^-100) about +2^-101."""
+    floor = R.GATE_FLOOR
+    gate = torch.tensor([-floor * (1 - 2.0 ** -20), -floor / 2, 0.0, 2.0 ** -1074, floor / 2, floor * (1 - 2.0 ** -20)],
+                        dtype=torch.float64)
+    up = torch.tensor([1.0, -3.0, 2.0, -0.5, 7.0, 1.0], dtype=torch.float64)
+    move = (torch.nn.functional.silu(R.floor_gate(gate)) * up - torch.nn.functional.silu(gate) * up).abs() / up.abs()
+    assert (move < floor).all(), move / floor
+    assert move[0] > floor / 2, move[0] / floor
+    w_gate_up = torch.tensor([[gate[0].item()], [up[0].item()]], dtype=torch.float64)  # and F5 itself, h = 1, r = 1
+    stored_gate, a = R.gemm_rowscale_swiglu(torch.ones(1, 1, dtype=torch.float64), torch.ones(1, dtype=torch.float64), w_gate_up)
+    assert stored_gate.item() == floor and floor / 2 < abs(a.item() - torch.nn.functional.silu(gate[0]).item()) < floor
+
+
 @pytest.mark.parametrize("batch, chunk_rows", [(3, 128), (2, 128), (1, 128), (2, 256)])  # ragged, even, one chunk, M = C
 def test_step_gemm_shapes_are_the_gemms_a_step_launches(batch, chunk_rows, monkeypatch):
     """step_gemm_shapes (what the tile table is keyed by and scripts/tune_gemm.py tunes) lists the shape class of

@@ -138,7 +138,8 @@ GATE_FLOOR = 2.0 ** -100
 def floor_gate(gate: Tensor) -> Tensor:
     """(F5) The gate as F5 stores it: where |gate| < 2^-100 (0, subnormal, or so small that a = silu(gate) * up
     would lose up), +2^-100, so that a carries up and B1's q = a / gate is up * sigmoid(gate) to bf16 rounding
-    (docs/design.md, "SwiGLU: two stored tiles each way"); it moves a by at most 2^-101 |up|."""
+    (docs/design.md, "SwiGLU: two stored tiles each way"); it moves a by less than 2^-100 |up| (silu is ~gate/2
+    there: from about -2^-101 |up| at a gate just above -2^-100 to +2^-101 |up|)."""
     return torch.where(gate.abs() < GATE_FLOOR, torch.full_like(gate, GATE_FLOOR), gate)
 
 
