@@ -57,6 +57,21 @@ def test_every_declared_op_is_a_custom_op_with_fake_and_examples():
     assert {"cross_entropy_exp_backward(far target)", "gemm_residual_rmsnorm_partial(wide)"} <= set(CASE_NAMES)
 
 
+def test_op_cases_named_in_the_docs_are_declared():
+    """Every `op(case)` that docs/design.md or docs/kernels.md names, op a declared op and case a name (not an
+    argument list such as `embedding_rmsnorm_partial(..., dtype)`), is one of that op's example cases: the
+    variant cases are what the checks, the benchmark and the compile list run, so a page naming one that is
+    gone describes a check that does not exist."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    named = {(page, f"{m[1]}({m[2]})") for page in ("docs/design.md", "docs/kernels.md")
+             for m in re.finditer(r"`([a-z_]+)\(([^`,.()]+)\)`", (root / page).read_text()) if m[1] in OPS}
+    assert named  # design.md's example of a variant case at least
+    assert [(page, case) for page, case in sorted(named) if case not in CASE_NAMES] == []
+
+
 @pytest.mark.parametrize("dt", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("case", CASE_NAMES)
 def test_opcheck(case, dt):

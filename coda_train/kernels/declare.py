@@ -137,7 +137,7 @@ class Example:
 @dataclass(frozen=True)
 class Op:
     """One CODA op. `examples(Example)` returns {case: kwargs}; case "" is the op's main use, other
-    cases (e.g. "no residual") are named variants, reported as "<name>(<case>)". `partials` maps an
+    cases (e.g. "no GQA") are named variants, reported as "<name>(<case>)". `partials` maps an
     output index to its column count given the kwargs: those (M, P) outputs are per-tile partial
     row sums whose column split is backend-specific, so consumers and checks only sum over P.
     `mutates` names the inputs the op updates in place: they are results too, never returned (a
