@@ -220,7 +220,8 @@ def rmsnorm_backward(acc, c, x, gamma, coef):
     return {"D": acc * gamma + x * coef + c, "g_gamma": (acc, x)}
 
 
-# H'': acc = (strip (x) e) W_lm; g_h = v*acc (v: H's per-row factor, grad_scale r 2^k_max e^-L);
+# H'': acc = (strip (x) e) W_lm; g_h = v*acc (v: the per-row factor that H', cross_entropy_exp_backward,
+# makes from H's sums: grad_scale r 2^k_max e^-L);
 # g_x = gamma*g_h + c*x (no residual: the LM head ends the graph); partials of g_gamma = sum g_h*x.
 @gemm_epilogue(
     ops={"gamma": RowVecLoad("gamma"), "coef": ColVecLoad("coef"), "v": ColVecLoad("v")},
