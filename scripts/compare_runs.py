@@ -5,7 +5,8 @@
 Each RUN_DIR holds `metrics.jsonl` (one JSON line per logged step, from train.py) and
 `config.yaml` (the resolved config; its model.impl names the run). The first run is the reference for the difference panel and the |Δloss| columns.
 Writes the PNG at --out (a path ending in .png), and the table as Markdown (`.md`) and JSON (`.json`) beside it,
-under the same name (--out cmp/a.png: cmp/a.png, cmp/a.md, cmp/a.json).
+under the same name (--out cmp/a.png: cmp/a.png, cmp/a.md, cmp/a.json). The table's train loss is each run's mean
+over its last N steps; runs logged at different intervals (log_every 10 and 25) are averaged at the steps all logged.
 
 With three runs or more (e.g. eager twice and coda twice: `python train.py -m model.impl=eager,coda,eager,coda`)
 a second table lists every pair's smoothed difference over the last 10% of steps, split into pairs of
@@ -16,6 +17,7 @@ across models, so "coda vs eager" can be read against that noise.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -175,10 +177,30 @@ def smooth(y: np.ndarray, window: int) -> np.ndarray:
     return (c[n] - c[lo]) / (n - lo)
 
 
-def final_loss(run: Run, span: float) -> float:
-    """Mean training loss over the run's logged steps in its last `span` steps: the same step range for runs
-    that log at different intervals (a window counted in logged points would not be)."""
-    return float(run.loss[run.steps > run.steps[-1] - span].mean())
+def final_loss(run: Run, span: float, steps: np.ndarray | None = None) -> float:
+    """Mean training loss over the run's logged steps in its last `span` steps, only at `steps` when given: the same
+    step range for runs that log at different intervals (a window counted in logged points would not be), and with
+    `steps` the steps every run logged, so runs logged every 10 and every 25 steps average the same steps (each run's
+    own points in the range are centred at different steps: on a falling curve, a bias of a part of the slope)."""
+    tail = run.steps > run.steps[-1] - span
+    if steps is not None:
+        tail &= np.isin(run.steps, steps)
+    return float(run.loss[tail].mean())
+
+
+def shared_steps(runs: list[Run]) -> np.ndarray | None:
+    """The steps every run logged, where the runs end at the same step (which is then among them); None where they
+    end at different steps (each final loss is then its own run's, as the note under the table says)."""
+    if len({int(r.steps[-1]) for r in runs}) != 1:
+        return None
+    return functools.reduce(np.intersect1d, (r.steps for r in runs))
+
+
+def logged_apart(runs: list[Run], span: float) -> bool:
+    """Whether some run logged steps in the final-loss span that another did not (the column then averages fewer
+    points than that run logged: its header says so)."""
+    steps = shared_steps(runs)
+    return steps is not None and any(not np.isin(r.steps[r.steps > r.steps[-1] - span], steps).all() for r in runs)
 
 
 def window_span(runs: list[Run], window: int) -> float:
@@ -190,6 +212,7 @@ def compare(runs: list[Run], window: int) -> list[dict]:
     """One table row per run; |Δ| columns are against runs[0] on the steps both logged."""
     ref = runs[0]
     span = window_span(runs, window)
+    steps = shared_steps(runs)
     table = []
     for run in runs:
         common, i_ref, i_run = np.intersect1d(ref.steps, run.steps, return_indices=True)
@@ -199,7 +222,7 @@ def compare(runs: list[Run], window: int) -> list[dict]:
         tail = common >= common[0] + 0.9 * (common[-1] - common[0]) if len(common) else common
         table.append({
             "run": run.name, "steps": int(run.steps[-1]),
-            "final_train_loss": final_loss(run, span),
+            "final_train_loss": final_loss(run, span, steps),
             "final_val_loss": float(run.val_loss[-1]) if len(run.val_loss) else None,
             "mean_abs_dloss": float(d_raw.mean()) if len(common) else None,
             "max_abs_dloss": float(d_raw.max()) if len(common) else None,
@@ -266,11 +289,13 @@ def pairs_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def markdown(table: list[dict], span: float) -> str:
-    """The runs' table; the train loss column is each run's mean over its last `span` steps (window_span)."""
+def markdown(table: list[dict], span: float, apart: bool = False) -> str:
+    """The runs' table; the train loss column is each run's mean over its last `span` steps (window_span), at the
+    steps every run logged where `apart` (logged_apart)."""
     cols = ["run", "steps", "final_train_loss", "final_val_loss", "mean_abs_dloss", "max_abs_dloss",
             "mean_abs_dloss_smoothed_last10pct", "max_abs_dloss_smoothed_last10pct", "tokens_per_s"]
-    heads = ["run", "steps", f"train loss (mean of the last {span:g} steps)", "val loss", "mean |Δ|", "max |Δ|",
+    train = f"train loss (mean of the last {span:g} steps{', at the steps every run logged' if apart else ''})"
+    heads = ["run", "steps", train, "val loss", "mean |Δ|", "max |Δ|",
              "mean |Δ| smoothed, last 10%", "max |Δ| smoothed, last 10%", "tokens/s"]
 
     def fmt(v, column):
@@ -374,7 +399,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         p.error(f"{foreign} exists and is not an earlier comparison's output (this command writes {out.name} and the "
                 f"{out.stem}.md and {out.stem}.json beside it); choose another --out")
     table = compare(runs, window)
-    md = markdown(table, window_span(runs, window))
+    span = window_span(runs, window)
+    md = markdown(table, span, logged_apart(runs, span))
     result = {"smooth_window": window, "runs": table}
     if len(runs) >= 3:
         result["pairs"] = pairs(runs, window)

@@ -119,8 +119,8 @@ def test_runs_logged_at_other_intervals_and_runs_of_other_settings_are_told_apar
     result = json.loads(out.with_suffix(".json").read_text())
     assert [r["run"] for r in result["runs"]] == ["eager (a/0)", "eager (b/0)", "eager (c/0)"]
     assert result["runs"][1]["mean_abs_dloss_smoothed_last10pct"] == 0.0
-    a, b = (r["final_train_loss"] for r in result["runs"][:2])  # both the mean over the last 25 steps
-    assert a == pytest.approx(np.mean([loss[s] for s in range(176, 201)])) and b == pytest.approx(np.mean([loss[s] for s in range(180, 201, 5)]))
+    a, b = (r["final_train_loss"] for r in result["runs"][:2])  # both the mean over the last 25 steps, at the steps all logged
+    assert a == b == pytest.approx(np.mean([loss[s] for s in range(180, 201, 5)]))
     with pytest.raises(SystemExit):
         compare_runs.main([*dirs, "--out", str(out), "--smooth", "-3"])
     by_pair = {(p["a"], p["b"]): p for p in result["pairs"]}
@@ -128,7 +128,7 @@ def test_runs_logged_at_other_intervals_and_runs_of_other_settings_are_told_apar
     lr_pair = by_pair[("eager (a/0)", "eager (c/0)")]
     assert not lr_pair["same_model"] and lr_pair["settings_differ"] == ["optim.lr"]
     md = out.with_suffix(".md").read_text()
-    assert "train loss (mean of the last 25 steps)" in md  # 5 points of the run logged every 5 steps
+    assert "train loss (mean of the last 25 steps, at the steps every run logged)" in md  # 5 points of each run
     assert "| eager (a/0) | eager (c/0) | no (optim.lr) |" in md
     # the other-lr pairs are in neither summary: not noise, and not a model difference alone
     assert "same model (run-to-run noise): 1 pair," in md and "across models" not in md
@@ -230,6 +230,28 @@ def test_a_run_given_as_dot_is_named_by_its_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path / "mine")
     assert [row["run"] for row in compare_runs.main([".", "../other"])] == ["eager (mine)", "eager (other)"]
     assert (tmp_path / "compare.json").is_file() and not (tmp_path / "mine" / "compare.json").exists()
+
+
+def test_final_losses_of_runs_logged_at_other_intervals_average_the_same_steps(tmp_path):
+    """One falling curve logged every 10 and every 25 steps: each run's own points in the last 250 steps are centred at
+    other steps (880 and 887.5), so the final losses differed by 0.0075 on a curve that is the same; they are now the
+    mean at the steps both logged. Runs logged at the same steps keep every point (the header says nothing more)."""
+    compare_runs = compare_runs_module()
+
+    def run(name: str, every: int) -> str:
+        path = tmp_path / name
+        path.mkdir()
+        path.joinpath("metrics.jsonl").write_text("".join(
+            json.dumps({"step": s, "loss": 5.0 - 0.001 * s}) + "\n" for s in range(every, 1001, every)))
+        return str(path)
+
+    ten, twenty_five = run("ten", 10), run("twenty_five", 25)
+    rows = compare_runs.main([ten, twenty_five, "--out", str(tmp_path / "cmp.png"), "--smooth", "10"])
+    assert rows[0]["final_train_loss"] == rows[1]["final_train_loss"] == pytest.approx(5.0 - 0.001 * 900)  # 800 to 1000, every 50
+    assert "train loss (mean of the last 250 steps, at the steps every run logged)" in (tmp_path / "cmp.md").read_text()
+    rows = compare_runs.main([ten, ten, "--out", str(tmp_path / "same.png"), "--smooth", "10"])
+    assert rows[0]["final_train_loss"] == pytest.approx(5.0 - 0.001 * 955)  # 910 to 1000, every 10
+    assert "train loss (mean of the last 100 steps) |" in (tmp_path / "same.md").read_text()
 
 
 def test_a_line_with_a_null_loss_is_no_training_step(tmp_path):
