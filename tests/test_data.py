@@ -505,6 +505,15 @@ def test_an_empty_tokenizer_path_is_refused_not_taken_for_unset(tmp_path, docs):
     with pytest.raises(DataError, match=r"data.tokenizer='' is empty: .* or leave data.tokenizer unset \(null\) to train a BPE"):
         prepare(config(source, tmp_path / "cache", tokenizer=""))
     assert not (tmp_path / "cache").exists()
+    # the command line names its own spelling of unset: `--tokenizer null` would be read as a path named 'null'
+    command = [sys.executable, "-m", "coda_train.data.prepare", "--source", str(source), "--cache-dir",
+               str(tmp_path / "cache"), "--tokenizer", ""]
+    cli = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 2 and "or leave --tokenizer unset (--tokenizer none) to train a BPE" in cli.stderr, cli.stderr
+    assert "null" not in cli.stderr, cli.stderr
+    from coda_train.data.prepare import cli_message, parse_args
+    assert cli_message("leave data.revision unset (null)") == "leave --revision unset (--revision none)"
+    assert parse_args(["--revision", "none", "--tokenizer", "None"])[0].tokenizer is None
 
 
 def test_empty_corpus(tmp_path):

@@ -41,6 +41,7 @@ def _parser_type(annotation):
 _HYDRA_KEY = re.compile(r"(?<![\w./-])data\.(\w+)(?:=(true|false)\b|(=))?")
 _HYDRA_BUILTIN = re.compile(r"(?<![\w./-])data=builtin\b")  # train.py's choice of configs/data/builtin.yaml
 _FIELDS = {field.name: field for field in dataclasses.fields(DataConfig)}
+_UNSET_NULL = re.compile(r"(--[\w-]+) unset \(null\)")  # train.py's "data.<key> unset (null)", once a flag
 
 
 def cli_message(text: str) -> str:
@@ -54,7 +55,8 @@ def cli_message(text: str) -> str:
         if m[2] and field.type is bool:  # a BooleanOptionalAction: --streaming / --no-streaming
             return name if m[2] == "true" else "--no-" + name[2:]
         return name + (" " + m[2] if m[2] else " " if m[3] else "")
-    return _HYDRA_BUILTIN.sub("--source builtin", _HYDRA_KEY.sub(flag, text))
+    text = _HYDRA_BUILTIN.sub("--source builtin", _HYDRA_KEY.sub(flag, text))
+    return _UNSET_NULL.sub(r"\1 unset (\1 none)", text)  # YAML's null is spelled none here (_parser_type)
 
 
 class _CliFlags(logging.Filter):
