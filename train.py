@@ -43,7 +43,7 @@ from coda_train.durable import write_synced
 from coda_train.errors import ConfigError
 from coda_train.kernels import resolve_backend
 from coda_train.trainer.build import check_model_before_data
-from coda_train.trainer.checkpoint import CHECKPOINTS_DIR, list_checkpoints, resumes
+from coda_train.trainer.checkpoint import CHECKPOINTS_DIR, check_ckpt_async, list_checkpoints, resumes
 from coda_train.trainer.loop import (CONFIG_FILE, EXIT_BAD_INPUT, EXIT_NON_FINITE, STOP_ERRORS, exit_code,
                                      recorded_config, train)
 from coda_train.trainer.metrics import METRICS_FILE
@@ -273,8 +273,12 @@ def check_config_and_model(cfg: Config) -> None:
     """check_config, and the model checks a run makes before its data (every model field, head/dim divisibility,
     trainer.seq_len against max_seq_len, the cute kernels' limits where this machine runs cute), as lenient as a resumed
     run's where model.init_from or data.tokenizer is gone: --cfg printed model.n_heads=3 and exited 0, and a sweep
-    trained every job before the one a run refuses so."""
+    trained every job before the one a run refuses so. trainer.ckpt_async=true is refused here where trainer.parallel
+    is none or ddp, as under any launch; with auto or fsdp it depends on the launch (torchrun with several processes
+    runs it, one process does not), which the run's start checks, as it checks that this machine runs cute."""
     check_config(cfg)
+    if cfg.trainer.parallel in ("none", "ddp"):
+        check_ckpt_async(cfg.trainer.ckpt_async, cfg.trainer.parallel)
     check_model_before_data(cfg, "cute" if cfg.kernels.backend == "cute" else resolve_backend(cfg.kernels.backend),
                             resuming=True)
 

@@ -335,12 +335,17 @@ def test_cfg_job_checks_the_values_it_would_print(tmp_path):
     (it printed optim.lr=nan and an unknown +key, and exited 0); a good config still prints whole."""
     for override, said in [("optim.lr=nan", "optim.lr=nan is not a finite number"),
                            ("trainer.progress_bar=yes", "trainer.progress_bar='yes' is not a boolean"),
-                           ("+trainer.max_step=3", "unknown config keys ['trainer.max_step']")]:
-        refused = run_train("--cfg", "job", override, f"trainer.run_dir={tmp_path / 'run'}")
+                           ("+trainer.max_step=3", "unknown config keys ['trainer.max_step']"),
+                           # refused by any launch's start (one process, or DDP under torchrun): it printed and exited 0
+                           ("trainer.parallel=ddp trainer.ckpt_async=true", "this run uses trainer.parallel=ddp")]:
+        refused = run_train("--cfg", "job", *override.split(), f"trainer.run_dir={tmp_path / 'run'}")
         assert refused.returncode == 1 and refused.stdout == "", (override, refused.stdout + refused.stderr)
         assert said in refused.stderr and "--cfg prints the config once that is fixed" in refused.stderr, refused.stderr
     shown = run_train("-c", "job", "optim.lr=2e-3", f"trainer.run_dir={tmp_path / 'run'}")
     assert shown.returncode == 0 and "lr: 0.002" in shown.stdout, shown.stderr
+    # with trainer.parallel=auto the launch decides (FSDP2 under torchrun runs it), as it decides whether cute runs
+    shown = run_train("-c", "job", "trainer.ckpt_async=true", f"trainer.run_dir={tmp_path / 'run'}")
+    assert shown.returncode == 0 and "ckpt_async: true" in shown.stdout, shown.stderr
     assert not (tmp_path / "run").exists()
 
 
