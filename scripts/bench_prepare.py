@@ -4,7 +4,8 @@
     python scripts/bench_prepare.py --whitespace-free-mb 4      # hostile input: documents without any whitespace
 
 Per process count, two rows: the full default preparation (train the BPE, then tokenize and write shards), and
-tokenization alone with that tokenizer given as a file. Prints a table and writes JSON. With --whitespace-free-mb,
+tokenization alone with that tokenizer given as a file. Prints a table and writes JSON; its rate of text is
+Mchar/s, millions of characters a second (a character of UTF-8 text is 1 to 4 bytes). With --whitespace-free-mb,
 instead: the full preparation of one repeated "abab..." document and one random base64-like document of that size
 each (BPE training cost grows with the square of the longest piece unless pieces are capped).
 """
@@ -36,7 +37,7 @@ def run(cfg: DataConfig) -> dict:
         "tokens": m["num_tokens"],
         "tokens_per_s": round(m["num_tokens"] / seconds),
         "docs_per_s": round(m["num_documents"] / seconds, 1),
-        "mb_per_s": round(m["num_characters"] / seconds / 1e6, 3),
+        "mchars_per_s": round(m["num_characters"] / seconds / 1e6, 3),  # millions of characters (not bytes) a second
         "tokenizer_file": str(data.path / "tokenizer.json"),
     }
 
@@ -65,11 +66,11 @@ def main() -> None:
         f"default corpus: {first['documents']} documents, {first['characters'] / 1e6:.1f} M characters, "
         f"{first['tokens'] / 1e6:.2f} M tokens (vocab {args.vocab_size})"
     )
-    print(f"{'stage':<22} {'procs':>5} {'seconds':>8} {'BPE s':>6} {'tokens/s':>10} {'docs/s':>7} {'MB/s':>6}")
+    print(f"{'stage':<22} {'procs':>5} {'seconds':>8} {'BPE s':>6} {'tokens/s':>10} {'docs/s':>7} {'Mchar/s':>7}")
     for r in rows:
         print(
             f"{r['stage']:<22} {r['num_proc']:>5} {r['seconds']:>8.2f} {r['tokenizer_seconds']:>6.2f} "
-            f"{r['tokens_per_s']:>10,} {r['docs_per_s']:>7.1f} {r['mb_per_s']:>6.2f}"
+            f"{r['tokens_per_s']:>10,} {r['docs_per_s']:>7.1f} {r['mchars_per_s']:>7.2f}"
         )
     machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -236,3 +236,23 @@ def test_fsdp_overlap_profile_without_a_gpu_stops_with_one_line(tmp_path):
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "GPU" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
     assert not any(tmp_path.iterdir())
+
+
+def test_bench_prepare_names_its_text_rate_in_characters(tmp_path, monkeypatch, capsys):
+    """bench_prepare.py's rate of text is the manifest's characters a second: it was headed MB/s (and written as
+    mb_per_s), which non-ASCII text (1 to 4 bytes a character) makes wrong."""
+    import json
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import bench_prepare
+
+    manifest = {"seconds": {"tokenizer": 0.5}, "num_documents": 2, "num_characters": 3_000_000, "num_tokens": 1_000_000}
+    monkeypatch.setattr(bench_prepare, "prepare", lambda cfg: SimpleNamespace(manifest=manifest, path=tmp_path))
+    out = tmp_path / "bench.json"
+    monkeypatch.setattr(sys, "argv", ["bench_prepare.py", "--num-proc", "1", "--out", str(out)])
+    bench_prepare.main()
+    printed = capsys.readouterr().out
+    assert "Mchar/s" in printed and "MB/s" not in printed, printed
+    rows = json.loads(out.read_text())["rows"]
+    assert all("mchars_per_s" in row and "mb_per_s" not in row for row in rows), rows
