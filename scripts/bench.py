@@ -287,13 +287,18 @@ def captured(fn: Callable[[], None], warmups: int) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def do_bench_graph(fn: Callable[[], None]) -> float:
-    """do_bench of fn captured as a CUDA graph and replayed: its kernels' time without the host time of
-    launching them (FA4's and quack's Python launch paths outlast a short kernel on a slow host, and
-    do_bench would count the wait), as a captured step runs them."""
+def replayable(fn: Callable[[], None]) -> Callable[[], None]:
+    """fn captured as a CUDA graph, to replay: its kernels without the host time of launching them (FA4's and
+    quack's Python launch paths outlast a short kernel on a slow host, and do_bench would count the wait), as a
+    captured step runs them; on CPU fn itself."""
     if not torch.cuda.is_available():
-        return do_bench(fn)
-    return do_bench(captured(fn, warmups=1).replay)
+        return fn
+    return captured(fn, warmups=1).replay
+
+
+def do_bench_graph(fn: Callable[[], None]) -> float:
+    """do_bench of fn captured as a CUDA graph and replayed (replayable)."""
+    return do_bench(replayable(fn))
 
 
 def gemm_peak_tflops() -> dict:
@@ -570,28 +575,41 @@ def _table_runs_2x2() -> bool:
     return any(c is not None and (c.cluster_M, c.cluster_N) == (2, 2) for c in entries.values())
 
 
+FLOOR_PICK_ROUNDS = 3  # a GEMM's backends timed in turn this many times: one timing each let a clock dip pick the slower
+
+
 def _floor_per_kernel(cfg, shape: Shape, quack_tuned: bool = False) -> dict:
+    """Each step GEMM on every floor backend, timed in FLOOR_PICK_ROUNDS rounds, the backends' order reversed in every
+    other round; a backend's time is its median (the 1B floor on the H100 of 2026-12-06 had timed each once, and put
+    gate_up's weight gradient on quack at 1.706 ms where cuBLAS, timed at 1.740 then, took 1.497 on the next machine)."""
     M = shape.batch * shape.seq
     backends = floor_backends(quack_tuned)
     rows, total = [], 0.0
     for name, m, n, k, layout, count in step_gemms(cfg, M):
         a, b = gemm_operands(m, n, k, layout)
-        row, times = {"gemm": name, "m": m, "n": n, "k": k, "count": count}, {}
+        row, runs = {"gemm": name, "m": m, "n": n, "k": k, "count": count}, {}
         for backend in backends:
-            key = backend.replace("-", "_")
             try:
                 fn = floor_gemm(backend, a, b)
                 fn()  # compiles (quack), autotunes (quack-tuned)
-                times[backend] = row[f"{key}_ms"] = do_bench_graph(fn)
+                runs[backend] = replayable(fn)
             except Exception as e:  # no GPU, or a layout quack cannot run: the others alone
                 if backend == "cublas":
                     raise
-                row[f"{key}_error"] = f"{type(e).__name__}: {e}"[:200]
+                row[f"{backend.replace('-', '_')}_error"] = f"{type(e).__name__}: {e}"[:200]
+        rounds = {backend: [] for backend in runs}
+        for i in range(FLOOR_PICK_ROUNDS):
+            for backend in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
+                rounds[backend].append(do_bench(runs[backend]))
+        times = {backend: statistics.median(ms) for backend, ms in rounds.items()}
+        for backend, ms in rounds.items():
+            key = backend.replace("-", "_")
+            row[f"{key}_ms"], row[f"{key}_rounds_ms"] = times[backend], ms
         row["best"] = min(times, key=times.get)
         row["best_ms"] = times[row["best"]]
         total += count * row["best_ms"]
         rows.append(row)
-        del a, b
+        del a, b, runs  # the captured graphs hold their outputs (the LM head's: 4 GiB at 1B, one per backend)
     fwd, bwd = attention_calls(cfg, shape)
     attn_fwd, attn_bwd = do_bench_graph(fwd), do_bench_graph(bwd)
     attention = cfg.n_layers * (attn_fwd + attn_bwd)

@@ -311,8 +311,10 @@ def shape_table(r: dict) -> list[str]:
         on_tuned = sum(g["best"] == "quack-tuned" for g in floor["gemms"])
         at_2x2 = "quack-2x2" in floor.get("backends", ())  # since 2026-12-07, where CODA's table runs a 2x2 cluster
         on_2x2 = sum(g["best"] == "quack-2x2" for g in floor["gemms"])
+        rounds = len(floor["gemms"][0].get("cublas_rounds_ms", ()))  # since 2026-12-07: each backend timed in turn
         lines += ["", f"Floor: GEMMs {floor['gemm_ms']:.2f} ms (each at the fastest of cuBLAS and quack's default config"
-                  f"{' and autotuned pick' if tuned else ''}{', and that config at a 2x2 cluster' if at_2x2 else ''}: "
+                  f"{' and autotuned pick' if tuned else ''}{', and that config at a 2x2 cluster' if at_2x2 else ''}"
+                  f"{f', by the median of {rounds} timings each, taken in turn' if rounds > 1 else ''}: "
                   f"{sum(g['best'].startswith('quack') for g in floor['gemms'])} of {len(floor['gemms'])} shapes on quack"
                   f"{f', {on_tuned} of them autotuned' if tuned else ''}{f', {on_2x2} at 2x2' if at_2x2 else ''}) "
                   f"+ FlashAttention 4 {floor['attention_ms']:.2f} ms (forward {floor['attention_fwd_ms']:.3f} + "

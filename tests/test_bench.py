@@ -115,6 +115,38 @@ def test_floor_gemms_take_the_fastest_backend_that_runs():
     assert abs(floor["gemm_ms"] - sum(g["count"] * g["best_ms"] for g in floor["gemms"])) < 1e-9
 
 
+def test_floor_picks_each_gemms_backend_by_the_median_of_timings_taken_in_turn(monkeypatch):
+    """One timing each let a clock dip decide the floor's backend (cuBLAS's 1.74 ms against quack's 1.71 on the H100 of
+    2026-12-06, cuBLAS 1.50 on the next machine): each backend is timed FLOOR_PICK_ROUNDS times, the order reversed in
+    every other round, and its median decides."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench
+
+    scripted = {"cublas": [5.0, 1.0, 1.1], "quack": [1.2, 1.2, 1.2]}  # cuBLAS's first timing caught a clock dip
+    order = []
+
+    def floor_gemm(backend, a, b, out_dtype=None):
+        fn = lambda: None
+        fn.backend = backend
+        return fn
+
+    def do_bench(fn):
+        order.append(fn.backend)
+        return scripted[fn.backend][(sum(b == fn.backend for b in order) - 1) % 3]  # the same rounds for every GEMM
+
+    monkeypatch.setattr(bench, "floor_backends", lambda quack_tuned: ("cublas", "quack"))
+    monkeypatch.setattr(bench, "floor_gemm", floor_gemm)
+    monkeypatch.setattr(bench, "do_bench", do_bench)
+    monkeypatch.setattr(bench, "attention_calls", lambda cfg, shape: (lambda: None, lambda: None))
+    monkeypatch.setattr(bench, "do_bench_graph", lambda fn: 0.5)
+    shape = bench.SHAPES["smoke"]
+    floor = bench._floor_per_kernel(bench.model_config(shape), shape)
+    assert bench.FLOOR_PICK_ROUNDS == 3 and order[:6] == ["cublas", "quack", "quack", "cublas", "cublas", "quack"]
+    for g in floor["gemms"]:
+        assert g["best"] == "cublas" and g["best_ms"] == g["cublas_ms"] == 1.1, g
+        assert g["cublas_rounds_ms"] == [5.0, 1.0, 1.1] and g["quack_ms"] == 1.2, g
+
+
 def test_tuned_floor_times_its_sequence_again_with_quack_at_the_autotuned_pick(monkeypatch):
     """With quack_tuned, the back-to-back floor runs a second time with each GEMM the per-kernel floor put on quack's
     default config at quack's autotuned pick instead (the autotuner picks by back-to-back calls, the per-kernel floor
@@ -147,6 +179,7 @@ def test_tuned_floor_times_its_sequence_again_with_quack_at_the_autotuned_pick(m
     monkeypatch.setattr(bench, "floor_gemm", floor_gemm)
     monkeypatch.setattr(bench, "gemm_operands", gemm_operands)
     monkeypatch.setattr(bench, "do_bench_graph", do_bench_graph)
+    monkeypatch.setattr(bench, "do_bench", do_bench_graph)  # the per-kernel floor's rounds time the replayable fn
     floor = bench.bench_floor(cfg, shape, iters=1, warmup=0, sustain_s=0.0, quack_tuned=True)
     on_quack = sorted(g["gemm"] for g in floor["gemms"] if g["best"] == "quack")
     assert on_quack == sorted(name for name in names.values() if name.endswith("fwd"))
