@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 
 from coda_train.config import check_config
 from coda_train.data import DataError
+from coda_train.data.tokenizer import num_ids
 from coda_train.durable import LockHeldError, exclusive_lock
 from coda_train.errors import ConfigError
 from coda_train.model import preset
@@ -238,9 +239,30 @@ def test_shape_errors_fail_before_data_preparation(tiny, tmp_path):
         check_model_before_data(compose_config(tmp_path, *tiny), "cute")
     with pytest.raises(ConfigError, match="model.ffn_dim=100"):
         check_model_before_data(compose_config(tmp_path, *cute_ok, "model.ffn_dim=100"), "cute")
-    check_model_before_data(compose_config(tmp_path, *cute_ok, "model.vocab_multiple_of=1"), "cute")
     with pytest.raises(ConfigError, match="model.vocab_size=300"):
         check_model_before_data(compose_config(tmp_path, *cute_ok, "model.vocab_size=300"), "cute")
+
+
+def test_a_vocab_multiple_the_cute_lm_head_cannot_run_fails_before_data_preparation(tiny, tmp_path):
+    """A vocabulary that follows the tokenizer (model.vocab_size null) rounded up to a model.vocab_multiple_of that is
+    no multiple of 128 was refused only after data preparation (hours for a large corpus), naming a model.vocab_size
+    the config did not set: now at the start, naming model.vocab_multiple_of and values that run."""
+    cute_ok = [*tiny, "model.n_heads=2"]
+    check_model_before_data(compose_config(tmp_path, *cute_ok, "model.vocab_multiple_of=256"), "cute")
+    # a BPE trained here: its size is known only after data preparation, so every multiple of 64 must run
+    with pytest.raises(ConfigError, match=r"model.vocab_multiple_of=64: .*; set model.vocab_multiple_of=128 \(or "
+                                          r"another multiple of 128\), or model.vocab_size to a multiple of 128"):
+        check_model_before_data(compose_config(tmp_path, *cute_ok, "model.vocab_multiple_of=64"), "cute")
+    check_model_before_data(compose_config(tmp_path, *cute_ok, "model.vocab_multiple_of=1"), "reference")
+    # a given tokenizer is read at the start: its own count is checked, and the message names a model.vocab_size that runs
+    tiny_cache = Path(next(a for a in tiny if a.startswith("data.cache_dir=")).split("=", 1)[1])
+    tokenizer = next(tiny_cache.glob("*/tokenizer.json"))
+    tokens = num_ids(Tokenizer.from_file(str(tokenizer)))
+    given = [*cute_ok, f"data.tokenizer={tokenizer}"]
+    with pytest.raises(ConfigError, match=rf"the tokenizer's {tokens} tokens rounded up to a multiple of 1: {tokens}, .*"
+                                          rf"set model.vocab_multiple_of=128 .*, or model.vocab_size={-(-tokens // 128) * 128}$"):
+        check_model_before_data(compose_config(tmp_path, *given, "model.vocab_multiple_of=1"), "cute")
+    check_model_before_data(compose_config(tmp_path, *given), "cute")  # model.vocab_multiple_of=128
 
 
 def test_shape_errors_of_a_model_init_from_name_the_backend_not_its_fixed_fields(tmp_path):

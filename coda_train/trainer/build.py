@@ -263,13 +263,36 @@ def _shape_errors(cfg: Config, llama: LlamaConfig, backend: str) -> list[str]:
     return errors
 
 
+def _vocab_multiple_errors(cfg: Config, llama: LlamaConfig, backend: str, tokens: Optional[int]) -> list[str]:
+    """The kernels' vocabulary limits for a vocabulary that follows the tokenizer (model.vocab_size null), as a message
+    naming model.vocab_multiple_of: the tokenizer's `tokens` rounded up to it where the tokenizer was read, else every
+    multiple of it (a BPE trained here, or a tokenizer read with the data, has its count only after data preparation)."""
+    m = cfg.model.vocab_multiple_of
+
+    def refused(vocab: int) -> bool:
+        errors = _shape_errors(cfg, dataclasses.replace(llama, vocab_size=vocab), backend)
+        return any(e.startswith("model.vocab_size=") for e in errors)
+
+    if not refused(llama.vocab_size if tokens else m):  # every multiple of a multiple that runs runs too (divisibility)
+        return []
+    ok = next(k * m for k in range(1, 129) if not refused(k * m))  # lcm(m, 128) at the latest
+    if tokens:
+        vocab = next(v for v in range(tokens, tokens + 128 * ok) if not refused(v))
+        given, size = f"the tokenizer's {tokens} tokens rounded up to a multiple of {m}: {llama.vocab_size}", f"={vocab}"
+    else:
+        given, size = (f"the tokenizer's (known after data preparation) rounded up to a multiple of {m}",
+                       " to a multiple of 128 that holds the tokenizer's vocabulary")
+    return [f"model.vocab_multiple_of={m}: with model.vocab_size null the vocabulary is {given}, and the cute LM head "
+            f"needs a multiple of 128; set model.vocab_multiple_of={ok} (or another multiple of 128), or model.vocab_size{size}"]
+
+
 def check_model_before_data(cfg: Config, backend: str, resuming: bool = False,
                             init_from_shape: Optional[LlamaConfig] = None) -> Optional[LlamaConfig]:
     """The model checks that need no tokenizer, before data preparation (which can take long): every
-    model field, trainer.seq_len against max_seq_len, and the kernels' shape limits, all but the
-    vocabulary's when it follows the tokenizer (model.vocab_size null), a set model.vocab_size against the BPE
-    trained here (data.vocab_size tokens), and that model.init_from has weights (a new run's; a resumed one takes
-    them from its checkpoint).
+    model field, trainer.seq_len against max_seq_len, and the kernels' shape limits, the vocabulary's
+    where it follows the tokenizer (model.vocab_size null) on model.vocab_multiple_of (_vocab_multiple_errors), a
+    set model.vocab_size against the BPE trained here (data.vocab_size tokens), and that model.init_from has weights
+    (a new run's; a resumed one takes them from its checkpoint).
     resolve_model repeats the shape checks. Where model.init_from's tokenizer is the data's (no data.tokenizer),
     it is read here: an error names model.init_from. A resumed run whose model.init_from holds no config.json
     (init_from_missing) is checked once its checkpoint is found, against the shape it records (init_from_shape); so is
@@ -279,19 +302,21 @@ def check_model_before_data(cfg: Config, backend: str, resuming: bool = False,
     if resuming and init_from_shape is None and init_from_missing(cfg):
         return None
     # a BPE trained here has data.vocab_size tokens (a model.vocab_size of 0 or less is left to its own message)
+    vocab_read = False  # the tokenizer's vocabulary is known exactly now
     if cfg.data.tokenizer is None and cfg.model.init_from is None and (cfg.model.vocab_size is None or cfg.model.vocab_size > 0):
         vocab = cfg.data.vocab_size
     elif (cfg.data.tokenizer is not None and not (resuming and tokenizer_missing(cfg))  # gone: read with the data
           and (cfg.model.vocab_size is None or cfg.model.vocab_size > 0)):
         # a given tokenizer is the data's as it is: read now, so one with more tokens than the model is refused before
         # the corpus is tokenized with it (hours for a large one)
-        vocab = num_ids(load_tokenizer(cfg.data.tokenizer)[0])
+        vocab, vocab_read = num_ids(load_tokenizer(cfg.data.tokenizer)[0]), True
     else:  # read with the data: any vocabulary passes; 0 or less is refused
         vocab = 1 if cfg.model.vocab_size is None else cfg.model.vocab_size
     llama = resolve_model_config(cfg.model, vocab, cfg.trainer.seq_len, init_from_shape)
     errors = _shape_errors(cfg, llama, backend)
-    if cfg.model.vocab_size is None and cfg.model.init_from is None:  # the vocabulary follows the tokenizer (not yet read)
-        errors = [e for e in errors if not e.startswith("model.vocab_size=")]
+    if cfg.model.vocab_size is None and cfg.model.init_from is None:  # the vocabulary follows the tokenizer
+        errors = [e for e in errors if not e.startswith("model.vocab_size=")] + _vocab_multiple_errors(
+            cfg, llama, backend, vocab if vocab_read else None)
     if errors:
         raise ConfigError(f"kernels.backend={backend} cannot run this model: " + "; ".join(errors))
     if cfg.model.init_from is not None:
