@@ -42,7 +42,7 @@ from coda_train.data import DataError
 from coda_train.durable import write_synced
 from coda_train.errors import ConfigError
 from coda_train.kernels import resolve_backend
-from coda_train.trainer.build import check_model_before_data
+from coda_train.trainer.build import backend_on_device, check_model_before_data
 from coda_train.trainer.checkpoint import CHECKPOINTS_DIR, check_ckpt_async, list_checkpoints, resumes
 from coda_train.trainer.loop import (CONFIG_FILE, EXIT_BAD_INPUT, EXIT_NON_FINITE, STOP_ERRORS, exit_code,
                                      recorded_config, train)
@@ -279,8 +279,10 @@ def check_config_and_model(cfg: Config) -> None:
     check_config(cfg)
     if cfg.trainer.parallel in ("none", "ddp"):
         check_ckpt_async(cfg.trainer.ckpt_async, cfg.trainer.parallel)
-    check_model_before_data(cfg, "cute" if cfg.kernels.backend == "cute" else resolve_backend(cfg.kernels.backend),
-                            resuming=True)
+    backend = "cute" if cfg.kernels.backend == "cute" else resolve_backend(cfg.kernels.backend)
+    if cfg.trainer.device == "cpu":
+        backend = backend_on_device(cfg, backend, "cpu")
+    check_model_before_data(cfg, backend, resuming=True)
 
 
 def check_printed_config(argv: list[str]) -> None:

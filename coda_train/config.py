@@ -56,7 +56,8 @@ ModelConfig = _model_schema()
 
 @dataclass
 class KernelsConfig:
-    backend: str = "auto"  # one of coda_train.kernels.BACKENDS; auto: cute on a Hopper GPU, else reference
+    # one of coda_train.kernels.BACKENDS; auto: cute on a Hopper GPU (reference with trainer.device=cpu), else reference
+    backend: str = "auto"
     # one of kernels/tile_configs.py TUNE: GEMM shapes the tile config table lacks for this GPU (another width,
     # token count or GPU) run a safe default (off) or are tuned before the run starts, once, into the user's
     # cache, which every later run reads (once; a few minutes; docs/kernels.md)

@@ -358,6 +358,8 @@ def test_cfg_job_and_a_sweep_check_the_model_shape_as_a_run_does(tmp_path):
         refused = run_train("--cfg", "job", override, f"trainer.run_dir={tmp_path / 'run'}")
         assert refused.returncode == 1 and refused.stdout == "", (override, refused.stdout + refused.stderr)
         assert said in refused.stderr and "--cfg prints the config once that is fixed" in refused.stderr, refused.stderr
+    refused = run_train("--cfg", "job", "kernels.backend=cute", "trainer.device=cpu", f"trainer.run_dir={tmp_path / 'run'}")
+    assert refused.returncode == 1 and "kernels.backend=cute runs its kernels on the GPU" in refused.stderr, refused.stderr
     sweep = run_train("-m", "model.n_heads=4,3", "trainer.max_steps=2", f"trainer.run_dir={tmp_path / 'sweep'}")
     assert sweep.returncode == 1, sweep.stdout + sweep.stderr
     assert "multirun job #1 (" in sweep.stderr and "n_heads=3 must divide dim=256" in sweep.stderr, sweep.stderr
@@ -1140,6 +1142,21 @@ def test_device_cuda_without_a_gpu_names_the_fix():
     with pytest.raises(ConfigError, match="--device cuda but no CUDA GPU is visible; use --device auto or --device cpu"):
         pick_device("cuda", "--device ")  # scripts/eval.py and sample.py: their own option
     assert pick_device("auto") == torch.device("cpu")
+
+
+def test_trainer_device_cpu_on_a_hopper_machine_takes_no_cute_kernels(tiny, tmp_path, monkeypatch):
+    """On a machine where the cute backend loads (simulated), trainer.device=cpu ran kernels.backend=auto as cute: it
+    was refused as "cute ... compute in bfloat16 only, but trainer.compute_dtype=auto gives torch.float32", and with
+    bfloat16 it reached the first step, whose kernels refuse CPU tensors. Now auto is reference there, and
+    kernels.backend=cute is refused at the start, naming the fix, before the run dir or any data is touched."""
+    monkeypatch.setattr("coda_train.trainer.loop.resolve_backend", lambda name: "reference" if name == "reference" else "cute")
+    run = [*tiny, "trainer.device=cpu", "trainer.max_steps=2", "trainer.eval_every=0"]
+    train_in_process(tmp_path / "auto", *run)
+    assert metrics(tmp_path / "auto")[-1]["step"] == 2
+    with pytest.raises(ConfigError, match="kernels.backend=cute runs its kernels on the GPU, but trainer.device=cpu computes "
+                                          r"on the CPU; use trainer.device=cuda \(or auto\), or kernels.backend=reference"):
+        train_in_process(tmp_path / "cute", *run, "kernels.backend=cute", "trainer.compute_dtype=bfloat16")
+    assert not (tmp_path / "cute").exists()
 
 
 def test_cute_kernels_in_float32_name_the_fix(tiny, tmp_path):

@@ -43,6 +43,19 @@ def check_compute(cfg: Config, backend: str, compute_dtype: torch.dtype) -> None
                           "trainer.compute_dtype=bfloat16 (or auto), or kernels.backend=reference")
 
 
+def backend_on_device(cfg: Config, backend: str, device_type: str) -> str:
+    """The kernel backend a run on a `device_type` device computes with, from `backend` (resolve_backend's for
+    kernels.backend on this machine): the cute kernels take CUDA tensors only, so auto is reference on the CPU, and
+    kernels.backend=cute with trainer.device=cpu is a ConfigError naming the fix (model.impl=coda: the only one that
+    calls the kernels)."""
+    if backend != "cute" or device_type == "cuda":
+        return backend
+    if cfg.kernels.backend == "cute" and cfg.model.impl == "coda":
+        raise ConfigError(f"kernels.backend=cute runs its kernels on the GPU, but trainer.device={cfg.trainer.device} "
+                          "computes on the CPU; use trainer.device=cuda (or auto), or kernels.backend=reference (or auto)")
+    return "reference"
+
+
 def data_config(cfg: Config) -> DataConfig:
     """The run's data config (DataConfig.for_model: model.init_from's tokenizer unless data.tokenizer is set)."""
     return cfg.data.for_model(cfg.model.init_from)

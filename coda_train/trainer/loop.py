@@ -26,10 +26,11 @@ from coda_train.kernels.tile_configs import gpu_key
 from coda_train.model import LlamaConfig
 from coda_train.model.liger import require_liger
 
-from .build import (build_loader, build_train_state, check_compute, check_missing_tokenizer_is_the_runs,
-                    check_model_before_data, check_resume_before_data, check_state_fits, checkpoint_data, data_config,
-                    init_from_missing, init_from_shape, recorded_init_from, report_untuned_gemms, resolve_model,
-                    resumed_runs_prepared_data, tokenizer_missing, tune_untuned_gemms, vocab_settings)
+from .build import (backend_on_device, build_loader, build_train_state, check_compute,
+                    check_missing_tokenizer_is_the_runs, check_model_before_data, check_resume_before_data,
+                    check_state_fits, checkpoint_data, data_config, init_from_missing, init_from_shape,
+                    recorded_init_from, report_untuned_gemms, resolve_model, resumed_runs_prepared_data,
+                    tokenizer_missing, tune_untuned_gemms, vocab_settings)
 from .checkpoint import (CHECKPOINTS_DIR, CheckpointError, Checkpointer, check_ckpt_async, check_same_model,
                          find_resume_checkpoint, list_checkpoints, restore, resumes, resumes_newest_good, set_aside_newer)
 from .device import pick_compute_dtype, pick_device
@@ -232,6 +233,7 @@ def train(cfg: Config, run_dir: Path, sweep_dir: Optional[Path] = None, early: O
             check_logger(cfg.logger)
             backend = resolve_backend(cfg.kernels.backend)  # BackendError (e.g. cute without Hopper) before anything else
             device = pick_device(cfg.trainer.device)
+            backend = backend_on_device(cfg, backend, device.type)  # auto: reference on the CPU
             if cfg.model.impl == "liger":
                 require_liger(device)
             compute_dtype = pick_compute_dtype(cfg.trainer.compute_dtype, device)
