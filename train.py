@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 import hydra
+import torch
 import yaml
 from hydra import compose, initialize_config_dir
 from hydra._internal.utils import get_args_parser
@@ -42,7 +43,8 @@ from coda_train.data import DataError
 from coda_train.durable import write_synced
 from coda_train.errors import ConfigError
 from coda_train.kernels import resolve_backend
-from coda_train.trainer.build import backend_on_device, check_model_before_data
+from coda_train.trainer.build import backend_on_device, check_compute, check_model_before_data
+from coda_train.trainer.device import pick_compute_dtype
 from coda_train.trainer.checkpoint import CHECKPOINTS_DIR, check_ckpt_async, list_checkpoints, resumes
 from coda_train.trainer.loop import (CONFIG_FILE, EXIT_BAD_INPUT, EXIT_NON_FINITE, STOP_ERRORS, exit_code,
                                      recorded_config, train)
@@ -282,6 +284,8 @@ def check_config_and_model(cfg: Config) -> None:
     backend = "cute" if cfg.kernels.backend == "cute" else resolve_backend(cfg.kernels.backend)
     if cfg.trainer.device == "cpu":
         backend = backend_on_device(cfg, backend, "cpu")
+    # the cute kernels run on a GPU, where trainer.compute_dtype=auto is bfloat16: float32 is refused as a run refuses it
+    check_compute(cfg, backend, pick_compute_dtype(cfg.trainer.compute_dtype, torch.device("cuda")))
     check_model_before_data(cfg, backend, resuming=True)
 
 

@@ -360,6 +360,9 @@ def test_cfg_job_and_a_sweep_check_the_model_shape_as_a_run_does(tmp_path):
         assert said in refused.stderr and "--cfg prints the config once that is fixed" in refused.stderr, refused.stderr
     refused = run_train("--cfg", "job", "kernels.backend=cute", "trainer.device=cpu", f"trainer.run_dir={tmp_path / 'run'}")
     assert refused.returncode == 1 and "kernels.backend=cute runs its kernels on the GPU" in refused.stderr, refused.stderr
+    # the cute kernels compute in bfloat16 only: a sweep over compute_dtype trained job 0 before job 1 was refused
+    refused = run_train("--cfg", "job", "kernels.backend=cute", "trainer.compute_dtype=float32", f"trainer.run_dir={tmp_path / 'run'}")
+    assert refused.returncode == 1 and "compute in bfloat16 only" in refused.stderr, refused.stderr
     sweep = run_train("-m", "model.n_heads=4,3", "trainer.max_steps=2", f"trainer.run_dir={tmp_path / 'sweep'}")
     assert sweep.returncode == 1, sweep.stdout + sweep.stderr
     assert "multirun job #1 (" in sweep.stderr and "n_heads=3 must divide dim=256" in sweep.stderr, sweep.stderr
