@@ -251,14 +251,15 @@ def test_stop_signal_saves_a_resumable_checkpoint(tiny, tmp_path, stop_signal):
 def test_a_repeated_sigterm_does_not_cut_the_stop_short():
     """SIGTERM often comes twice: a scheduler (Slurm, systemd) signals every process, and torchrun forwards the one it
     gets to its workers. The second must not end a worker at once (no checkpoint, the other ranks' collectives cut);
-    a second Ctrl-C (SIGINT) still does. Signals to itself in a child, whose death is the failure."""
-    code = ("import os, signal\n"
+    a second Ctrl-C (SIGINT) still does. Signals to itself in a child, whose death is the failure; raise_signal runs
+    each handler before it returns (two os.kill calls could land on torch's threads and merge into one signal)."""
+    code = ("import signal\n"
             "from coda_train.trainer.loop import StopSignal\n"
             "stop = StopSignal()\n"
             "for _ in range(2):\n"
-            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    signal.raise_signal(signal.SIGTERM)\n"
             "print('stopping on', signal.Signals(stop.received).name)\n"
-            "os.kill(os.getpid(), signal.SIGINT)\n")
+            "signal.raise_signal(signal.SIGINT)\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout == "stopping on SIGTERM\n", (result.returncode, result.stderr)
     twice = subprocess.run([sys.executable, "-c", code.replace("SIGTERM", "SIGINT")], cwd=REPO, capture_output=True,
