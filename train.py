@@ -44,8 +44,8 @@ from coda_train.durable import write_synced
 from coda_train.errors import ConfigError
 from coda_train.kernels import resolve_backend
 from coda_train.trainer.build import backend_on_device, check_compute, check_model_before_data
-from coda_train.trainer.device import pick_compute_dtype
 from coda_train.trainer.checkpoint import CHECKPOINTS_DIR, check_ckpt_async, list_checkpoints, resumes
+from coda_train.trainer.device import pick_compute_dtype
 from coda_train.trainer.loop import (CONFIG_FILE, EXIT_BAD_INPUT, EXIT_NON_FINITE, STOP_ERRORS, exit_code,
                                      recorded_config, train)
 from coda_train.trainer.metrics import METRICS_FILE
