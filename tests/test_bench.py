@@ -147,6 +147,37 @@ def test_floor_picks_each_gemms_backend_by_the_median_of_timings_taken_in_turn(m
         assert g["cublas_rounds_ms"] == [5.0, 1.0, 1.1] and g["quack_ms"] == 1.2, g
 
 
+def test_a_floor_backend_whose_replay_fails_is_recorded_and_left_out(monkeypatch):
+    """A quack GEMM that captures but fails when timed leaves its error in the row and the GEMM on the
+    backends that ran, as a failed capture does; cuBLAS failing still ends the floor."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench
+
+    def floor_gemm(backend, a, b, out_dtype=None):
+        fn = lambda: None
+        fn.backend = backend
+        return fn
+
+    def do_bench(fn):
+        if fn.backend == failing:
+            raise RuntimeError("replay failed")
+        return 1.0
+
+    monkeypatch.setattr(bench, "floor_backends", lambda quack_tuned: ("cublas", "quack"))
+    monkeypatch.setattr(bench, "floor_gemm", floor_gemm)
+    monkeypatch.setattr(bench, "do_bench", do_bench)
+    monkeypatch.setattr(bench, "attention_calls", lambda cfg, shape: (lambda: None, lambda: None))
+    monkeypatch.setattr(bench, "do_bench_graph", lambda fn: 0.5)
+    shape = bench.SHAPES["smoke"]
+    failing = "quack"
+    floor = bench._floor_per_kernel(bench.model_config(shape), shape)
+    for g in floor["gemms"]:
+        assert g["best"] == "cublas" and g["quack_error"] == "RuntimeError: replay failed" and "quack_ms" not in g, g
+    failing = "cublas"
+    with pytest.raises(RuntimeError, match="replay failed"):
+        bench._floor_per_kernel(bench.model_config(shape), shape)
+
+
 def test_tuned_floor_times_its_sequence_again_with_quack_at_the_autotuned_pick(monkeypatch):
     """With quack_tuned, the back-to-back floor runs a second time with each GEMM the per-kernel floor put on quack's
     default config at quack's autotuned pick instead (the autotuner picks by back-to-back calls, the per-kernel floor
