@@ -196,10 +196,9 @@ def shared_steps(runs: list[Run]) -> np.ndarray | None:
     return functools.reduce(np.intersect1d, (r.steps for r in runs))
 
 
-def logged_apart(runs: list[Run], span: float) -> bool:
+def logged_apart(runs: list[Run], span: float, steps: np.ndarray | None) -> bool:
     """Whether some run logged steps in the final-loss span that another did not (the column then averages fewer
-    points than that run logged: its header says so)."""
-    steps = shared_steps(runs)
+    points than that run logged: its header says so); steps: shared_steps(runs)."""
     return steps is not None and any(not np.isin(r.steps[r.steps > r.steps[-1] - span], steps).all() for r in runs)
 
 
@@ -208,11 +207,11 @@ def window_span(runs: list[Run], window: int) -> float:
     return window * max((float(np.median(np.diff(r.steps))) for r in runs if len(r.steps) > 1), default=1.0)
 
 
-def compare(runs: list[Run], window: int) -> list[dict]:
-    """One table row per run; |Δ| columns are against runs[0] on the steps both logged."""
+def compare(runs: list[Run], window: int, steps: np.ndarray | None) -> list[dict]:
+    """One table row per run; |Δ| columns are against runs[0] on the steps both logged; steps: shared_steps(runs),
+    where the final train losses are averaged."""
     ref = runs[0]
     span = window_span(runs, window)
-    steps = shared_steps(runs)
     table = []
     for run in runs:
         common, i_ref, i_run = np.intersect1d(ref.steps, run.steps, return_indices=True)
@@ -254,7 +253,7 @@ def pairs(runs: list[Run], window: int) -> list[dict]:
     rows = []
     for i, a in enumerate(runs):
         for b in runs[i + 1:]:
-            row = compare([a, b], window)[1]
+            row = compare([a, b], window, shared_steps([a, b]))[1]
             differ = settings_differ(a, b)
             rows.append({"a": a.name, "b": b.name, "settings_differ": differ,
                          "same_model": a.program is not None and a.program == b.program and not differ,
@@ -398,9 +397,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if (foreign := not_a_comparison(out)) is not None:
         p.error(f"{foreign} exists and is not an earlier comparison's output (this command writes {out.name} and the "
                 f"{out.stem}.md and {out.stem}.json beside it); choose another --out")
-    table = compare(runs, window)
+    steps = shared_steps(runs)
+    table = compare(runs, window, steps)
     span = window_span(runs, window)
-    md = markdown(table, span, logged_apart(runs, span))
+    md = markdown(table, span, logged_apart(runs, span, steps))
     result = {"smooth_window": window, "runs": table}
     if len(runs) >= 3:
         result["pairs"] = pairs(runs, window)

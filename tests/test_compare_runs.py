@@ -265,7 +265,7 @@ def test_a_line_with_a_null_loss_is_no_training_step(tmp_path):
     read = compare_runs.read_run(run)
     assert list(read.steps) == [1, 2, 3, 4, 5] and not np.isnan(read.loss).any()
     assert list(read.val_steps) == [5] and list(read.val_loss) == [4.0]
-    row = compare_runs.compare([read, read], 1)[1]
+    row = compare_runs.compare([read, read], 1, compare_runs.shared_steps([read, read]))[1]
     assert row["final_train_loss"] == pytest.approx(4.5) and row["mean_abs_dloss"] == 0.0
 
 
