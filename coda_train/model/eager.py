@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..kernels.declare import stat_dtype
 from .config import LlamaConfig
 from .weights import LayerWeights, LlamaWeights
 
@@ -47,8 +48,8 @@ class EagerLlama(LlamaWeights):
         """Mean next-token cross-entropy of targets given tokens, both (B, T)."""
         self._check_batch(tokens, targets)
         logits = self.logits(tokens)
-        loss_dtype = torch.float64 if self.compute_dtype == torch.float64 else torch.float32  # the RoPE table precision
-        return F.cross_entropy(logits.to(loss_dtype).flatten(0, 1), targets.reshape(-1))
+        # the loss statistics in stat_dtype, as the CODA model's fused cross-entropy keeps them
+        return F.cross_entropy(logits.to(stat_dtype(self.compute_dtype)).flatten(0, 1), targets.reshape(-1))
 
     def logits(self, tokens: Tensor, cache: Optional[KVCache] = None) -> Tensor:
         """Logits (B, T, vocab) in the compute dtype. With a cache, tokens continue the cached

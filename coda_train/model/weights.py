@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
+from ..kernels.declare import stat_dtype
 from .config import LlamaConfig
 
 
@@ -146,7 +147,7 @@ class LlamaWeights(nn.Module):
         if seq_len > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds model.max_seq_len={self.cfg.max_seq_len}; "
                              "raise model.max_seq_len or shorten the sequences")
-        dtype = torch.float64 if self.compute_dtype == torch.float64 else torch.float32
+        dtype = stat_dtype(self.compute_dtype)  # the ops' RoPE table dtype (declare.Example.rope)
         key = (rows, seq_len, torch.device(device), dtype)
         if key not in self._rope_cache:  # the same few tables every step: build each once
             with torch.inference_mode(False):  # a normal tensor even under inference_mode: training reuses it
