@@ -31,7 +31,7 @@ from torch import Tensor
 from ..data.tokenizer import num_ids
 from ..errors import ConfigError
 from .config import LlamaConfig
-from .weights import LlamaWeights
+from .weights import LlamaWeights, rope_rows_to_halves, rope_rows_to_interleaved
 
 # BOS names of common tokenizers (Llama-3, Llama-2/Mistral, Gemma); a tokenizer with none of them
 # (our trained BPE) starts documents after its EOS, which then serves as BOS too (as in GPT-2).
@@ -48,16 +48,6 @@ def _require_hf():
     return transformers
 
 
-def _rope_rows_to_halves(w: Tensor, n_heads: int) -> Tensor:
-    """Rows of each head in [even | odd] order: our interleaved RoPE layout -> transformers' halves."""
-    return w.unflatten(0, (n_heads, -1, 2)).transpose(1, 2).flatten(0, 2)
-
-
-def _rope_rows_to_interleaved(w: Tensor, n_heads: int) -> Tensor:
-    """Inverse of _rope_rows_to_halves."""
-    return w.unflatten(0, (n_heads, 2, -1)).transpose(1, 2).flatten(0, 2)
-
-
 def to_hf_state_dict(state_dict: dict[str, Tensor], cfg: LlamaConfig) -> dict[str, Tensor]:
     """Our parameters (LlamaWeights.state_dict()) under transformers' LlamaForCausalLM names."""
     hd, f = cfg.head_dim, cfg.ffn_dim
@@ -67,8 +57,8 @@ def to_hf_state_dict(state_dict: dict[str, Tensor], cfg: LlamaConfig) -> dict[st
     for i in range(cfg.n_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
         q, k, v = state_dict[ours + "w_qkv"].split([cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd])
-        out[theirs + "self_attn.q_proj.weight"] = _rope_rows_to_halves(q, cfg.n_heads)
-        out[theirs + "self_attn.k_proj.weight"] = _rope_rows_to_halves(k, cfg.n_kv_heads)
+        out[theirs + "self_attn.q_proj.weight"] = rope_rows_to_halves(q, cfg.n_heads)
+        out[theirs + "self_attn.k_proj.weight"] = rope_rows_to_halves(k, cfg.n_kv_heads)
         out[theirs + "self_attn.v_proj.weight"] = v
         out[theirs + "self_attn.o_proj.weight"] = state_dict[ours + "w_o"]
         out[theirs + "mlp.gate_proj.weight"], out[theirs + "mlp.up_proj.weight"] = state_dict[ours + "w_gate_up"].split([f, f])
@@ -95,8 +85,8 @@ def from_hf_state_dict(hf: dict[str, Tensor], cfg: LlamaConfig) -> dict[str, Ten
         out["lm_head"] = hf["lm_head.weight"]
     for i in range(cfg.n_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        out[ours + "w_qkv"] = torch.cat((_rope_rows_to_interleaved(hf[theirs + "self_attn.q_proj.weight"], cfg.n_heads),
-                                         _rope_rows_to_interleaved(hf[theirs + "self_attn.k_proj.weight"], cfg.n_kv_heads),
+        out[ours + "w_qkv"] = torch.cat((rope_rows_to_interleaved(hf[theirs + "self_attn.q_proj.weight"], cfg.n_heads),
+                                         rope_rows_to_interleaved(hf[theirs + "self_attn.k_proj.weight"], cfg.n_kv_heads),
                                          hf[theirs + "self_attn.v_proj.weight"]))
         out[ours + "w_o"] = hf[theirs + "self_attn.o_proj.weight"]
         out[ours + "w_gate_up"] = torch.cat((hf[theirs + "mlp.gate_proj.weight"], hf[theirs + "mlp.up_proj.weight"]))

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .eager import EagerLlama
+from .weights import rope_rows_to_halves
 
 
 def require_liger(device: torch.device) -> None:
@@ -61,9 +62,7 @@ class LigerLlama(EagerLlama):
     def _interleaved_to_halves_rows(self, device: torch.device) -> Tensor:
         """Row order of w_qkv: in each q and k head, even columns then odd ones; v rows unchanged. Built on
         the device: a host-built index copied there would sync the stream every forward."""
-        cfg, hd = self.cfg, self.cfg.head_dim
-        arange = lambda *a: torch.arange(*a, device=device)  # noqa: E731
-        per_head = torch.cat((arange(0, hd, 2), arange(1, hd, 2)))
-        n_rope_heads = cfg.n_heads + cfg.n_kv_heads
-        rope_rows = (arange(n_rope_heads)[:, None] * hd + per_head).flatten()
-        return torch.cat((rope_rows, arange(n_rope_heads * hd, cfg.qkv_dim)))
+        n_rope_heads = self.cfg.n_heads + self.cfg.n_kv_heads
+        rows = torch.arange(self.cfg.qkv_dim, device=device)
+        n_rope_rows = n_rope_heads * self.cfg.head_dim
+        return torch.cat((rope_rows_to_halves(rows[:n_rope_rows], n_rope_heads), rows[n_rope_rows:]))

@@ -34,6 +34,17 @@ class LayerWeights(nn.Module):
         return block(self, *inputs)
 
 
+def rope_rows_to_halves(w: Tensor, n_heads: int) -> Tensor:
+    """Rows of each head in [even | odd] order: our interleaved RoPE layout (pairs 2i, 2i+1) -> the halves layout
+    (i, i + head_dim/2) of transformers and Liger."""
+    return w.unflatten(0, (n_heads, -1, 2)).transpose(1, 2).flatten(0, 2)
+
+
+def rope_rows_to_interleaved(w: Tensor, n_heads: int) -> Tensor:
+    """Inverse of rope_rows_to_halves."""
+    return w.unflatten(0, (n_heads, 2, -1)).transpose(1, 2).flatten(0, 2)
+
+
 def gathered(module: nn.Module) -> nn.Module:
     """module with its own parameters readable outside its forward: an FSDP2 unit waits for its
     all-gather (issued ahead by its forward prefetch); any other module is returned as it is."""
