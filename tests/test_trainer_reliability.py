@@ -650,6 +650,35 @@ def test_a_resume_whose_data_tokenizer_is_gone_continues_on_the_data_it_prepared
     assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3, 4]
 
 
+def test_a_start_reads_the_data_tokenizer_once(tiny, tmp_path, monkeypatch):
+    """data.tokenizer is read once per start: its vocabulary checked before the data, then the data prepared with the
+    same tokenizer; a resume whose prepared folder is gone compares its fingerprint with that one too. The file was
+    read two times by a new run and three times by such a resume."""
+    tiny_cache = Path(next(a for a in tiny if a.startswith("data.cache_dir=")).split("=", 1)[1])
+    tokenizer, cache, run_dir = tmp_path / "tokenizer.json", tmp_path / "cache", tmp_path / "run"
+    shutil.copy(next(tiny_cache.glob("*/tokenizer.json")), tokenizer)
+    run = (*tiny, f"data.tokenizer={tokenizer}", f"data.cache_dir={cache}", "trainer.eval_every=0")
+    reads = []
+
+    class CountingTokenizer:  # tokenizer.py's Tokenizer, counting the files load_tokenizer reads
+        from_str = staticmethod(Tokenizer.from_str)
+
+        @staticmethod
+        def from_file(path: str) -> Tokenizer:
+            reads.append(path)
+            return Tokenizer.from_file(path)
+
+    monkeypatch.setattr("coda_train.data.tokenizer.Tokenizer", CountingTokenizer)
+    train_in_process(run_dir, *run, "trainer.max_steps=2")
+    assert reads == [str(tokenizer)]
+    (folder,) = cache.iterdir()
+    shutil.rmtree(folder)  # the resume checks the tokenizer's fingerprint, then prepares the data again
+    reads.clear()
+    train_in_process(run_dir, *run, "trainer.max_steps=3")
+    assert reads == [str(tokenizer)]
+    assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3]
+
+
 def test_a_resume_its_checkpoint_would_refuse_stops_before_the_data_is_prepared(tiny, tmp_path, monkeypatch):
     """Data settings that give other shards or another BPE, another trainer.seq_len or seed, another model shape: the
     checkpoint's meta.json says so before any preparation (hours for a large corpus), naming the saved values."""

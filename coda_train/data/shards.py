@@ -30,8 +30,8 @@ from .config import DataConfig, DataError
 from .progress import Progress
 from .sources import (DECOMPRESSORS, DocumentCounts, Source, check_text_columns, iter_document_parts,
                       json_read_as_text, names_hub_dataset, resolve_source)
-from .tokenizer import (cuts_at_newlines, encode_documents, find_eos, fingerprint, for_documents, load_tokenizer, num_ids,
-                        token_dtype, train_bpe)
+from .tokenizer import (LoadedTokenizer, cuts_at_newlines, encode_documents, find_eos, fingerprint, for_documents,
+                        load_tokenizer, num_ids, token_dtype, train_bpe)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")  # what _StopSignals.checked passes through: documents, or (text, ends) parts
@@ -191,13 +191,15 @@ def _write_verified(folder: Path, verified: dict) -> None:
                     "data.verify_shards=never to skip that", folder, e)
 
 
-def prepare(cfg: DataConfig, log_notes: bool = True) -> PreparedData:
+def prepare(cfg: DataConfig, log_notes: bool = True, tokenizer: Optional[LoadedTokenizer] = None) -> PreparedData:
     """Prepare cfg's data under cfg.cache_dir, or reuse the folder prepared from the same inputs.
 
     Runs preparing the same inputs take turns on a lock file, so a second one waits and reuses the first one's folder.
     SIGTERM/SIGINT raise PreparationInterrupted after the worker pool and the temp folder are cleaned up.
     log_notes: say which folder is reused, and that a hub dataset is not pinned (the trainer's rank 0 alone: every rank
     calls this).
+    tokenizer: load_tokenizer(cfg.tokenizer) where the caller read it already (a run's start reads the file once, so
+    its checks and its data see the same tokenizer); read here otherwise.
     """
     if not isinstance(cfg, DataConfig):  # a hydra DictConfig or a plain dict with the same keys
         cfg = DataConfig(**cfg)
@@ -206,7 +208,7 @@ def prepare(cfg: DataConfig, log_notes: bool = True) -> PreparedData:
         log.info("hub dataset %r is not pinned (data.revision unset): it is prepared from whatever revision the hub "
                  "serves at the time, and a folder prepared so is reused after the dataset changes; set "
                  "data.revision=<commit sha> to pin it (a branch or tag can move)", cfg.source)
-    requested, config_eos = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else (None, None)
+    requested, config_eos = (tokenizer or load_tokenizer(cfg.tokenizer)) if cfg.tokenizer else (None, None)
     cache_dir = final.parent
     expected_tokenizer = fingerprint(requested) if requested else None
     if final.exists():

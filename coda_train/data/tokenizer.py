@@ -18,6 +18,8 @@ KNOWN_EOS_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 # longest pre-tokenized piece, in bytes: BPE training cost grows with the square of a piece's length, so a long run
 # without whitespace (minified code, base64, "abab...") is cut into pieces this long; ordinary words are far shorter
 MAX_PIECE_BYTES = 64
+# load_tokenizer's result: the tokenizer, and the EOS its tokenizer_config.json (or special_tokens_map.json) names
+LoadedTokenizer = tuple[Tokenizer, Optional[str]]
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, show_progress: bool = False) -> Tokenizer:
@@ -48,7 +50,7 @@ def tokenizer_file(path: str) -> Path:
 
 
 def load_tokenizer(path: str, setting: str = "data.tokenizer",
-                   otherwise: str = "leave it unset to train a BPE") -> tuple[Tokenizer, Optional[str]]:
+                   otherwise: str = "leave it unset to train a BPE") -> LoadedTokenizer:
     """A tokenizer.json file or an HF tokenizer directory; also returns the EOS named in its tokenizer_config.json
     (else special_tokens_map.json), if any.
     `setting` is where the caller's user gave the path (data.tokenizer, model.init_from, a script's --tokenizer) and

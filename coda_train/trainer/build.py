@@ -20,7 +20,7 @@ from coda_train.config import Config, TrainerConfig, resolve_model_config
 from coda_train.data import DataConfig, DataError, PreparedData, TokenLoader, prepared_folder
 from coda_train.data.loader import GLOBAL_BATCH, global_batch_refusal
 from coda_train.data.shards import MANIFEST
-from coda_train.data.tokenizer import fingerprint, load_tokenizer, num_ids, tokenizer_file
+from coda_train.data.tokenizer import LoadedTokenizer, fingerprint, load_tokenizer, num_ids, tokenizer_file
 from coda_train.errors import ConfigError
 from coda_train.model import LlamaConfig, build_model, kernel_shape_errors
 
@@ -216,12 +216,14 @@ _RESUME_DATA = tuple(k for k in _PREPARED_BY if k not in ("split", "text_field")
 
 
 def check_resume_before_data(cfg: Config, checkpoint: Checkpoint, world_size: int,
-                             init_from_shape: Optional[LlamaConfig] = None) -> None:
+                             init_from_shape: Optional[LlamaConfig] = None,
+                             tokenizer: Optional[LoadedTokenizer] = None) -> None:
     """What a resumed run would otherwise refuse only after preparing its data (hours for a large corpus), read from
     the checkpoint's meta.json: the data settings that decide other shards, trainer.seq_len (other windows), another
     global batch on another micro-batch layout (TokenLoader.load_state_dict's rule), the model's shape, and a given
     tokenizer of another fingerprint where the run's prepared folder is gone (the data would be prepared with it).
-    CheckpointError naming the checkpoint's values; nothing is prepared or written."""
+    CheckpointError naming the checkpoint's values; nothing is prepared or written. tokenizer: the data's
+    (check_model_before_data's), where read already."""
     saved = checkpoint.meta.get("config") or {}
     saved_trainer, saved_data, data = saved.get("trainer") or {}, saved.get("data") or {}, data_config(cfg)
     changed = {f"trainer.{k}": (saved_trainer[k], getattr(cfg.trainer, k)) for k in ("seed", "seq_len")
@@ -248,7 +250,7 @@ def check_resume_before_data(cfg: Config, checkpoint: Checkpoint, world_size: in
     # another fingerprint only once that is done
     recorded = checkpoint.meta.get("tokenizer")
     if data.tokenizer is not None and recorded and recorded_prepared_folder(checkpoint.meta) is None:
-        given = fingerprint(load_tokenizer(data.tokenizer)[0])
+        given = fingerprint((tokenizer or load_tokenizer(data.tokenizer))[0])
         if given != recorded:
             setting = "data.tokenizer" if cfg.data.tokenizer is not None else "model.init_from"
             raise CheckpointError(f"{setting}={data.tokenizer} is another tokenizer (fingerprint {given[:12]}...) than "
@@ -300,7 +302,8 @@ def _vocab_multiple_errors(cfg: Config, llama: LlamaConfig, backend: str, tokens
 
 
 def check_model_before_data(cfg: Config, backend: str, resuming: bool = False,
-                            init_from_shape: Optional[LlamaConfig] = None) -> Optional[LlamaConfig]:
+                            init_from_shape: Optional[LlamaConfig] = None
+                            ) -> tuple[Optional[LlamaConfig], Optional[LoadedTokenizer]]:
     """The model checks that need no tokenizer, before data preparation (which can take long): every
     model field, trainer.seq_len against max_seq_len, and the kernels' shape limits, the vocabulary's
     where it follows the tokenizer (model.vocab_size null) on model.vocab_multiple_of (_vocab_multiple_errors), a
@@ -311,9 +314,12 @@ def check_model_before_data(cfg: Config, backend: str, resuming: bool = False,
     (init_from_missing) is checked once its checkpoint is found, against the shape it records (init_from_shape); so is
     one whose data.tokenizer is gone (tokenizer_missing), whose data the checkpoint's prepared folder then gives.
     Returns the model as far as it is known before the data (for check_state_fits): its vocabulary 1 where the
-    tokenizer is read with the data, so every size is a lower bound; None where the shape waits for the checkpoint."""
+    tokenizer is read with the data, so every size is a lower bound; None where the shape waits for the checkpoint.
+    And the data's tokenizer (data_config(cfg).tokenizer) where it was read here, else None: the run prepares its data
+    with that one, not a second read of the file."""
     if resuming and init_from_shape is None and init_from_missing(cfg):
-        return None
+        return None, None
+    read: Optional[LoadedTokenizer] = None
     # a BPE trained here has data.vocab_size tokens (a model.vocab_size of 0 or less is left to its own message)
     vocab_read = False  # the tokenizer's vocabulary is known exactly now
     if cfg.data.tokenizer is None and cfg.model.init_from is None and (cfg.model.vocab_size is None or cfg.model.vocab_size > 0):
@@ -322,7 +328,8 @@ def check_model_before_data(cfg: Config, backend: str, resuming: bool = False,
           and (cfg.model.vocab_size is None or cfg.model.vocab_size > 0)):
         # a given tokenizer is the data's as it is: read now, so one with more tokens than the model is refused before
         # the corpus is tokenized with it (hours for a large one)
-        vocab, vocab_read = num_ids(load_tokenizer(cfg.data.tokenizer)[0]), True
+        read = load_tokenizer(cfg.data.tokenizer)
+        vocab, vocab_read = num_ids(read[0]), True
     else:  # read with the data: any vocabulary passes; 0 or less is refused
         vocab = 1 if cfg.model.vocab_size is None else cfg.model.vocab_size
     llama = resolve_model_config(cfg.model, vocab, cfg.trainer.seq_len, init_from_shape)
@@ -338,8 +345,8 @@ def check_model_before_data(cfg: Config, backend: str, resuming: bool = False,
         if not resuming:  # read after data preparation: a missing file would be found that late
             hf_weight_files(cfg.model.init_from)
         if cfg.data.tokenizer is None and init_from_shape is None:  # without config.json: the checkpoint's data
-            load_tokenizer(cfg.model.init_from, "model.init_from", "set data.tokenizer to that model's tokenizer")
-    return llama
+            read = load_tokenizer(cfg.model.init_from, "model.init_from", "set data.tokenizer to that model's tokenizer")
+    return llama, read
 
 
 # bytes a parameter of the training state that FSDP2 shards: the fp32 master weight, its fp32 gradient and AdamW's two

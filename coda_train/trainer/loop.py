@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 
 from coda_train.config import Config, check_config
 from coda_train.data import DataError, PreparationInterrupted, TokenLoader, prepare
+from coda_train.data.tokenizer import LoadedTokenizer
 from coda_train.durable import LockHeldError
 from coda_train.errors import ConfigError
 from coda_train.kernels import resolve_backend
@@ -240,7 +241,7 @@ def train(cfg: Config, run_dir: Path, sweep_dir: Optional[Path] = None, early: O
             check_compute(cfg, backend, compute_dtype)
             # a resumed run takes its weights from its checkpoint (and its shape where model.init_from is gone):
             # model.init_from's are checked for a new run only
-            llama = check_model_before_data(cfg, backend, resumes(cfg.trainer.resume, run_dir))
+            llama, tokenizer = check_model_before_data(cfg, backend, resumes(cfg.trainer.resume, run_dir))
             world = init_world(device.type)
             held.callback(close_world, world)
             parallel = resolve_parallel(cfg.trainer.parallel, world)
@@ -257,7 +258,7 @@ def train(cfg: Config, run_dir: Path, sweep_dir: Optional[Path] = None, early: O
             early.detach()  # in train.log now (rank 0); no rank keeps collecting
             holding = True
             result = _train(cfg, run_dir, backend, process_device(device, world), compute_dtype, world, parallel,
-                            cuda_graphs, sweep_dir)
+                            cuda_graphs, sweep_dir, tokenizer)
             barrier(world)  # every rank done (rank 0's last checkpoint too) before gloo/NCCL tear down
             return result
         except STOP_ERRORS as e:
@@ -277,7 +278,9 @@ def train(cfg: Config, run_dir: Path, sweep_dir: Optional[Path] = None, early: O
 
 
 def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compute_dtype: torch.dtype,
-           world: World, parallel: str, cuda_graphs: bool, sweep_dir: Optional[Path]) -> Optional[dict[str, Any]]:
+           world: World, parallel: str, cuda_graphs: bool, sweep_dir: Optional[Path],
+           tokenizer: Optional[LoadedTokenizer]) -> Optional[dict[str, Any]]:
+    # tokenizer: the data's as check_model_before_data read it (None where it read none): the file is read once
     # trainer.parallel as it resolved (fsdp, ddp or none), as config.yaml and meta.json record it: a resume that names
     # the same mode otherwise (auto) is the same run, not changed settings whose metrics lines are set aside
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, parallel=parallel))
@@ -303,7 +306,7 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
         check_missing_tokenizer_is_the_runs(cfg, resume_from)
     data_from_checkpoint = (shape is not None and cfg.data.tokenizer is None) or tokenizer_gone  # its tokenizer is gone
     if shape is not None:
-        llama = check_model_before_data(cfg, backend, resuming=True, init_from_shape=shape)
+        llama, tokenizer = check_model_before_data(cfg, backend, resuming=True, init_from_shape=shape)
         refused_on_any_rank(lambda: check_state_fits(cfg, llama, device, compute_dtype, world.world_size, parallel), world)
         if world.is_main:
             log.warning("model.init_from=%s holds no config.json any more: this resumed run takes the model's shape%s "
@@ -311,7 +314,7 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
                         " and its prepared data" if data_from_checkpoint else "", resume_from.path)
     # what the checkpoint would refuse once the data is prepared, refused before (checkpoint_data compares its own)
     if resume_from is not None and not data_from_checkpoint:
-        check_resume_before_data(cfg, resume_from, world.world_size, shape)
+        check_resume_before_data(cfg, resume_from, world.world_size, shape, tokenizer)
     # every rank, no collective around it: the cache folder's lock lets one process prepare while the others wait
     # as long as it takes (a barrier would time out under NCCL after 10 minutes; a first preparation can take longer)
     if data_from_checkpoint:
@@ -321,7 +324,7 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
                         "with it, %s, which holds a copy of it", cfg.data.tokenizer, data.path)
     else:  # a resumed run whose corpus changed continues on the data it prepared
         prepared = resumed_runs_prepared_data(resume_from, data_config(cfg), world) if resume_from is not None else None
-        data = prepared or prepare(data_config(cfg), log_notes=world.is_main)
+        data = prepared or prepare(data_config(cfg), log_notes=world.is_main, tokenizer=tokenizer)
     # both loaders before the model: a split too small for one batch stops the run before any GPU work
     train_loader = build_loader(data, "train", t, world)
     val_loader = build_loader(data, "val", t, world) if t.eval_every else None
