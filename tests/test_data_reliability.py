@@ -2,6 +2,7 @@
 
 import bz2
 import contextlib
+import errno
 import gzip
 import json
 import logging
@@ -470,6 +471,28 @@ def test_a_killed_preparation_of_other_data_leaves_no_temp_folder_for_good(tmp_p
     with exclusive_lock(cache / ".other-4567cdef.lock", wait=False):  # a live run preparing "other"
         prepare(config(source, cache))
     assert not dead.exists() and busy.is_dir()
+
+
+def test_a_full_disk_while_preparing_is_a_data_error_that_keeps_finished_folders(tmp_path, corpus, monkeypatch):
+    cache = tmp_path / "cache"
+    finished = prepare(config(corpus, cache))
+    before = folder_bytes(finished.path)
+    real_write, writes = shards_module._ShardWriter.write, []
+
+    def full_after_one_write(self, tokens):  # what a shard file's write answers once the filesystem is full
+        writes.append(len(tokens))
+        if len(writes) > 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_write(self, tokens)
+
+    monkeypatch.setattr(shards_module._ShardWriter, "write", full_after_one_write)
+    other = config(corpus, cache, val_fraction=0.2)  # another folder of the same cache dir
+    with pytest.raises(DataError, match=rf"could not write the prepared data in data.cache_dir={cache}: No space left "
+                                        r"on device\. Nothing of this preparation was kept .* free space"):
+        prepare(other)
+    assert [p.name for p in cache.iterdir()] == [finished.path.name] and folder_bytes(finished.path) == before
+    monkeypatch.undo()  # space freed: the same command prepares it
+    assert PreparedData.open(prepare(other).path, verify="always").manifest["inputs"]["val_fraction"] == 0.2
 
 
 def test_concurrent_preparations_take_turns_and_share_one_result(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -222,15 +223,34 @@ def prepare(cfg: DataConfig, log_notes: bool = True, tokenizer: Optional[LoadedT
     except OSError as e:
         raise DataError(f"cannot prepare data in data.cache_dir={cache_dir} ({e}); point data.cache_dir at a writable "
                         f"folder (or at the copy that already holds this data)") from e
-    with _StopSignals() as stop, exclusive_lock(_lock_of(cache_dir, final.name), wait=True):
-        if final.exists():
-            if log_notes:
-                log.info("another process (another run, or another rank of this one) prepared %s while this one waited; "
-                         "reusing it", final)
-        else:
-            _remove_dead_temp_folders(cache_dir, final.name)
-            _build_atomically(cfg, source, requested, config_eos, inputs, final, stop)
+    try:
+        with _StopSignals() as stop, exclusive_lock(_lock_of(cache_dir, final.name), wait=True):
+            if final.exists():
+                if log_notes:
+                    log.info("another process (another run, or another rank of this one) prepared %s while this one "
+                             "waited; reusing it", final)
+            else:
+                _remove_dead_temp_folders(cache_dir, final.name)
+                _build_atomically(cfg, source, requested, config_eos, inputs, final, stop)
+    except OSError as e:  # reading the corpus raises DataError (sources.py), so this is a write into the cache dir
+        if e.filename is not None and Path(cache_dir).absolute() not in Path(e.filename).absolute().parents:
+            raise  # a corpus file gone since it was listed (its size is read here): not the cache dir's
+        raise _cache_write_error(e, cache_dir) from e
     return _same_eos(PreparedData.open(final, expected_tokenizer, cfg.verify_shards), requested, cfg, config_eos)
+
+
+def _cache_write_error(e: OSError, cache_dir: Path) -> DataError:
+    """The DataError for a failed write into data.cache_dir (disk full, quota, read-only) while preparing."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = ("free space on that filesystem (or raise its quota), or point data.cache_dir at a folder with room (the "
+               "prepared data takes 2 or 4 bytes per token), then run again")
+    elif e.errno == errno.EROFS:
+        fix = "the filesystem is mounted read-only: point data.cache_dir at a writable folder, then run again"
+    else:
+        fix = "check that filesystem, or point data.cache_dir at another folder, then run again"
+    return DataError(f"could not write the prepared data in data.cache_dir={cache_dir}: {e.strerror or e}"
+                     f"{f' ({e.filename})' if e.filename else ''}. Nothing of this preparation was kept and finished "
+                     f"prepared folders are untouched; {fix}")
 
 
 def _same_eos(data: PreparedData, tokenizer: Optional[Tokenizer], cfg: DataConfig, config_eos: Optional[str]) -> PreparedData:
