@@ -16,11 +16,16 @@ log = logging.getLogger(__name__)
 
 
 def write_synced(path: Path, data: bytes) -> None:
-    """Write and fsync a file, so a later rename of its folder publishes complete contents."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    """Write and fsync a new file, so a later rename (of it or its folder) publishes complete contents; a failed write
+    (disk full) removes what it wrote, so no cut-short file is left to be taken for a whole one."""
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        Path(path).unlink(missing_ok=True)
+        raise
 
 
 def unused_name(name_for: Callable[[int], Path]) -> Path:

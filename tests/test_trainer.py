@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import errno
 import io
 import json
 import os
@@ -1069,6 +1070,29 @@ def test_rewound_metrics_are_synced_before_they_replace_the_runs_history(tmp_pat
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
     tmp = str(path.with_name("metrics.jsonl.tmp"))
     assert ("replace", tmp) in events and ("fsync", tmp) in events[:events.index(("replace", tmp))]
+
+
+def test_a_disk_full_while_metrics_are_rewound_leaves_no_cut_short_file(tmp_path, monkeypatch):
+    """A resume's rewind of metrics.jsonl that fails (disk full, as an fsync reports it) leaves the history as it was
+    and no partial file beside it: a cut-short metrics.replaced-*.jsonl would read as an abandoned trajectory's record,
+    and the retry writes its own."""
+    from coda_train.trainer.metrics import rewind_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 11)))
+    history = path.read_bytes()
+
+    def disk_full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", disk_full)
+    with pytest.raises(OSError, match="No space left on device"):
+        rewind_metrics(path, 5, keep_dropped=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"] and path.read_bytes() == history
+    monkeypatch.undo()
+    rewind_metrics(path, 5, keep_dropped=True)
+    (aside,) = tmp_path.glob("metrics.replaced-step_00000005-*.jsonl")
+    assert [json.loads(line)["step"] for line in aside.read_text().splitlines()] == [6, 7, 8, 9, 10]
 
 
 def test_a_checkpoint_whose_meta_step_was_edited_is_damaged(tiny, straight_run, tmp_path, caplog):
