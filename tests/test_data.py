@@ -589,3 +589,11 @@ def test_failed_run_leaves_prepared_results_alone(tmp_path, docs):
         prepare(config(tmp_path / "bad", tmp_path / "cache", tokenizer=str(tokenizer), num_proc=1))
     assert os.listdir(tmp_path / "cache") == [data.path.name]
     assert folder_bytes(data.path) == before
+
+
+def test_a_start_imports_datasets_only_to_read_a_hub_dataset():
+    """`datasets` (and the pandas it pulls in) took ~1 s of every train.py start, --help included, on runs that read
+    local files: it is imported where a hub dataset is loaded."""
+    root = Path(__file__).resolve().parents[1]
+    code = "import sys, train; assert 'datasets' not in sys.modules, 'datasets imported at start'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, timeout=300)

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -551,6 +550,8 @@ def _no_text_column(file: str, columns: list[str], cfg: DataConfig, more: str = 
 
 
 def _hub_rows(source: Source, cfg: DataConfig) -> Iterator[tuple[str, dict]]:
+    import datasets  # here, not at the top: ~1 s of every start (train.py --help too) that reads no hub dataset
+
     try:
         rows = iter(datasets.load_dataset(source.hub_name, split=cfg.split, streaming=cfg.streaming,
                                           revision=source.revision))
