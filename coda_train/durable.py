@@ -28,6 +28,18 @@ def write_synced(path: Path, data: bytes) -> None:
         raise
 
 
+def replace_synced(path: Path, data: bytes) -> None:
+    """Replace path's contents atomically: a synced temp file beside it, then a rename, so a kill, a power loss or a
+    full disk leaves the whole old file or the whole new one, never a cut-short one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    write_synced(tmp, data)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def unused_name(name_for: Callable[[int], Path]) -> Path:
     """name_for(n) for the first n from this process's PID that names nothing yet: what a run sets aside is named
     after it, and a PID repeats across runs (a container's entrypoint gets the same one at every launch)."""

@@ -1095,6 +1095,28 @@ def test_a_disk_full_while_metrics_are_rewound_leaves_no_cut_short_file(tmp_path
     assert [json.loads(line)["step"] for line in aside.read_text().splitlines()] == [6, 7, 8, 9, 10]
 
 
+def test_a_file_replaced_on_a_full_disk_keeps_its_old_contents(tmp_path, monkeypatch):
+    """config.yaml (rewritten at every start), metrics.jsonl's rewind, the tile cache and verified.json are replaced by
+    replace_synced: a full disk at the write or a failed rename leaves the old file whole and no temp file beside it
+    (config.yaml was written in place: a cut-short one reads as another run's settings at the next start)."""
+    from coda_train.durable import replace_synced
+
+    path = tmp_path / "config.yaml"
+    path.write_text("old: 1\n")
+
+    def disk_full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    for failing in ("fsync", "replace"):
+        with monkeypatch.context() as m:
+            m.setattr(os, failing, disk_full)
+            with pytest.raises(OSError, match="No space left on device"):
+                replace_synced(path, b"new: 2\n")
+        assert [p.name for p in tmp_path.iterdir()] == ["config.yaml"] and path.read_text() == "old: 1\n", failing
+    replace_synced(path, b"new: 2\n")
+    assert [p.name for p in tmp_path.iterdir()] == ["config.yaml"] and path.read_text() == "new: 2\n"
+
+
 def test_a_checkpoint_whose_meta_step_was_edited_is_damaged(tiny, straight_run, tmp_path, caplog):
     """meta.json's step must name its directory's step: an edited one would set aside the checkpoint being resumed
     (step moved down) or skip saving the steps up to it (moved up)."""

@@ -18,7 +18,7 @@ from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import contextmanager, nullcontext, suppress
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Iterator, Optional, TypeVar
@@ -26,7 +26,7 @@ from typing import Iterator, Optional, TypeVar
 import numpy as np
 from tokenizers import Tokenizer
 
-from ..durable import LockHeldError, exclusive_lock, fsync_dir, sha256_file, write_synced
+from ..durable import LockHeldError, exclusive_lock, fsync_dir, replace_synced, sha256_file, write_synced
 from .config import DataConfig, DataError
 from .progress import Progress
 from .sources import (DECOMPRESSORS, DocumentCounts, Source, check_text_columns, iter_document_parts,
@@ -181,13 +181,9 @@ def _read_verified(folder: Path) -> dict:
 
 def _write_verified(folder: Path, verified: dict) -> None:
     """Atomically (temp file + rename), so concurrent openers and a kill leave a whole file or the old one."""
-    tmp = folder / f".{VERIFIED_FILE}.{os.getpid()}.tmp"
     try:
-        write_synced(tmp, json.dumps(verified, indent=1).encode())
-        os.replace(tmp, folder / VERIFIED_FILE)
+        replace_synced(folder / VERIFIED_FILE, json.dumps(verified, indent=1).encode())
     except OSError as e:  # a read-only copy of the data: fine to use, only the check cannot be remembered
-        with suppress(OSError):
-            tmp.unlink(missing_ok=True)
         log.warning("cannot record verified shards in %s (%s): they are hashed again at each start; set "
                     "data.verify_shards=never to skip that", folder, e)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
-from ..durable import exclusive_lock, write_synced
+from ..durable import exclusive_lock, replace_synced
 from ..errors import ConfigError
 from .declare import OPS, STAT_TILE_N
 
@@ -297,9 +297,7 @@ def add_to_cache(gpu: str, entries: list[dict]) -> Path:
             data = {"gpus": {}}
         old = data["gpus"].get(gpu, [])
         data["gpus"][gpu] = merge_entries(old if isinstance(old, list) else [], entries)
-        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        write_synced(tmp, (json.dumps(data, indent=1) + "\n").encode())
-        os.replace(tmp, path)
+        replace_synced(path, (json.dumps(data, indent=1) + "\n").encode())
     reload()
     return path
 

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from coda_train.config import Config, check_config
 from coda_train.data import DataError, PreparationInterrupted, TokenLoader, prepare
 from coda_train.data.tokenizer import LoadedTokenizer
-from coda_train.durable import LockHeldError
+from coda_train.durable import LockHeldError, replace_synced
 from coda_train.errors import ConfigError
 from coda_train.kernels import resolve_backend
 from coda_train.kernels.tile_configs import gpu_key
@@ -367,7 +367,7 @@ def _train(cfg: Config, run_dir: Path, backend: str, device: torch.device, compu
                     rewind_metrics(run_dir / METRICS_FILE, state.step if own else 0, keep_dropped=(
                         resume_from is not None and not resumes_newest_good(t.resume))
                         or logged_under_other_settings(run_dir, config))
-                    (run_dir / CONFIG_FILE).write_text(OmegaConf.to_yaml({**config, "resolved_model": meta["model"]}))
+                    replace_synced(run_dir / CONFIG_FILE, OmegaConf.to_yaml({**config, "resolved_model": meta["model"]}).encode())
                 if cfg.model.impl == "coda" and backend == "cute":  # the cute backend means a Hopper GPU here
                     report_untuned_gemms(llama, t, gpu_key(torch.cuda.get_device_name(device)), run_dir)
                 metrics_logger = MetricsLogger(run_dir, cfg.logger, config, resume_from is not None,

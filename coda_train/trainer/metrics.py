@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from coda_train.durable import unused_name, write_synced
+from coda_train.durable import replace_synced, unused_name, write_synced
 from coda_train.errors import ConfigError
 
 from .step import StepResult
@@ -99,9 +99,7 @@ def rewind_metrics(path: Path, step: int, keep_dropped: bool = False) -> None:
         aside = unused_name(lambda n: path.with_name(f"{path.stem}.replaced-step_{step:08d}-{n}{path.suffix}"))
         write_synced(aside, "".join(dropped).encode())
         log.warning("the metrics of steps after %d (another trajectory) are moved to %s", step, aside)
-    tmp = path.with_name(path.name + ".tmp")
-    write_synced(tmp, "".join(kept).encode())  # synced before the rename: a power loss must not leave an empty history
-    os.replace(tmp, path)
+    replace_synced(path, "".join(kept).encode())  # a power loss must not leave an empty history
 
 
 def _wandb_server_answers(timeout_s: float = 3.0) -> bool:
