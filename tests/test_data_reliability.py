@@ -24,11 +24,12 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from coda_train.data import DataConfig, DataError, PreparedData, TokenLoader, prepare
+from coda_train.data import CacheWriteError, DataConfig, DataError, PreparedData, TokenLoader, prepare
 from coda_train.data import shards as shards_module
 from coda_train.data.sources import iter_document_parts, resolve_source
 from coda_train.data.tokenizer import EOS_TOKEN, MAX_PIECE_BYTES, NEWLINE_BETWEEN_TEXT, load_tokenizer, train_bpe
 from coda_train.durable import LockHeldError, exclusive_lock, lock_holder
+from coda_train.trainer.loop import EXIT_RUN_DIR, exit_code
 
 WORDS = "the model reads a token stream while loss falls seed rank epoch shard naïve 日本語 def return (x)".split()
 
@@ -491,6 +492,9 @@ def test_a_full_disk_while_preparing_is_a_data_error_that_keeps_finished_folders
                                         r"on device\. Nothing of this preparation was kept .* free space"):
         prepare(other)
     assert [p.name for p in cache.iterdir()] == [finished.path.name] and folder_bytes(finished.path) == before
+    with pytest.raises(CacheWriteError) as stop:  # the machine's state, not the input's: exit 4, which ends a sweep
+        prepare(other)
+    assert exit_code(stop.value) == EXIT_RUN_DIR
     monkeypatch.undo()  # space freed: the same command prepares it
     assert PreparedData.open(prepare(other).path, verify="always").manifest["inputs"]["val_fraction"] == 0.2
 

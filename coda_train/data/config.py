@@ -16,6 +16,11 @@ class DataError(ValueError):
     """Bad data input or a damaged prepared folder; the message says how to fix it."""
 
 
+class CacheWriteError(DataError):
+    """A write into data.cache_dir failed while preparing (disk full, quota, read-only): the machine's state, not the
+    input's, so train.py exits with a run dir's write failure's code (4), which ends a sweep."""
+
+
 @dataclass
 class DataConfig:
     source: str = "builtin"  # "builtin" (Python stdlib sources), a local file/dir/glob, or a hub dataset name

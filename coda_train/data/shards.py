@@ -27,7 +27,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from ..durable import LockHeldError, exclusive_lock, fsync_dir, replace_synced, sha256_file, write_synced
-from .config import DataConfig, DataError
+from .config import CacheWriteError, DataConfig, DataError
 from .progress import Progress
 from .sources import (DECOMPRESSORS, DocumentCounts, Source, check_text_columns, iter_document_parts,
                       json_read_as_text, names_hub_dataset, resolve_source)
@@ -235,7 +235,7 @@ def prepare(cfg: DataConfig, log_notes: bool = True, tokenizer: Optional[LoadedT
     return _same_eos(PreparedData.open(final, expected_tokenizer, cfg.verify_shards), requested, cfg, config_eos)
 
 
-def _cache_write_error(e: OSError, cache_dir: Path) -> DataError:
+def _cache_write_error(e: OSError, cache_dir: Path) -> CacheWriteError:
     """The DataError for a failed write into data.cache_dir (disk full, quota, read-only) while preparing."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         fix = ("free space on that filesystem (or raise its quota), or point data.cache_dir at a folder with room (the "
@@ -244,7 +244,7 @@ def _cache_write_error(e: OSError, cache_dir: Path) -> DataError:
         fix = "the filesystem is mounted read-only: point data.cache_dir at a writable folder, then run again"
     else:
         fix = "check that filesystem, or point data.cache_dir at another folder, then run again"
-    return DataError(f"could not write the prepared data in data.cache_dir={cache_dir}: {e.strerror or e}"
+    return CacheWriteError(f"could not write the prepared data in data.cache_dir={cache_dir}: {e.strerror or e}"
                      f"{f' ({e.filename})' if e.filename else ''}. Nothing of this preparation was kept and finished "
                      f"prepared folders are untouched; {fix}")
 

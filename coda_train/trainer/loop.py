@@ -18,7 +18,7 @@ import torch
 from omegaconf import OmegaConf
 
 from coda_train.config import Config, check_config
-from coda_train.data import DataError, PreparationInterrupted, TokenLoader, prepare
+from coda_train.data import CacheWriteError, DataError, PreparationInterrupted, TokenLoader, prepare
 from coda_train.data.tokenizer import LoadedTokenizer
 from coda_train.durable import LockHeldError, replace_synced
 from coda_train.errors import ConfigError
@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 # Exit codes of train.py (0: finished, or stopped by SIGTERM/SIGINT: after saving a checkpoint, or during data preparation).
 EXIT_BAD_INPUT = 1  # config, data, backend, checkpoint, or the run dir in use by another run
 EXIT_NON_FINITE = 3
-EXIT_RUN_DIR = 4  # a run-dir write failed (disk full, read-only, permissions); earlier checkpoints intact
+EXIT_RUN_DIR = 4  # a write failed, the run dir's or data.cache_dir's (disk full, read-only, permissions); nothing lost
 # the errors a run stops on with a message (and one of the codes above); anything else is a bug
 STOP_ERRORS = (ConfigError, DataError, CheckpointError, LockHeldError, RunDirError, NonFiniteError)
 
@@ -61,7 +61,7 @@ def exit_code(error: Exception) -> int:
         return 0
     if isinstance(error, NonFiniteError):
         return EXIT_NON_FINITE
-    return EXIT_RUN_DIR if isinstance(error, RunDirError) else EXIT_BAD_INPUT
+    return EXIT_RUN_DIR if isinstance(error, (RunDirError, CacheWriteError)) else EXIT_BAD_INPUT
 
 
 # what a resumed run may change and is told about: the model's shape is checked against the checkpoint instead
