@@ -1068,8 +1068,8 @@ def test_rewound_metrics_are_synced_before_they_replace_the_runs_history(tmp_pat
     monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(a))), replace(a, b)))
     rewind_metrics(path, 5)
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
-    tmp = str(path.with_name("metrics.jsonl.tmp"))
-    assert ("replace", tmp) in events and ("fsync", tmp) in events[:events.index(("replace", tmp))]
+    (tmp,) = [name for what, name in events if what == "replace"]  # the temp file renamed over metrics.jsonl
+    assert Path(tmp).parent == tmp_path and not Path(tmp).exists() and ("fsync", tmp) in events[:events.index(("replace", tmp))]
 
 
 def test_a_disk_full_while_metrics_are_rewound_leaves_no_cut_short_file(tmp_path, monkeypatch):
