@@ -17,9 +17,11 @@ log = logging.getLogger(__name__)
 
 def write_synced(path: Path, data: bytes) -> None:
     """Write and fsync a new file, so a later rename (of it or its folder) publishes complete contents; a failed write
-    (disk full) removes what it wrote, so no cut-short file is left to be taken for a whole one."""
+    (disk full) removes what it wrote, so no cut-short file is left to be taken for a whole one; a file it could not
+    open (another's, unwritable) is left alone."""
+    f = open(path, "wb")
     try:
-        with open(path, "wb") as f:
+        with f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

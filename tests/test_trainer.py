@@ -1095,6 +1095,23 @@ def test_a_disk_full_while_metrics_are_rewound_leaves_no_cut_short_file(tmp_path
     assert [json.loads(line)["step"] for line in aside.read_text().splitlines()] == [6, 7, 8, 9, 10]
 
 
+def test_a_write_that_cannot_open_its_file_leaves_that_file_alone(tmp_path, monkeypatch):
+    """write_synced removes a part it wrote on a failed write, never a file it could not open (another's, unwritable:
+    what open answers for a file this user may not write, root's read-only mount too)."""
+    from coda_train import durable
+
+    path = tmp_path / "theirs.json"
+    path.write_text("theirs\n")
+
+    def unwritable(file, mode="r", *args, **kwargs):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(file))
+
+    monkeypatch.setattr(durable, "open", unwritable, raising=False)
+    with pytest.raises(PermissionError):
+        durable.write_synced(path, b"ours\n")
+    assert path.read_text() == "theirs\n"
+
+
 def test_a_file_replaced_on_a_full_disk_keeps_its_old_contents(tmp_path, monkeypatch):
     """config.yaml (rewritten at every start), metrics.jsonl's rewind, the tile cache and verified.json are replaced by
     replace_synced: a full disk at the write or a failed rename leaves the old file whole and no temp file beside it
