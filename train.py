@@ -40,7 +40,7 @@ from omegaconf.errors import InterpolationResolutionError
 
 from coda_train.config import Config, check_config, register_configs, to_dataclass
 from coda_train.data import DataError
-from coda_train.durable import write_synced
+from coda_train.durable import replace_synced
 from coda_train.errors import ConfigError
 from coda_train.kernels import resolve_backend
 from coda_train.trainer.build import backend_on_device, check_compute, check_model_before_data
@@ -409,9 +409,7 @@ def keep_sweep_record(path: Path, before: Optional[bytes]) -> None:
         path.unlink(missing_ok=True)
         remove_if_made_here_and_empty(path.parent)
     elif not path.is_file() or path.read_bytes() != before:
-        temp = path.with_name(f".{SWEEP_RECORD}.{os.getpid()}.tmp")
-        write_synced(temp, before)
-        os.replace(temp, path)
+        replace_synced(path, before)
 
 
 def launch(argv: list[str]) -> None:

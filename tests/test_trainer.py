@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import errno
+import importlib.util
 import io
 import json
 import os
@@ -1132,6 +1133,27 @@ def test_a_file_replaced_on_a_full_disk_keeps_its_old_contents(tmp_path, monkeyp
         assert [p.name for p in tmp_path.iterdir()] == ["config.yaml"] and path.read_text() == "old: 1\n", failing
     replace_synced(path, b"new: 2\n")
     assert [p.name for p in tmp_path.iterdir()] == ["config.yaml"] and path.read_text() == "new: 2\n"
+
+
+def test_a_sweep_record_put_back_on_a_full_disk_leaves_no_temp_file(tmp_path, monkeypatch):
+    """train.py puts a refused sweep's multirun.yaml back with replace_synced, as the run's own files: a rename that
+    fails leaves hydra's new record and no temp file beside it (a hand-written temp + rename left .multirun.yaml.*.tmp)."""
+    spec = importlib.util.spec_from_file_location("train_script", REPO / "train.py")
+    train_script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_script)
+    path = tmp_path / "multirun.yaml"
+    path.write_text("new: 2\n")
+
+    def disk_full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "replace", disk_full)
+        with pytest.raises(OSError, match="No space left on device"):
+            train_script.keep_sweep_record(path, b"old: 1\n")
+    assert [p.name for p in tmp_path.iterdir()] == ["multirun.yaml"] and path.read_text() == "new: 2\n"
+    train_script.keep_sweep_record(path, b"old: 1\n")
+    assert [p.name for p in tmp_path.iterdir()] == ["multirun.yaml"] and path.read_text() == "old: 1\n"
 
 
 def test_a_checkpoint_whose_meta_step_was_edited_is_damaged(tiny, straight_run, tmp_path, caplog):
