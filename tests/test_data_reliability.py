@@ -499,6 +499,28 @@ def test_a_full_disk_while_preparing_is_a_data_error_that_keeps_finished_folders
     assert PreparedData.open(prepare(other).path, verify="always").manifest["inputs"]["val_fraction"] == 0.2
 
 
+def test_a_cache_dir_that_cannot_be_written_ends_a_sweep_and_one_in_a_files_path_does_not(tmp_path, corpus, monkeypatch):
+    """A read-only or full data.cache_dir found before preparing stops as a full disk while preparing does (exit 4,
+    which ends a sweep, as the README says), a file where data.cache_dir would be made as bad input (exit 1)."""
+    (tmp_path / "file").write_text("")
+    with pytest.raises(DataError, match="cannot prepare data in data.cache_dir") as stop:
+        prepare(config(corpus, tmp_path / "file" / "cache"))
+    assert not isinstance(stop.value, CacheWriteError) and exit_code(stop.value) == 1
+    monkeypatch.setattr(shards_module.os, "access", lambda path, mode: False)  # a read-only mount (root's too)
+    with pytest.raises(CacheWriteError, match="point data.cache_dir at a writable folder") as stop:
+        prepare(config(corpus, tmp_path / "ro"))
+    assert exit_code(stop.value) == EXIT_RUN_DIR
+    monkeypatch.undo()
+
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+
+    monkeypatch.setattr(Path, "mkdir", full)
+    with pytest.raises(CacheWriteError, match="No space left on device") as stop:
+        prepare(config(corpus, tmp_path / "full"))
+    assert exit_code(stop.value) == EXIT_RUN_DIR
+
+
 def test_concurrent_preparations_take_turns_and_share_one_result(tmp_path):
     source, tokenizer = big_corpus(tmp_path, 2)
     cache = tmp_path / "cache"

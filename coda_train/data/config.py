@@ -17,8 +17,9 @@ class DataError(ValueError):
 
 
 class CacheWriteError(DataError):
-    """A write into data.cache_dir failed while preparing (disk full, quota, read-only): the machine's state, not the
-    input's, so train.py exits with a run dir's write failure's code (4), which ends a sweep."""
+    """data.cache_dir cannot be written before preparing, or a write into it failed while preparing (disk full, quota,
+    read-only, permissions): the machine's state, not the input's, so train.py exits with a run dir's write failure's
+    code (4), which ends a sweep."""
 
 
 @dataclass

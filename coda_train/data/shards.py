@@ -216,9 +216,10 @@ def prepare(cfg: DataConfig, log_notes: bool = True, tokenizer: Optional[LoadedT
         cache_dir.mkdir(parents=True, exist_ok=True)
         if not os.access(cache_dir, os.W_OK | os.X_OK):
             raise PermissionError("not writable")
-    except OSError as e:
-        raise DataError(f"cannot prepare data in data.cache_dir={cache_dir} ({e}); point data.cache_dir at a writable "
-                        f"folder (or at the copy that already holds this data)") from e
+    except OSError as e:  # a file in its path: the setting's (exit 1); a full, read-only, unwritable place: the machine's
+        error = DataError if isinstance(e, (FileExistsError, NotADirectoryError)) else CacheWriteError
+        raise error(f"cannot prepare data in data.cache_dir={cache_dir} ({e}); point data.cache_dir at a writable "
+                    f"folder (or at the copy that already holds this data)") from e
     try:
         with _StopSignals() as stop, exclusive_lock(_lock_of(cache_dir, final.name), wait=True):
             if final.exists():
