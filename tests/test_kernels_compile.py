@@ -4,7 +4,8 @@ With QUACK_ARCH=90 / CUTE_DSL_ARCH=sm_90a, quack traces and compiles each sm_90a
 GPU; coda_train.kernels.cute._compile drives every example case of every GPU-blind compilable cute
 implementation through its real code path (validation, operand views, plans) with the launch
 skipped. A kernel that fails to trace or compile fails
-here. Runs in a subprocess (the arch must be pinned before cutlass/quack are imported) with a
+here. Runs GPU-blind in forks of one interpreter that imported cutlass/quack once (conftest.GpuBlindPython; the
+arch must be pinned before they are imported) with a
 fresh kernel cache, so it really compiles (~30 s on 2 cores); then every config of the shipped
 tile config table, and the CuTeDSL RoPE-backward pass. The Triton row kernels (H', scale_in_place, the partial-sum
 folds) run under
@@ -21,16 +22,10 @@ ENV = dict(os.environ, QUACK_ARCH="90", CUTE_DSL_ARCH="sm_90a", CUDA_VISIBLE_DEV
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _importable() -> bool:
-    probe = subprocess.run([sys.executable, "-c", "import cutlass, quack.epilogue.frontend"], env=ENV,
-                           capture_output=True, timeout=300, cwd=ROOT)
-    return probe.returncode == 0
-
-
 @pytest.fixture(scope="module")
-def stack():
-    if not _importable():
-        pytest.skip("cutlass / quack (nvidia-cutlass-dsl, quack-kernels, triton) are not importable here")
+def stack(gpu_blind):
+    """`python -c` GPU-blind, the GPU stack imported once (conftest.GpuBlindPython); skips without the stack."""
+    return gpu_blind
 
 
 def test_import_coda_train_does_not_import_the_gpu_stack():
@@ -51,7 +46,7 @@ assert not missing, missing
 assert all(CUTE_IMPLS[n].kernel.__name__ == n for n in OPS), {n: CUTE_IMPLS[n].kernel.__name__ for n in OPS}
 print(sorted(n for n in OPS if CUTE_IMPLS[n].gpu_blind_compile))
 '''
-    run = subprocess.run([sys.executable, "-c", code], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    run = stack.run(code, env=ENV, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "gemm_rowscale_rope" in run.stdout and "gemm_rowscale" in run.stdout
 
@@ -73,7 +68,7 @@ timings = compile_all(dims)
 assert len(timings) == sum(len(compile_cases(d)) for d in dims) >= 18, timings
 '''
     env = dict(ENV, QUACK_CACHE_DIR=str(kernel_cache))
-    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    run = stack.run(code, env=env, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     compiled = [ln for ln in run.stdout.splitlines() if ln.startswith("compiled")]
     assert any("gemm_rowscale " in ln for ln in compiled), run.stdout
@@ -104,7 +99,7 @@ with compile_only():
             print(f"compiled {case} {cfg} {time.time() - t:.1f}s", flush=True)
 '''
     env = dict(ENV, QUACK_CACHE_DIR=str(kernel_cache))
-    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    run = stack.run(code, env=env, timeout=1800)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert any(ln.startswith("compiled") for ln in run.stdout.splitlines()), run.stdout
 
@@ -137,7 +132,7 @@ with compile_only():
         else:
             raise AssertionError("no ValueError for " + words)
 '''
-    run = subprocess.run([sys.executable, "-c", code], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    run = stack.run(code, env=ENV, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
 
@@ -264,8 +259,7 @@ def test_partial_sum_folds_load_16_bytes_at_a_time_gpu_blind(stack):
     side's 20 columns (contiguous, and as a view of a wider buffer) and at 48, the property that made it
     3x faster at llama3_125m (docs/kernels.md, "The partial-sum folds, in the graph"); and the column
     sum's at a width and row stride that are multiples of 16 (every preset's dim)."""
-    run = subprocess.run([sys.executable, "-c", ROW_FOLDS_PTX], env=ENV, cwd=ROOT, capture_output=True, text=True,
-                         timeout=600)
+    run = stack.run(ROW_FOLDS_PTX, env=ENV, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "vectorized" in run.stdout, run.stdout
 
@@ -291,8 +285,7 @@ def test_rope_backward_pass_compiles_gpu_blind(stack):
     """The CuTeDSL RoPE-backward pass (_rope_backward.py) for each FlashAttention accumulator layout the
     presets' head dims get, rotated or not, one to three head groups a launch, and for the in-place bf16
     source."""
-    run = subprocess.run([sys.executable, "-c", ROPE_PASS_CONFIGS], env=ENV, cwd=ROOT, capture_output=True, text=True,
-                         timeout=900)
+    run = stack.run(ROPE_PASS_CONFIGS, env=ENV, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert run.stdout.count("compiled") == 6, run.stdout
 
@@ -360,8 +353,7 @@ def test_rope_pass_plan_reads_fa4_accumulators_or_rewrites_its_bf16(stack):
     does, head_dim 64): each readable accumulator is read by the pass; a swapped one (FA4's dK/dV MMA at head_dim
     > 128) is converted by FA4 and rewritten in place, as are dk/dv without GQA, which FA4 writes itself; a
     conversion with other arguments (another flash-attn-4) fails naming the version to install."""
-    run = subprocess.run([sys.executable, "-c", ROPE_PASS_PLAN], env=ENV, cwd=ROOT, capture_output=True, text=True,
-                         timeout=600)
+    run = stack.run(ROPE_PASS_PLAN, env=ENV, timeout=600)
     assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
 
 
@@ -394,6 +386,7 @@ def test_swiglu_gate_compares_keep_a_nan_gate_nan_gpu_blind(stack, tmp_path):
     """F5's gate floor and B1's zero-q guard compare |gate| < floor (false for NaN, which then flows on as in the
     reference), not |gate| >= floor (false for NaN too, which would replace a NaN gate with a finite value)."""
     env = dict(ENV, QUACK_CACHE_DIR=str(tmp_path))  # a fresh kernel cache: a cached kernel is loaded, its PTX not written
+    # a fresh interpreter: CUTE_DSL_KEEP is read at cutlass's import
     run = subprocess.run([sys.executable, "-c", SWIGLU_SELECTS_PTX], env=env, cwd=ROOT, capture_output=True, text=True,
                          timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
