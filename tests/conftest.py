@@ -108,12 +108,14 @@ class GpuBlindPython:
         self.server = subprocess.Popen([sys.executable, "-c", _FORK_SERVER], env=env, cwd=cwd, text=True,
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors)
 
-    def run(self, code: str, env: dict | None = None, timeout: float = 600):
+    def run(self, code: str, env: dict | None = None, timeout: float = 600, fresh: bool = False):
         """subprocess.run([python, "-c", code], env=env, capture_output=True, text=True)'s result; env may differ
-        from the server's; a snippet that sets a variable the preloaded modules read at import (QUACK_CACHE_DIR
-        aside) runs in a fresh interpreter."""
-        extra = {k: v for k, v in (env or self.env).items() if self.env.get(k) != v}
-        if any(k.startswith(self.READ_AT_IMPORT) and k != "QUACK_CACHE_DIR" for k in extra):  # too late in a fork
+        from the server's. A snippet that sets a variable the preloaded modules read at import (QUACK_CACHE_DIR
+        aside), or whose code sets one itself (`fresh`: register_audit.py sets CUTE_DSL_KEEP), runs in a fresh
+        interpreter."""
+        env = env or self.env
+        extra = {k: v for k, v in env.items() if self.env.get(k) != v}
+        if fresh or any(k.startswith(self.READ_AT_IMPORT) and k != "QUACK_CACHE_DIR" for k in extra):  # too late in a fork
             return subprocess.run([sys.executable, "-c", code], env=env, cwd=self.cwd, capture_output=True, text=True,
                                   timeout=timeout)
         self.server.stdin.write(json.dumps(dict(code=code, env=extra, timeout=timeout)) + "\n")
@@ -133,15 +135,27 @@ class GpuBlindPython:
         self.errors.close()
 
 
-@pytest.fixture(scope="session")
-def gpu_blind():
-    """One GpuBlindPython for the session; skips where cutlass / quack / triton are not importable."""
+def _gpu_blind_python(**env):
+    """A GpuBlindPython with these variables set beside the GPU-blind ones, closed after; skips where cutlass /
+    quack / triton are not importable."""
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, QUACK_ARCH="90", CUTE_DSL_ARCH="sm_90a", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(root),
-               CODA_TILE_CACHE=os.devnull)
+               CODA_TILE_CACHE=os.devnull, **env)
     python = GpuBlindPython(env, root)
     if python.server.stdout.readline() != "ready\n":  # its imports failed
         python.close()
         pytest.skip("cutlass / quack (nvidia-cutlass-dsl, quack-kernels, triton) are not importable here")
     yield python
     python.close()
+
+
+@pytest.fixture(scope="session")
+def gpu_blind():
+    """One GpuBlindPython for the session."""
+    yield from _gpu_blind_python()
+
+
+@pytest.fixture(scope="session")
+def gpu_blind_triton_interpreter():
+    """One GpuBlindPython with TRITON_INTERPRET=1 (Triton kernels on CPU tensors) for the session."""
+    yield from _gpu_blind_python(TRITON_INTERPRET="1")

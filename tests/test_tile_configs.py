@@ -217,22 +217,20 @@ def test_tuner_output_table():
     assert [e["n"] for e in merged["gpus"]["H200"]] == [4096, 8192] and merged["gpus"]["H200"][1] is pick
 
 
-def _run(code: str, env=ENV, timeout=600):
-    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def _run(stack, code: str, env=ENV, timeout=600, fresh=False):
+    run = stack.run(code, env=env, timeout=timeout, fresh=fresh)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return run.stdout
 
 
 @pytest.fixture(scope="module")
-def stack():
-    probe = subprocess.run([sys.executable, "-c", "import cutlass, quack.epilogue.frontend"], env=ENV,
-                           capture_output=True, timeout=300, cwd=ROOT)
-    if probe.returncode != 0:
-        pytest.skip("cutlass / quack are not importable here")
+def stack(gpu_blind):
+    """`python -c` GPU-blind, the GPU stack imported once (conftest.GpuBlindPython); skips without the stack."""
+    return gpu_blind
 
 
 def test_legal_tiles_are_quacks(stack):
-    _run(r'''
+    _run(stack, r'''
 from quack.gemm_config import get_all_configs
 from coda_train.kernels.tile_configs import SM90_CLUSTERS, SM90_TILES
 sm90 = [c for c in get_all_configs() if c.device_capacity == 9]
@@ -249,7 +247,7 @@ def test_every_gemm_op_launches_with_the_looked_up_config(stack, tmp_path):
     table = tmp_path / "t.json"
     table.write_text(json.dumps({"gpus": {"H200": [
         {"op": "gemm_rowscale", "m": 64, "n": 128, "k": 256, "config": "256x128 c1x2 cooperative"}]}}))
-    _run(r'''
+    _run(stack, r'''
 import sys, torch
 sys.path.insert(0, "scripts")
 import tune_gemm as tune
@@ -393,20 +391,20 @@ def test_a_run_reports_the_gemm_shapes_the_table_lacks_and_the_tuner_tunes_exact
     assert report_untuned_gemms(PRESETS["tiny"], t, "H200", tmp_path) == [] and not path.exists()
 
 
-def dswiglu_audit(tmp_path, loop: str) -> dict:
+def dswiglu_audit(stack, tmp_path, loop: str) -> dict:
     """Run `loop` (code that prints json [label, usage] lines, with register_audit as A, Cfg and the
     125m dSwiGLU `launch` in scope) GPU-blind in a subprocess: {label: ptxas usage}."""
     import shutil
     if shutil.which("ptxas") is None:
         pytest.skip("no ptxas on PATH")
     (launch,) = load_tuner().launches(["125m"], ["gemm_dswiglu_rowscale_stat"])
-    out = _run(f'''
+    out = _run(stack, f'''
 import json, sys
 sys.path.insert(0, "scripts")
 import register_audit as A
 from coda_train.kernels.tile_configs import Cfg
 launch = json.loads({json.dumps(json.dumps(launch))})
-''' + loop, env=dict(ENV, QUACK_CACHE_DIR=str(tmp_path / "qc")))
+''' + loop, env=dict(ENV, QUACK_CACHE_DIR=str(tmp_path / "qc")), fresh=True)  # register_audit sets CUTE_DSL_KEEP
     return dict(json.loads(line) for line in out.splitlines() if line.startswith("["))
 
 
@@ -414,7 +412,7 @@ def test_register_audit_reads_spills_gpu_blind(stack, tmp_path):
     """scripts/register_audit.py on the dSwiGLU op at the 125m widths: the 128x192 pingpong tile spills
     its epilogue (192 accumulator registers a thread leave too few), the 128x128 one does not
     (docs/kernels.md, "Register spills"); a quack or ptxas upgrade that changes this shows up here."""
-    usage = dswiglu_audit(tmp_path, '''
+    usage = dswiglu_audit(stack, tmp_path, '''
 for cfg in (Cfg(128, 192), Cfg(128, 128)):
     (usage,) = A.compile_and_audit(launch, cfg)
     print(json.dumps([str(cfg), usage]))
@@ -427,7 +425,7 @@ def test_register_audit_census_counts_the_epilogues_instructions_per_element(sta
     """register_audit.py --census disassembles a kernel GPU-blind and counts its epilogue's SASS per accumulator element:
     the 125m dSwiGLU at 128x128 pingpong (128 elements a thread) issues three MUFU ops an element (the sigmoid's exp2 and
     reciprocal, and 1/gate for q = a / gate: docs/kernels.md, "What one epilogue issues") among ~30 instructions."""
-    usage = dswiglu_audit(tmp_path, '''
+    usage = dswiglu_audit(stack, tmp_path, '''
 (usage,) = A.compile_and_audit(launch, Cfg(128, 128, 1, 2), census=True)
 print(json.dumps(["op", usage]))
 ''')
@@ -440,7 +438,7 @@ def test_narrow_epilogue_subtile_removes_the_wide_tile_spills(stack, tmp_path):
     """scripts/epilogue_subtile.py's dSwiGLU program (16-column epilogue subtiles) compiles GPU-blind
     and spills at most a few bytes at 128x192 pingpong, where the op's own program spills (280 B of
     stores on quack 0.6.5; ~1 KB before B1 read a in place of up: docs/kernels.md, "Narrower epilogue subtiles")."""
-    usage = dswiglu_audit(tmp_path, '''
+    usage = dswiglu_audit(stack, tmp_path, '''
 import epilogue_subtile as S
 for name, prog in (("op", S.E.dswiglu_rowscale_stat), ("narrow", S.dswiglu_subtile)):  # 64 x 16
     S.E.dswiglu_rowscale_stat = prog  # what the op launches
@@ -454,7 +452,7 @@ def test_subtile_experiment_keeps_a_cooperative_tiles_subtile_rows(stack):
     """scripts/epilogue_subtile.py's override: 64 x 16 on a pingpong tile (one warpgroup), but a cooperative tile's
     subtile spans both warpgroups' rows (128 x 16): a 64-row one stored wrong tiles there (NaN against the default
     on the H100, 2026-12-06); SM100 keeps quack's own."""
-    _run('''
+    _run(stack, '''
 import sys
 sys.path.insert(0, "scripts")
 import epilogue_subtile as S
@@ -470,7 +468,7 @@ def test_epilogue_ablation_rows_compile_gpu_blind(stack, tmp_path):
     """Every row of scripts/epilogue_ablation.py (the op from gate and a, its traffic alone, the program it
     replaced on gate and up and that program's ablations) traces and compiles GPU-blind at the 125m widths
     on the H200's configs, so the script a device session runs is known to build."""
-    out = _run('''
+    out = _run(stack, '''
 import sys, torch
 sys.path.insert(0, "scripts")
 import epilogue_ablation as A
@@ -490,7 +488,7 @@ def test_gamma_on_load_rows_compile_gpu_blind(stack, tmp_path):
     the weight gradients with γ as a column scale and the g_γ reduce, F1 scaling x by γ as its mainloop loads it
     through quack's A transform) trace and compile
     GPU-blind at the 125m widths on the H200's configs, so the device call that measures them is known to build."""
-    out = _run('''
+    out = _run(stack, '''
 import sys, torch
 sys.path.insert(0, "scripts")
 import gamma_on_load as G
@@ -505,12 +503,12 @@ with compile_only("H200"):
     assert compiled == ["F3 no h", "F6 no h", "B3 no γ", "B6b no γ", "dW_qkv γ", "dW_gu γ", "F1 γ on load"], out
 
 
-def compile_dswiglu_variant(variant: str, tmp_path: Path, before: str = "", after: str = "", **env) -> str:
+def compile_dswiglu_variant(stack, variant: str, tmp_path: Path, before: str = "", after: str = "", **env) -> str:
     """Compile the 125m dSwiGLU at 128x128 pingpong GPU-blind in a subprocess with scripts/epilogue_stages.py's
     `variant` applied (`before` runs after the patch, `after` after the compile); its stdout. Each variant has a
     kernel cache of its own: quack's key does not see the patches."""
     (launch,) = load_tuner().launches(["125m"], ["gemm_dswiglu_rowscale_stat"])
-    return _run(f'''
+    return _run(stack, f'''
 import json, sys
 sys.path.insert(0, "scripts")
 import epilogue_stages as S
@@ -533,7 +531,7 @@ def test_epilogue_stage_variants_set_the_split_they_name(stack, tmp_path):
     the split shows up here."""
     splits = {}
     for variant in ("ship", "c8", "c8d"):
-        out = compile_dswiglu_variant(variant, tmp_path, before="S.print_splits()")
+        out = compile_dswiglu_variant(stack, variant, tmp_path, before="S.print_splits()")
         (split,) = [json.loads(line[6:]) for line in out.splitlines() if line.startswith("SPLIT ")]
         splits[variant] = [split["ab"], split["d"], split["c"]]
     assert splits == {"ship": [5, 3, 5], "c8": [4, 4, 8], "c8d": [3, 8, 8]}, splits
@@ -544,7 +542,7 @@ def test_l2_prefetch_variants_prefetch_every_epilogue_load(stack, tmp_path):
     dSwiGLU at 128x128 pingpong: the prefetch is traced into the consumer's loop for both of its tile
     loads (gate and up), and the kernel still compiles (docs/kernels.md, "Early epilogue loads, to L2")."""
     for variant in ("pf", "pf1"):
-        out = compile_dswiglu_variant(variant, tmp_path, before="import l2_prefetch",
+        out = compile_dswiglu_variant(stack, variant, tmp_path, before="import l2_prefetch",
                                       after='print("PREFETCHED " + json.dumps(l2_prefetch.PREFETCHED))')
         (line,) = [line for line in out.splitlines() if line.startswith("PREFETCHED ")]
         (kernel, loads), = json.loads(line[11:])
@@ -562,7 +560,7 @@ def test_l2_hint_variants_mark_the_copies_they_name(stack, tmp_path):
     for variant in ("ship", "ef", "efl", "abl"):
         dump = tmp_path / f"ptx_{variant}"
         dump.mkdir()
-        compile_dswiglu_variant(variant, tmp_path, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(dump))
+        compile_dswiglu_variant(stack, variant, tmp_path, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(dump))
         (ptx,) = [p.read_text() for p in dump.glob("*dswiglu*.ptx")]
         # each TMA copy's policy operand, in program order: the register it names, set by a mov.b64 of the policy
         values = dict(re.findall(r"mov\.b64\s+(%rd\d+), (\d+);", ptx))
@@ -787,7 +785,7 @@ def test_warp_specialized_epilogue_compiles_gpu_blind(stack, tmp_path):
     125M step's 128x128 pingpong kernels with four warpgroups; B1 and RoPE compile GPU-blind, with the
     hand-over buffer taken out of the stage split (3 A/B stages at 128x128), so a broken kernel fails
     here, not on the GPU machine."""
-    out = _run(r'''
+    out = _run(stack, r'''
 import sys
 sys.path.insert(0, "scripts")
 import torch, ws_epilogue
