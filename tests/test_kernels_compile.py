@@ -164,12 +164,16 @@ assert not bad, bad
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
 
-def run_under_triton_interpreter(code: str) -> None:
-    """Run `code` in a fresh interpreter with TRITON_INTERPRET=1 (Triton kernels on CPU tensors)."""
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=600, env=dict(ENV, TRITON_INTERPRET="1"))
+@pytest.fixture(scope="module")
+def run_under_triton_interpreter(gpu_blind_triton_interpreter):
+    """run(code): `code` GPU-blind with TRITON_INTERPRET=1 (Triton kernels on CPU tensors), the stack imported once."""
+    def run(code: str) -> None:
+        run = gpu_blind_triton_interpreter.run(code, timeout=600)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run
 
 
-def test_scale_kernel_under_the_triton_interpreter(stack):
+def test_scale_kernel_under_the_triton_interpreter(run_under_triton_interpreter):
     """scale_in_place's Triton kernel on CPU (TRITON_INTERPRET=1): with fewer programs than blocks
     the grid-stride loop still covers every element, the mask stops at N, and a scale of 1 leaves t
     as it was (fp32 only: the interpreter rounds bf16 by truncation, so bf16 is the GPU tests')."""
@@ -184,7 +188,7 @@ def test_scale_kernel_under_the_triton_interpreter(stack):
     run_under_triton_interpreter(code)
 
 
-def test_row_kernels_under_the_triton_interpreter_match_the_reference(stack):
+def test_row_kernels_under_the_triton_interpreter_match_the_reference(run_under_triton_interpreter):
     """H' (both of its Triton kernels, the far-target case included) on CPU under TRITON_INTERPRET=1,
     in fp32 (the wrappers' CUDA/bf16 check is bypassed), against the reference by the GPU tests'
     rule: a broken Triton kernel fails CI, not the next GPU session."""
@@ -203,7 +207,7 @@ def test_row_kernels_under_the_triton_interpreter_match_the_reference(stack):
     run_under_triton_interpreter(code)
 
 
-def test_partial_sum_folds_under_the_triton_interpreter_match_the_reference(stack):
+def test_partial_sum_folds_under_the_triton_interpreter_match_the_reference(run_under_triton_interpreter):
     """The row folds (F4 r, B2 c) at partial widths the presets give, contiguous and as a view of a wider
     buffer (P and the row stride are compile-time), one width past BLOCK_P (two column blocks), and the
     column sum of g_gamma's per-M-tile partials (B6b) at row counts around its block of 64, all on CPU
