@@ -115,30 +115,37 @@ def test_floor_gemms_take_the_fastest_backend_that_runs():
     assert abs(floor["gemm_ms"] - sum(g["count"] * g["best_ms"] for g in floor["gemms"])) < 1e-9
 
 
-def test_floor_picks_each_gemms_backend_by_the_median_of_timings_taken_in_turn(monkeypatch):
-    """One timing each let a clock dip decide the floor's backend (cuBLAS's 1.74 ms against quack's 1.71 on the H100 of
-    2026-12-06, cuBLAS 1.50 on the next machine): each backend is timed FLOOR_PICK_ROUNDS times, the order reversed in
-    every other round, and its median decides."""
+def _floor_with_scripted_timings(monkeypatch, do_bench):
+    """bench with the floor's GEMMs on cuBLAS and quack as no-op callables named by their backend, each timed by
+    `do_bench(fn)` (fn.backend says which), and attention at 0.5 ms: _floor_per_kernel's picking alone."""
     sys.path.insert(0, str(ROOT / "scripts"))
     import bench
-
-    scripted = {"cublas": [5.0, 1.0, 1.1], "quack": [1.2, 1.2, 1.2]}  # cuBLAS's first timing caught a clock dip
-    order = []
 
     def floor_gemm(backend, a, b, out_dtype=None):
         fn = lambda: None
         fn.backend = backend
         return fn
 
-    def do_bench(fn):
-        order.append(fn.backend)
-        return scripted[fn.backend][(sum(b == fn.backend for b in order) - 1) % 3]  # the same rounds for every GEMM
-
     monkeypatch.setattr(bench, "floor_backends", lambda quack_tuned: ("cublas", "quack"))
     monkeypatch.setattr(bench, "floor_gemm", floor_gemm)
     monkeypatch.setattr(bench, "do_bench", do_bench)
     monkeypatch.setattr(bench, "attention_calls", lambda cfg, shape: (lambda: None, lambda: None))
     monkeypatch.setattr(bench, "do_bench_graph", lambda fn: 0.5)
+    return bench
+
+
+def test_floor_picks_each_gemms_backend_by_the_median_of_timings_taken_in_turn(monkeypatch):
+    """One timing each let a clock dip decide the floor's backend (cuBLAS's 1.74 ms against quack's 1.71 on the H100 of
+    2026-12-06, cuBLAS 1.50 on the next machine): each backend is timed FLOOR_PICK_ROUNDS times, the order reversed in
+    every other round, and its median decides."""
+    scripted = {"cublas": [5.0, 1.0, 1.1], "quack": [1.2, 1.2, 1.2]}  # cuBLAS's first timing caught a clock dip
+    order = []
+
+    def do_bench(fn):
+        order.append(fn.backend)
+        return scripted[fn.backend][(sum(b == fn.backend for b in order) - 1) % 3]  # the same rounds for every GEMM
+
+    bench = _floor_with_scripted_timings(monkeypatch, do_bench)
     shape = bench.SHAPES["smoke"]
     floor = bench._floor_per_kernel(bench.model_config(shape), shape)
     assert bench.FLOOR_PICK_ROUNDS == 3 and order[:6] == ["cublas", "quack", "quack", "cublas", "cublas", "quack"]
@@ -150,24 +157,12 @@ def test_floor_picks_each_gemms_backend_by_the_median_of_timings_taken_in_turn(m
 def test_a_floor_backend_whose_replay_fails_is_recorded_and_left_out(monkeypatch):
     """A quack GEMM that captures but fails when timed leaves its error in the row and the GEMM on the
     backends that ran, as a failed capture does; cuBLAS failing still ends the floor."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import bench
-
-    def floor_gemm(backend, a, b, out_dtype=None):
-        fn = lambda: None
-        fn.backend = backend
-        return fn
-
     def do_bench(fn):
         if fn.backend == failing:
             raise RuntimeError("replay failed")
         return 1.0
 
-    monkeypatch.setattr(bench, "floor_backends", lambda quack_tuned: ("cublas", "quack"))
-    monkeypatch.setattr(bench, "floor_gemm", floor_gemm)
-    monkeypatch.setattr(bench, "do_bench", do_bench)
-    monkeypatch.setattr(bench, "attention_calls", lambda cfg, shape: (lambda: None, lambda: None))
-    monkeypatch.setattr(bench, "do_bench_graph", lambda fn: 0.5)
+    bench = _floor_with_scripted_timings(monkeypatch, do_bench)
     shape = bench.SHAPES["smoke"]
     failing = "quack"
     floor = bench._floor_per_kernel(bench.model_config(shape), shape)
