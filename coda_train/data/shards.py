@@ -237,7 +237,7 @@ def prepare(cfg: DataConfig, log_notes: bool = True, tokenizer: Optional[LoadedT
 
 
 def _cache_write_error(e: OSError, cache_dir: Path) -> CacheWriteError:
-    """The DataError for a failed write into data.cache_dir (disk full, quota, read-only) while preparing."""
+    """The CacheWriteError for a failed write into data.cache_dir (disk full, quota, read-only) while preparing."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         fix = ("free space on that filesystem (or raise its quota), or point data.cache_dir at a folder with room (the "
                "prepared data takes 2 or 4 bytes per token), then run again")
@@ -246,8 +246,8 @@ def _cache_write_error(e: OSError, cache_dir: Path) -> CacheWriteError:
     else:
         fix = "check that filesystem, or point data.cache_dir at another folder, then run again"
     return CacheWriteError(f"could not write the prepared data in data.cache_dir={cache_dir}: {e.strerror or e}"
-                     f"{f' ({e.filename})' if e.filename else ''}. Nothing of this preparation was kept and finished "
-                     f"prepared folders are untouched; {fix}")
+                           f"{f' ({e.filename})' if e.filename else ''}. Nothing of this preparation was kept and "
+                           f"finished prepared folders are untouched; {fix}")
 
 
 def _same_eos(data: PreparedData, tokenizer: Optional[Tokenizer], cfg: DataConfig, config_eos: Optional[str]) -> PreparedData:
