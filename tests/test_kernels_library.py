@@ -227,26 +227,27 @@ def test_check_harness_compares_canonical_outputs():
     from coda_train.kernels.testing import check_case
 
     op, kw = case_of("gemm_rowscale_exp_cross_entropy", torch.float32)
-    e, k, se, sey, yt = op.reference(**kw)
+    e, k, se, st, yt = op.reference(**kw)
     low = int(k.amax(-1).argmin())  # the row whose largest logit is the smallest
 
-    def shifted(**kw):  # every offset one higher, e halved: the same exponentials
-        e, k, se, sey, yt = op.reference(**kw)
-        return (e / 2, k + 1, se / 2, sey / 2, yt)
+    def shifted(**kw):  # every offset one higher, e halved (t one lower): the same exponentials
+        e, k, se, st, yt = op.reference(**kw)
+        return (e / 2, k + 1, se / 2, (st - se) / 2, yt)
 
     def wrong_offsets(**kw):
-        e, k, se, sey, yt = op.reference(**kw)
-        return (e, k + 1, se, sey, yt)
+        e, k, se, st, yt = op.reference(**kw)
+        return (e, k + 1, se, st, yt)
 
     def wrong_low_row(**kw):  # 1.5 x the exponentials of one row, its sums right
-        e, k, se, sey, yt = op.reference(**kw)
+        e, k, se, st, yt = op.reference(**kw)
         e = e.clone()
         e[low] *= 1.5
-        return (e, k, se, sey, yt)
+        return (e, k, se, st, yt)
 
     assert k.amax(-1).max() - k[low].max() >= 10  # octaves apart: the case the per-row scale is for
     assert [r["ok"] for r in check_case(op, op.name, kw, shifted)] == [True] * 4
-    assert [r["ok"] for r in check_case(op, op.name, kw, wrong_offsets)] == [True, False, True, True]
+    # the encoded logits (t + k) ln2 all ln2 higher: ln S and the expected logit move, y_t does not
+    assert [r["ok"] for r in check_case(op, op.name, kw, wrong_offsets)] == [True, False, False, True]
     assert [r["ok"] for r in check_case(op, op.name, kw, wrong_low_row)] == [False, True, True, True]
 
 
@@ -265,12 +266,13 @@ def test_offsets_of_a_wider_tile_pass_as_its_groups():
         y = (h @ w_lm.t()) * r[:, None]
         tiles = y.view(y.shape[0], -1, 256)
         k = torch.round(tiles.amax(-1) * R.LOG2E)
-        e = torch.exp2(tiles * R.LOG2E - k[..., None])
-        return (e.reshape(y.shape).to(h.dtype), *spread(k, e.sum(-1), (e * tiles).sum(-1), 2),
+        t = tiles * R.LOG2E - k[..., None]
+        e = torch.exp2(t)
+        return (e.reshape(y.shape).to(h.dtype), *spread(k, e.sum(-1), (e * t).sum(-1), 2),
                 y.gather(1, targets.reshape(-1, 1)).squeeze(1))
 
-    def as_partials(k, se, sey, rep):  # sums at the front, zeros after; offsets likewise
-        return tuple(torch.cat([t, torch.zeros_like(t)] if rep == 2 else [t], 1) for t in (k, se, sey))
+    def as_partials(k, se, st, rep):  # sums at the front, zeros after; offsets likewise
+        return tuple(torch.cat([t, torch.zeros_like(t)] if rep == 2 else [t], 1) for t in (k, se, st))
 
     ref = op.reference(**kw)
     wide = tile_256(**kw)
@@ -311,8 +313,8 @@ def block_and_loss(tokens, emb, norm, w_qkv, rope, w_o, w_gate_up, w_down, w_lm,
     lse, target_logit = coda.gemm_rowscale_cross_entropy(h2, r2, w_lm, targets)
     loss = (lse - target_logit).mean()
     logits = coda.gemm_rowscale(h2, r2, w_lm)
-    e, k, sum_exp, sum_exp_y, target_logit = coda.gemm_rowscale_exp_cross_entropy(h2, r2, w_lm, targets)
-    loss_t, strip, v, hs, stat = coda.cross_entropy_exp_backward(e, k, sum_exp, sum_exp_y, target_logit, targets, r2, h2,
+    e, k, sum_exp, sum_exp_t, target_logit = coda.gemm_rowscale_exp_cross_entropy(h2, r2, w_lm, targets)
+    loss_t, strip, v, hs, stat = coda.cross_entropy_exp_backward(e, k, sum_exp, sum_exp_t, target_logit, targets, r2, h2,
                                                                  loss.new_full((), 1.0 / tokens.shape[0]))
     c = coda.rmsnorm_backward_coeff(stat, r2, d)
     g_x2, g_norm = coda.gemm_exp_rmsnorm_backward(e, strip, v, w_lm, x2, norm, c)

@@ -163,30 +163,38 @@ LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
 MAX_OCTAVES = 100  # a target's group offset at most this many octaves below the row's largest (H')
 
 
-def _exp_canonical(e: Tensor, k: Tensor, sum_exp: Tensor, sum_exp_y: Tensor, target_logit: Tensor) -> tuple:
+def _log2_excess(y: Tensor, k: Tensor) -> Tensor:
+    """t = y log2e - k rounded once, as the device's fma (H's epilogue, H'), with log2e in y's dtype:
+    t is small where it counts (near the row's largest logit) while y log2e carries the logit's size,
+    so a rounded product would cost t |y| 2^-24. In float64 a product of two fp32 numbers is exact."""
+    log2e = torch.tensor(LOG2E, dtype=y.dtype).double()
+    return (y.double() * log2e - k.double()).to(y.dtype)
+
+
+def _exp_canonical(e: Tensor, k: Tensor, sum_exp: Tensor, sum_exp_t: Tensor, target_logit: Tensor) -> tuple:
     """H's outputs without its choice of offsets (k rounds a maximum, so two exact implementations
     may pick k one apart), each on a per-row scale, so that every row weighs alike in a norm-wise
     check (exp(y) itself spans many octaves between rows): with S = sum_g (sum e)_g 2^k_g the row's
     sum of exp(y) from the op's own sums, the softmax e 2^k / S, ln S (the logsumexp), the expected
-    logit sum_g (sum e*y)_g 2^k_g / S, and the target logit."""
+    logit sum_g ((sum e*t)_g + k_g (sum e)_g) 2^k_g ln2 / S (y = (t + k_g) ln2), and the target logit."""
     scale = torch.exp2(k.double())
     total = (sum_exp.double() * scale).sum(-1)
     cols = scale.repeat_interleave(STAT_TILE_N, dim=1)[:, :e.shape[1]]
-    return (e.double() * cols / total[:, None], total.log(), (sum_exp_y.double() * scale).sum(-1) / total,
-            target_logit)
+    sum_exp_y = (sum_exp_t.double() + k.double() * sum_exp.double()) * LN2
+    return e.double() * cols / total[:, None], total.log(), (sum_exp_y * scale).sum(-1) / total, target_logit
 
 
-def exp_stats_per_group(k: Tensor, sum_exp: Tensor, sum_exp_y: Tensor, rep: int) -> tuple[Tensor, Tensor, Tensor]:
+def exp_stats_per_group(k: Tensor, sum_exp: Tensor, sum_exp_t: Tensor, rep: int) -> tuple[Tensor, Tensor, Tensor]:
     """H's offsets and sums of an implementation whose offset spans `rep` groups of STAT_TILE_N
     columns (one per row and wider N tile), at the declared width: each group takes its tile's
     offset, the tile's sums go to its first group and zeros to the others. Every consumer weighs a
     group's sums by 2^k of that group and adds them up, so the loss and gradient are unchanged."""
     if rep == 1:
-        return k, sum_exp, sum_exp_y
+        return k, sum_exp, sum_exp_t
     M, T = k.shape
     zeros_after = (0, rep - 1)  # each tile's one column, then rep - 1 zero columns
     return (k.unsqueeze(-1).expand(M, T, rep).reshape(M, T * rep),
-            *(F.pad(s.unsqueeze(-1), zeros_after).view(M, T * rep) for s in (sum_exp, sum_exp_y)))
+            *(F.pad(s.unsqueeze(-1), zeros_after).view(M, T * rep) for s in (sum_exp, sum_exp_t)))
 
 
 def _exp_fake(h, r, w_lm, targets):
@@ -200,19 +208,22 @@ def gemm_rowscale_exp_cross_entropy(h: Tensor, r: Tensor, w_lm: Tensor,
                                     targets: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(H, training) logits y = r * (h @ w_lm^T) stored as their exponentials, one chunk of rows at a
     time: per row and group of STAT_TILE_N columns g, a power-of-two offset k_g = round(max_g y *
-    log2 e) (fp32, integer-valued) and e = 2^(y log2 e - k_g) in h.dtype (|e| <= sqrt 2: no overflow
-    whatever the logits); per group, fp32, sum e and sum e*y (of e before its rounding); and the
-    target logit y_t, fp32 (M,). The logits themselves are never stored (H' needs only these)."""
+    log2 e) (fp32, integer-valued) and e = 2^t, t = y log2 e - k_g, in h.dtype (|e| <= sqrt 2: no
+    overflow whatever the logits); per group, fp32, sum e and sum e*t (of e before its rounding); and
+    the target logit y_t, fp32 (M,). The logits themselves are never stored (H' needs only these).
+    sum e*t, not sum e*y: t is y less its group's offset, so the final norm's S (H') adds numbers of the
+    softmax's spread, not of the largest logit's size, whose fp32 rounding would swamp S."""
     y = _f(h @ w_lm.t()) * r[:, None]
     M, V = y.shape
     G = n_stat_cols(V)
     pad = G * STAT_TILE_N - V
     groups = F.pad(y, (0, pad), value=float("-inf")).view(M, G, STAT_TILE_N)
     k = torch.round(groups.amax(-1) * LOG2E)
-    e = torch.exp2(groups * LOG2E - k[..., None])  # 0 in the padding
-    e_y = e * F.pad(y, (0, pad)).view(M, G, STAT_TILE_N)
+    t = _log2_excess(groups, k[..., None])
+    e = torch.exp2(t)  # 0 in the padding
+    e_t = torch.where(e > 0, e * t, 0.0)  # the padding's t is -inf
     target_logit = y.gather(1, targets.reshape(-1, 1)).squeeze(1)
-    return e.reshape(M, -1)[:, :V].to(h.dtype).contiguous(), k, e.sum(-1), e_y.sum(-1), target_logit
+    return e.reshape(M, -1)[:, :V].to(h.dtype).contiguous(), k, e.sum(-1), e_t.sum(-1), target_logit
 
 
 def _exp_backward_examples(x: Example) -> dict:
@@ -225,18 +236,18 @@ def _exp_backward_examples(x: Example) -> dict:
         M, V, G = d.rows, d.vocab_size, n_stat_cols(d.vocab_size)
 
         def outputs():
-            e, k, se, sey, yt = gemm_rowscale_exp_cross_entropy(h.double(), r.double(), w.double(), targets)
+            e, k, se, set_, yt = gemm_rowscale_exp_cross_entropy(h.double(), r.double(), w.double(), targets)
             far = torch.arange(G, device=k.device)[None, :] != (targets // STAT_TILE_N)[:, None]
-            # the other groups' logits shifted up by shift octaves: same e and sum e, offsets and sum e*y moved
-            return e, k + far * shift, se, sey + far * (shift * LN2) * se, yt
-        e, k, se, sey, yt = x.computed(outputs, ((M, V), x.dtype), *[((M, G), x.stat_dtype)] * 3, ((M,), x.stat_dtype))
-        return dict(e=e, k=k, sum_exp=se, sum_exp_y=sey, target_logit=yt, targets=targets, r=r, h=h,
+            # the other groups' logits shifted up by shift octaves: same e, t and sums, their offsets moved
+            return e, k + far * shift, se, set_, yt
+        e, k, se, set_, yt = x.computed(outputs, ((M, V), x.dtype), *[((M, G), x.stat_dtype)] * 3, ((M,), x.stat_dtype))
+        return dict(e=e, k=k, sum_exp=se, sum_exp_t=set_, target_logit=yt, targets=targets, r=r, h=h,
                     grad_scale=torch.tensor(1.0 / M, dtype=x.stat_dtype, device=x.device))
 
     return {"": case(0.0), "far target": case(float(MAX_OCTAVES + 30))}
 
 
-def _exp_backward_fake(e, k, sum_exp, sum_exp_y, target_logit, targets, r, h, grad_scale):
+def _exp_backward_fake(e, k, sum_exp, sum_exp_t, target_logit, targets, r, h, grad_scale):
     M, V = e.shape
     return (_new(h, M, stat=True), _new(e, -(-V // STRIP_COLS), M), _new(h, M, stat=True), _new(h, *h.shape),
             _new(h, M, 1, stat=True))
@@ -254,7 +265,7 @@ def _exp_backward_canonical(loss: Tensor, strip: Tensor, v: Tensor, hs: Tensor, 
 
 @declare(fake=_exp_backward_fake, examples=_exp_backward_examples, mutates=("e",), partials={4: lambda **_: 1},
          canonical=_exp_backward_canonical)
-def cross_entropy_exp_backward(e: Tensor, k: Tensor, sum_exp: Tensor, sum_exp_y: Tensor, target_logit: Tensor,
+def cross_entropy_exp_backward(e: Tensor, k: Tensor, sum_exp: Tensor, sum_exp_t: Tensor, target_logit: Tensor,
                                targets: Tensor, r: Tensor, h: Tensor,
                                grad_scale: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(H') the loss and the logit gradient of one chunk from H's outputs, without a pass over e.
@@ -267,8 +278,10 @@ def cross_entropy_exp_backward(e: Tensor, k: Tensor, sum_exp: Tensor, sum_exp_y:
       k_t first raised to k_max - MAX_OCTAVES if lower (the group's other columns, then below
       2^-MAX_OCTAVES of the row's largest, written as 0), so every factor stays a normal number;
     hs = v * h in h.dtype (the weight gradient's B operand), and the final RMSNorm's reverse-fusion
-    statistic S = sum_j g_y,j y_j as one partial column."""
-    kf, se, sey, yt = _f(k), _f(sum_exp), _f(sum_exp_y), _f(target_logit)
+    statistic S = sum_j g_y,j y_j as one partial column, in log2 units relative to k_max so that no
+    term has the largest logit's size: S = grad_scale ln2 (sum_g 2^(k_g - k_max) ((sum e*t)_g + (k_g -
+    k_max) (sum e)_g) / s - (y_t log2 e - k_max)), the last difference rounded once (an fma)."""
+    kf, se, set_, yt = _f(k), _f(sum_exp), _f(sum_exp_t), _f(target_logit)
     M, V = e.shape
     rows, t = torch.arange(M, device=e.device), targets.reshape(-1)
     k_max = kf.amax(-1)
@@ -287,7 +300,8 @@ def cross_entropy_exp_backward(e: Tensor, k: Tensor, sum_exp: Tensor, sum_exp_y:
     strip = strip[:, :-(-V // STRIP_COLS)].t().contiguous().to(e.dtype)
     scale = grad_scale.to(kf.dtype)
     v = scale * _f(r) / s
-    stat = scale * ((sey * w).sum(-1) / s - yt)
+    target_t = _log2_excess(yt, k_max)
+    stat = scale * LN2 * (((set_ + (kf - k_max[:, None]) * se) * w).sum(-1) / s - target_t)
     return L - yt, strip, v, (v[:, None] * _f(h)).to(h.dtype), stat[:, None]
 
 

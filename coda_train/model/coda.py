@@ -232,8 +232,8 @@ class LMHeadLoss(Function):
     def _chunk(x, h, r, norm, w_lm, targets, grad_scale, ops: OpSet):
         """H, H', H'' (dgrad) on one chunk of rows: its per-row losses, g_x, partial g_norm, and the
         operands (e, strip, hs) of its weight-gradient GEMM."""
-        e, k, sum_exp, sum_exp_y, target_logit = ops.gemm_rowscale_exp_cross_entropy(h, r, w_lm, targets)   # H
-        loss, strip, v, hs, stat = ops.cross_entropy_exp_backward(e, k, sum_exp, sum_exp_y, target_logit,    # H'
+        e, k, sum_exp, sum_exp_t, target_logit = ops.gemm_rowscale_exp_cross_entropy(h, r, w_lm, targets)   # H
+        loss, strip, v, hs, stat = ops.cross_entropy_exp_backward(e, k, sum_exp, sum_exp_t, target_logit,    # H'
                                                                   targets, r, h, grad_scale)
         c = ops.rmsnorm_backward_coeff(stat, r, x.shape[1])
         g_x, g_norm = ops.gemm_exp_rmsnorm_backward(e, strip, v, w_lm, x, norm, c)                          # H''

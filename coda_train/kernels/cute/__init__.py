@@ -166,8 +166,8 @@ def gemm_rowscale_cross_entropy(h: Tensor, r: Tensor, w_lm: Tensor, targets: Ten
 @cute_impl("gemm_rowscale_exp_cross_entropy", gpu_blind_compile=True)
 def gemm_rowscale_exp_cross_entropy(h: Tensor, r: Tensor, w_lm: Tensor,
                                     targets: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(H, training) the logits GEMM storing e = 2^(y log2e - k) with one offset k per (row, N tile),
-    sums of e and e*y per N tile, and the target logit, all from the epilogue. A tile wider than the
+    """(H, training) the logits GEMM storing e = 2^t, t = y log2e - k, with one offset k per (row, N
+    tile), sums of e and e*t per N tile, and the target logit, all from the epilogue. A tile wider than the
     declared 128-column group gives each of its groups its offset and puts its sums in its first
     group (zeros in the others): the same loss and gradient (docs/design.md, "The LM head")."""
     M, K = h.shape
@@ -180,23 +180,23 @@ def gemm_rowscale_exp_cross_entropy(h: Tensor, r: Tensor, w_lm: Tensor,
     need(V % cfg.tile_N == 0, f"{op}: vocab_size={V} is not a multiple of the tile config's tile_N={cfg.tile_N} "
          f"(one offset per N tile); tune this shape again (scripts/tune_gemm.py) or use a 128-wide config")
     e = empty(M, V, dtype=h.dtype, device=h.device)
-    k, sum_exp, sum_exp_y = (empty(M, V // cfg.tile_N, dtype=torch.float32, device=h.device) for _ in range(3))
+    k, sum_exp, sum_exp_t = (empty(M, V // cfg.tile_N, dtype=torch.float32, device=h.device) for _ in range(3))
     target_logit = empty(M, dtype=torch.float32, device=h.device)
     gemm(E.rowscale_exp_target, h, w_lm, e, cfg=cfg,
-         epi={"k": cfg.tile_N, "k_out": k, "r": colvec(r), "sum_exp": sum_exp, "sum_exp_y": sum_exp_y,
+         epi={"k": cfg.tile_N, "k_out": k, "r": colvec(r), "sum_exp": sum_exp, "sum_exp_t": sum_exp_t,
               "target_logit": target_logit, "target": targets.reshape(1, -1).contiguous()})
-    return (e, *reference.exp_stats_per_group(k, sum_exp, sum_exp_y, cfg.tile_N // STAT_TILE_N), target_logit)
+    return (e, *reference.exp_stats_per_group(k, sum_exp, sum_exp_t, cfg.tile_N // STAT_TILE_N), target_logit)
 
 
 @cute_impl("cross_entropy_exp_backward")
-def cross_entropy_exp_backward(e: Tensor, k: Tensor, sum_exp: Tensor, sum_exp_y: Tensor, target_logit: Tensor,
+def cross_entropy_exp_backward(e: Tensor, k: Tensor, sum_exp: Tensor, sum_exp_t: Tensor, target_logit: Tensor,
                                targets: Tensor, r: Tensor, h: Tensor,
                                grad_scale: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(H') two Triton launches on per-row numbers: the loss, v, S, hs and the target fix (one row a
     program), then the strip (64 x 64 blocks, transposed). No pass over e."""
     from ._elementwise import cross_entropy_exp_backward as impl
 
-    return impl(e, k, sum_exp, sum_exp_y, target_logit, targets, r, h, grad_scale)
+    return impl(e, k, sum_exp, sum_exp_t, target_logit, targets, r, h, grad_scale)
 
 
 @cute_impl("attention")

@@ -31,11 +31,12 @@ from ._launch import compiling_only, empty, need_bf16
 
 
 @triton.jit
-def _ce_exp_row_kernel(e_ptr, k_ptr, se_ptr, sey_ptr, yt_ptr, t_ptr, r_ptr, h_ptr, scale_ptr,
+def _ce_exp_row_kernel(e_ptr, k_ptr, se_ptr, set_ptr, yt_ptr, t_ptr, r_ptr, h_ptr, scale_ptr,
                        loss_ptr, v_ptr, hs_ptr, stat_ptr, kmax_ptr, V, G, D,
                        GROUP: tl.constexpr, MAX_OCTAVES: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
     """H' per row: L, loss, v, S, hs and the target fix (reference.cross_entropy_exp_backward)."""
     LN2: tl.constexpr = 0.6931471805599453
+    LOG2E: tl.constexpr = 1.4426950408889634  # rounded to fp32 as in H's epilogue: t and y_t's share it
     row = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, BLOCK_G)
     gm = g < G
@@ -43,14 +44,16 @@ def _ce_exp_row_kernel(e_ptr, k_ptr, se_ptr, sey_ptr, yt_ptr, t_ptr, r_ptr, h_pt
     k_max = tl.max(k, axis=0)
     w = tl.where(gm, tl.exp2(k - k_max), 0.0)
     se = tl.load(se_ptr + row * G + g, mask=gm, other=0.0)
-    sey = tl.load(sey_ptr + row * G + g, mask=gm, other=0.0)
+    st = tl.load(set_ptr + row * G + g, mask=gm, other=0.0)
     s = tl.sum(se * w, axis=0)  # the factors come from s, not L, whose size (the largest logit's) would cancel
     L = k_max * LN2 + tl.log(s)
     yt = tl.load(yt_ptr + row)
     t = tl.load(t_ptr + row).to(tl.int64)
     scale = tl.load(scale_ptr)
     v = scale * tl.load(r_ptr + row) / s
-    stat = scale * (tl.sum(sey * w, axis=0) / s - yt)
+    # S in log2 units relative to k_max: no term of the largest logit's size (reference.cross_entropy_exp_backward)
+    octaves = tl.where(gm, k - k_max, 0.0)
+    stat = scale * LN2 * (tl.sum((st + octaves * se) * w, axis=0) / s - tl.fma(yt, LOG2E, -k_max))
     tl.store(loss_ptr + row, L - yt)
     tl.store(v_ptr + row, v)
     tl.store(stat_ptr + row, stat)
@@ -91,7 +94,7 @@ def _ce_exp_strip_kernel(k_ptr, kmax_ptr, t_ptr, strip_ptr, M, G,
         tl.store(strip_ptr + (gs[:, None].to(tl.int64) * REP + i) * M + rows[None, :], u, mask=smask)
 
 
-def cross_entropy_exp_backward(e: Tensor, k: Tensor, sum_exp: Tensor, sum_exp_y: Tensor, target_logit: Tensor,
+def cross_entropy_exp_backward(e: Tensor, k: Tensor, sum_exp: Tensor, sum_exp_t: Tensor, target_logit: Tensor,
                                targets: Tensor, r: Tensor, h: Tensor,
                                grad_scale: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """H' on H's per-(row, 128-column group) outputs; e's target columns rewritten in place."""
@@ -102,8 +105,8 @@ def cross_entropy_exp_backward(e: Tensor, k: Tensor, sum_exp: Tensor, sum_exp_y:
     need(e.is_contiguous() and V % STAT_TILE_N == 0 and G == V // STAT_TILE_N,
          f"cross_entropy_exp_backward: e must be contiguous with V a multiple of {STAT_TILE_N} and one offset per "
          f"{STAT_TILE_N} columns, got e {tuple(e.shape)}, k {tuple(k.shape)}")
-    need(all(t.shape[0] == M for t in (k, sum_exp, sum_exp_y, target_logit, h)) and targets.numel() == M
-         and r.numel() == M and grad_scale.numel() == 1 and sum_exp.shape == sum_exp_y.shape == k.shape,
+    need(all(t.shape[0] == M for t in (k, sum_exp, sum_exp_t, target_logit, h)) and targets.numel() == M
+         and r.numel() == M and grad_scale.numel() == 1 and sum_exp.shape == sum_exp_t.shape == k.shape,
          f"cross_entropy_exp_backward: k, the sums, target_logit, targets, r and h need one row or entry per row of "
          f"e ({M}), the sums k's shape {tuple(k.shape)}, grad_scale one element")
     dev = e.device
@@ -114,9 +117,9 @@ def cross_entropy_exp_backward(e: Tensor, k: Tensor, sum_exp: Tensor, sum_exp_y:
     if compiling_only() or not M:
         return loss, strip, v, hs, stat
     t = targets.reshape(-1).contiguous()
-    k, sum_exp, sum_exp_y = (x.float().contiguous() for x in (k, sum_exp, sum_exp_y))
+    k, sum_exp, sum_exp_t = (x.float().contiguous() for x in (k, sum_exp, sum_exp_t))
     _ce_exp_row_kernel[(M,)](
-        e, k, sum_exp, sum_exp_y, target_logit.float().contiguous(), t, r.float().contiguous(), h.contiguous(),
+        e, k, sum_exp, sum_exp_t, target_logit.float().contiguous(), t, r.float().contiguous(), h.contiguous(),
         grad_scale.detach().float().reshape(1), loss, v, hs, stat, kmax, V, G, D,
         GROUP=STAT_TILE_N, MAX_OCTAVES=MAX_OCTAVES, BLOCK_G=triton.next_power_of_2(G), BLOCK_D=1024, num_warps=4)
     BM, BG = 64, 64

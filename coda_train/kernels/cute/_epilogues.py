@@ -140,14 +140,22 @@ def rowscale_lse_target(acc, r):
     return {"lse": y, "target_logit": y}
 
 
-# H (training): y = r * h W_lm^T stored as e = 2^(y log2e - k), k = round(max y log2e) per row and N
-# tile (quack's MaxLog2 prepass over the accumulator, so |e| <= sqrt 2), with per-tile sums of e and
-# e*y and the target logit. k is per whole tile_N (a multiple of the contract's 128-column group;
+# H (training): y = r * h W_lm^T stored as e = 2^t, t = y log2e - k, k = round(max y log2e) per row and
+# N tile (quack's MaxLog2 prepass over the accumulator, so |e| <= sqrt 2), with per-tile sums of e and
+# e*t and the target logit. k is per whole tile_N (a multiple of the contract's 128-column group;
 # the op hands each group its tile's k: reference.exp_stats_per_group).
 def _rowscale_logits(acc, r):
     return {"k": acc * r}
 
 
+@dsl_user_op
+@cute.jit
+def _log2_excess(y: Float32, k: Float32, *, loc=None, ip=None):
+    # one rounding (reference._log2_excess): t is small near the row's largest logit, y log2e is not
+    return mlir_math.fma(y, Float32(LOG2E), -k, loc=loc, ip=ip)
+
+
+log2_excess = _Library(_log2_excess)
 _exp_offset = MaxLog2("k")
 _target_exp = ColVecLoad("target")
 
@@ -156,14 +164,15 @@ _target_exp = ColVecLoad("target")
     ops={"k": _exp_offset, "r": ColVecLoad("r")},
     prepass=_rowscale_logits,
     prepass_outs=("k",),
-    reduces={"sum_exp": ColVecReduce("sum_exp"), "sum_exp_y": ColVecReduce("sum_exp_y", scaled=True)},
+    reduces={"sum_exp": ColVecReduce("sum_exp"), "sum_exp_t": ColVecReduce("sum_exp_t", scaled=True)},
     outs={"target_logit": ColVecSelect("target_logit", idx_op=_target_exp)},
     extra_ops=(_exp_offset.out("k_out"), _target_exp),
 )
 def rowscale_exp_target(acc, k, r):
     y = acc * r
-    e = pexp2(y * LOG2E - k)
-    return {"D": e, "sum_exp": e, "sum_exp_y": (e, y), "target_logit": y}
+    t = log2_excess(y, k)
+    e = pexp2(t)
+    return {"D": e, "sum_exp": e, "sum_exp_t": (e, t), "target_logit": y}
 
 
 # H'' operands: the strip of powers of two (H') scales e as the mainloop loads it (register-sourced A):
