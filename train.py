@@ -9,10 +9,10 @@ Exit codes: 0 finished, or stopped by SIGTERM/SIGINT after saving a checkpoint, 
 data, backend, checkpoint, or the run dir in use by another run; nothing trained), or a step out of GPU memory
 mid-run (its checkpoints up to the last saved step kept); 3 the loss or gradient norm
 became non-finite (that state is not saved); 4 a file of the run dir could not be written, or the run dir cannot
-be made (disk full, read-only, permissions; the newest checkpoint is intact: fix the cause and run again to
-continue). In a multirun, every job's config is checked before the first job runs (a bad value stops the sweep
-with 1); past that, a job stopping with 1 or 3 does not stop the sweep: the other jobs run, and train.py then names
-each failed job and exits with the first one's code.
+be made, or data.cache_dir cannot take the data being prepared (disk full, read-only, permissions; the newest
+checkpoint is intact: fix the cause and run again to continue). In a multirun, every job's config is checked
+before the first job runs (a bad value stops the sweep with 1); past that, a job stopping with 1 or 3 does not stop
+the sweep: the other jobs run, and train.py then names each failed job and exits with the first one's code.
 """
 
 import itertools

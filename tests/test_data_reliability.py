@@ -499,6 +499,30 @@ def test_a_full_disk_while_preparing_is_a_data_error_that_keeps_finished_folders
     assert PreparedData.open(prepare(other).path, verify="always").manifest["inputs"]["val_fraction"] == 0.2
 
 
+def test_an_error_without_a_file_name_is_a_cache_write_error_only_for_a_full_or_read_only_filesystem(
+        tmp_path, corpus, monkeypatch):
+    """An OSError naming no file (a fork out of memory, a write() on a full disk) is the cache dir's (exit 4, which
+    ends a sweep) only where its errno says the filesystem is full or read-only; out of memory stops as what it is."""
+    cache = tmp_path / "cache"
+
+    def fails(code):
+        def start_pool(*args, **kwargs):  # what os.fork answers when the tokenization processes cannot start
+            raise OSError(code, os.strerror(code))
+        return start_pool
+
+    monkeypatch.setattr(shards_module, "ProcessPoolExecutor", fails(errno.ENOMEM))
+    with pytest.raises(DataError, match=r"preparing data.source=.* failed: Cannot allocate memory \(ENOMEM\)\. "
+                                        r"Nothing of this preparation was kept .* lower data\.num_proc \(now 2\)") as stop:
+        prepare(config(corpus, cache, num_proc=2))
+    assert not isinstance(stop.value, CacheWriteError) and exit_code(stop.value) == 1
+    assert "data.cache_dir" not in str(stop.value) and list(cache.iterdir()) == []
+    monkeypatch.setattr(shards_module, "ProcessPoolExecutor", fails(errno.ENOSPC))
+    with pytest.raises(CacheWriteError, match=rf"could not write the prepared data in data.cache_dir={cache}: No space "
+                                              r"left on device\. .* free space") as stop:
+        prepare(config(corpus, cache, num_proc=2))
+    assert exit_code(stop.value) == EXIT_RUN_DIR and list(cache.iterdir()) == []
+
+
 def test_a_cache_dir_that_cannot_be_written_ends_a_sweep_and_one_in_a_files_path_does_not(tmp_path, corpus, monkeypatch):
     """A read-only or full data.cache_dir found before preparing stops as a full disk while preparing does (exit 4,
     which ends a sweep, as the README says), a file where data.cache_dir would be made as bad input (exit 1)."""

@@ -229,11 +229,17 @@ def prepare(cfg: DataConfig, log_notes: bool = True, tokenizer: Optional[LoadedT
             else:
                 _remove_dead_temp_folders(cache_dir, final.name)
                 _build_atomically(cfg, source, requested, config_eos, inputs, final, stop)
-    except OSError as e:  # reading the corpus raises DataError (sources.py), so this is a write into the cache dir
+    except OSError as e:  # reading the corpus raises DataError (sources.py); a write into the cache dir lands here
         if e.filename is not None and Path(cache_dir).absolute() not in Path(e.filename).absolute().parents:
             raise  # a corpus file gone since it was listed (its size is read here): not the cache dir's
+        if e.filename is None and e.errno not in CACHE_WRITE_ERRNOS:
+            raise _preparation_error(e, cfg, cache_dir) from e  # out of memory at a fork, an I/O error: not a full disk
         raise _cache_write_error(e, cache_dir) from e
     return _same_eos(PreparedData.open(final, expected_tokenizer, cfg.verify_shards), requested, cfg, config_eos)
+
+
+# what a write into data.cache_dir fails with for the filesystem's sake, whether or not the error names a file
+CACHE_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 
 def _cache_write_error(e: OSError, cache_dir: Path) -> CacheWriteError:
@@ -248,6 +254,21 @@ def _cache_write_error(e: OSError, cache_dir: Path) -> CacheWriteError:
     return CacheWriteError(f"could not write the prepared data in data.cache_dir={cache_dir}: {e.strerror or e}"
                            f"{f' ({e.filename})' if e.filename else ''}. Nothing of this preparation was kept and "
                            f"finished prepared folders are untouched; {fix}")
+
+
+def _preparation_error(e: OSError, cfg: DataConfig, cache_dir: Path) -> DataError:
+    """The DataError (exit 1) for an OSError without a file name that no full or read-only cache dir explains."""
+    if e.errno == errno.ENOMEM:
+        fix = (f"the machine is short of memory (starting a tokenization process needs a copy of this one's address "
+               f"space): free memory, or lower data.num_proc (now {cfg.num_proc}), then run again")
+    elif e.errno == errno.EIO:
+        fix = (f"a disk failed a read or write (the corpus's, or data.cache_dir={cache_dir}'s): check the kernel log "
+               f"(dmesg) and that disk, then run again")
+    else:
+        fix = "run again; if it repeats, look into what the error names (data.cache_dir is not full or read-only)"
+    name = errno.errorcode.get(e.errno, e.errno)
+    return DataError(f"preparing data.source={cfg.source} failed: {e.strerror or e} ({name}). Nothing of this "
+                     f"preparation was kept and finished prepared folders are untouched; {fix}")
 
 
 def _same_eos(data: PreparedData, tokenizer: Optional[Tokenizer], cfg: DataConfig, config_eos: Optional[str]) -> PreparedData:
