@@ -281,3 +281,13 @@ def test_paths_starting_with_a_tilde_are_under_home(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path / "cwd")
     compare_runs.main(["~/runs/a", "~/runs/b", "--out=~/cmp/c.png"])
     assert (tmp_path / "cmp" / "c.json").is_file() and not (tmp_path / "cwd" / "~").exists()
+
+
+def test_the_final_loss_span_is_whole_steps():
+    """A run logged at steps 1, 10, 20 (the first log, then every 10) has a median gap of 9.5: the table's train-loss
+    column spans whole steps ("the last 10 steps", not 9.5)."""
+    compare_runs = compare_runs_module()
+    steps = np.array([1, 10, 20])
+    run = compare_runs.Run("a", "eager", {}, steps, np.ones(3), steps * 8, steps * 0.1, 1.0, np.array([]), np.array([]))
+    assert compare_runs.window_span([run], 1) == 10.0
+    assert compare_runs.window_span([run], 3) == 29.0  # 28.5 steps
