@@ -280,9 +280,10 @@ def test_offsets_of_a_wider_tile_pass_as_its_groups():
     assert [row["ok"] for row in check_case(op, op.name, kw, tile_256)] == [True] * 4
     assert not all(row["ok"] for row in check_case(op, op.name, kw, lambda **a: tile_256(**a, spread=as_partials)))
     extra = dict(targets=kw["targets"], r=kw["r"], h=kw["h"], grad_scale=torch.tensor(1.0 / dims.rows))
-    loss_ref = R.cross_entropy_exp_backward(*ref, **extra)[0]
-    loss_wide = R.cross_entropy_exp_backward(*wide, **extra)[0]
+    loss_ref, *_, stat_ref = R.cross_entropy_exp_backward(*ref, **extra)
+    loss_wide, *_, stat_wide = R.cross_entropy_exp_backward(*wide, **extra)
     torch.testing.assert_close(loss_wide, loss_ref)
+    torch.testing.assert_close(stat_wide, stat_ref)  # S: the tile's e*t sums are relative to the offset both groups get
 
 
 def test_partial_widths_follow_the_stat_tile():
