@@ -15,6 +15,7 @@ before the first job runs (a bad value stops the sweep with 1); past that, a job
 the sweep: the other jobs run, and train.py then names each failed job and exits with the first one's code.
 """
 
+import faulthandler
 import itertools
 import logging
 import os
@@ -434,6 +435,8 @@ def launch(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    # a crash in native code (a kernel launch, a bad memory map) prints every thread's Python stack, not just its signal
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         launch(sys.argv[1:])
     else:  # a torchrun worker (hydra turns every error into a SystemExit)

@@ -300,6 +300,25 @@ def test_ctrl_c_again_while_the_stop_is_saving_waits_for_the_checkpoint(tiny, tm
     assert "received SIGINT" in output and not list((run_dir / "checkpoints").glob(".tmp-*"))
 
 
+def test_a_crash_in_native_code_prints_the_python_stack(tiny, tmp_path):
+    """A segfault inside a training step (here: a sitecustomize makes the loader read address 0) prints where Python
+    was, from faulthandler: it printed nothing but the shell's "Segmentation fault"."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(
+        "import ctypes\n"
+        "from coda_train.data import loader\n"
+        "def next_batch(self):\n"
+        "    return ctypes.string_at(0)\n"
+        "loader.TokenLoader.next_batch = next_batch\n")
+    result = subprocess.run([sys.executable, "train.py", *tiny, f"trainer.run_dir={tmp_path / 'run'}",
+                             "trainer.max_steps=2"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": f"{hooks}:{REPO}"})
+    assert result.returncode == -signal.SIGSEGV, result.stderr[-3000:]
+    assert "Fatal Python error: Segmentation fault" in result.stderr, result.stderr[-3000:]
+    assert f'File "{hooks / "sitecustomize.py"}", line 4 in next_batch' in result.stderr, result.stderr[-3000:]
+
+
 def test_a_stop_signal_ends_a_multirun_sweep_too(tiny, tmp_path):
     """SIGTERM/SIGINT saves and exits 0 from the whole sweep: the next job does not start."""
     result = run_train("-m", *tiny, "model.impl=eager,coda", "trainer.max_steps=100", "trainer.ckpt_every=0",
