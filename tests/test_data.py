@@ -39,7 +39,7 @@ def config(source: Path | str, cache_dir: Path, **overrides) -> DataConfig:
 
 def documents_in(data: PreparedData, split: str) -> list[str]:
     """Decode a split back into documents by cutting the token stream at EOS."""
-    tokens = np.concatenate([np.asarray(s) for s in data.shards(split)])
+    tokens = np.concatenate([s.read(0, len(s)) for s in data.shards(split)])
     cuts = np.flatnonzero(tokens == data.eos_id)
     starts = np.concatenate([[0], cuts[:-1] + 1])
     return [data.tokenizer.decode(tokens[a:b].tolist()) for a, b in zip(starts, cuts)]
@@ -373,7 +373,7 @@ def all_windows(data: PreparedData, split: str, seq_len: int) -> Counter:
     windows = Counter()
     for shard in data.shards(split):
         for start in range(0, len(shard) - seq_len, seq_len):
-            windows[tuple(shard[start : start + seq_len + 1].tolist())] += 1
+            windows[tuple(shard.read(start, seq_len + 1).tolist())] += 1
     return windows
 
 

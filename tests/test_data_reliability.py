@@ -62,7 +62,7 @@ def folder_bytes(path: Path) -> dict[str, bytes]:
 
 
 def documents_in(data: PreparedData, split: str) -> list[str]:
-    tokens = np.concatenate([np.asarray(s) for s in data.shards(split)])
+    tokens = np.concatenate([s.read(0, len(s)) for s in data.shards(split)])
     cuts = np.flatnonzero(tokens == data.eos_id)
     starts = np.concatenate([[0], cuts[:-1] + 1])
     return [data.tokenizer.decode(tokens[a:b].tolist()) for a, b in zip(starts, cuts)]
@@ -94,6 +94,31 @@ def test_out_of_range_ids_stop_at_the_batch_naming_the_shard(tmp_path, corpus):
                                         rf"300 ids.*Delete the folder {data.path} and run preparation again"):
         loader.next_batch()
     assert folder_bytes(data.path) == damaged  # the error names the fix; nothing is deleted
+
+
+def test_a_shard_truncated_while_a_loader_reads_it_is_a_data_error_naming_it(tmp_path, corpus):
+    """A shard cut short after the loader opened it (a copy or rsync --inplace over the cache) stops the read with a
+    DataError naming the file and the fix: a memory-mapped shard raised SIGBUS there, killing the process silently."""
+    data = prepare(config(corpus, tmp_path / "cache"))
+    loader = TokenLoader(data, "train", batch_size=2, seq_len=16, seed=0)
+    shard = data.path / "train_00000.bin"
+    size = shard.stat().st_size
+    os.truncate(shard, size // 2)
+    with pytest.raises(DataError, match=rf"shard {shard} is now {size // 2} bytes, shorter than the {size} its manifest "
+                                        r"says: the file was truncated or overwritten while this run read it.*Restore "
+                                        rf"the folder {data.path} .*the run resumes from its last checkpoint"):
+        for _ in loader.iter_eval(every_window=True):  # every window: the ones past the new end are read too
+            pass
+
+
+def test_loaders_close_their_shards_when_dropped(tmp_path, corpus):
+    """Each shard holds a file descriptor while its loader lives; loaders made and dropped (evaluations, tests) do not
+    accumulate them."""
+    data = prepare(config(corpus, tmp_path / "cache"))
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(50):
+        TokenLoader(data, "train", batch_size=2, seq_len=16, seed=0).next_batch()
+    assert len(os.listdir("/proc/self/fd")) == before
 
 
 def test_in_range_corruption_fails_the_checksum_at_first_use(tmp_path, corpus):

@@ -73,7 +73,7 @@ class TokenLoader:
         self.batch_size, self.seq_len, self.seed, self.rank, self.world_size = batch_size, seq_len, seed, rank, world_size
         self.accum_steps = accum_steps
         self.shards = data.shards(split)
-        # windows never straddle shards: each shard loses < seq_len tokens, and a window is one contiguous memmap slice
+        # windows never straddle shards: each shard loses < seq_len tokens, and a window is one contiguous read
         windows_per_shard = [max(0, (len(shard) - 1) // seq_len) for shard in self.shards]
         self.shard_offsets = np.cumsum([0] + windows_per_shard)  # first global window index of each shard
         self.num_windows = int(self.shard_offsets[-1])
@@ -202,7 +202,9 @@ class TokenLoader:
     def _batch(self, windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         shard_ids = np.searchsorted(self.shard_offsets, windows, side="right") - 1
         starts = (windows - self.shard_offsets[shard_ids]) * self.seq_len
-        rows = np.stack([self.shards[s][start : start + self.seq_len + 1] for s, start in zip(shard_ids, starts)])
+        rows = np.empty((len(windows), self.seq_len + 1), self.data.dtype)
+        for row, shard_id, start in zip(rows, shard_ids, starts):
+            self.shards[shard_id].read_into(row, int(start))
         if rows.size and rows.max() >= self.data.vocab_size:  # one pass over a small batch; an id past the embedding crashes
             raise self._bad_token_error(rows, shard_ids, starts)
         tokens = torch.from_numpy(rows.astype(np.int64))

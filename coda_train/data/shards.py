@@ -14,6 +14,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
@@ -123,9 +124,9 @@ class PreparedData:
     def num_tokens(self, split: str) -> int:
         return self._split(split)["num_tokens"]
 
-    def shards(self, split: str) -> list[np.memmap]:
-        shards = self._split(split)["shards"]
-        return [np.memmap(self.path / s["file"], dtype=self.dtype, mode="r", shape=(s["num_tokens"],)) for s in shards]
+    def shards(self, split: str) -> list["Shard"]:
+        """The split's shards, each open for reading until it is garbage collected (or closed)."""
+        return [Shard(self.path / s["file"], s["num_tokens"], self.dtype) for s in self._split(split)["shards"]]
 
     def verify_checksums(self) -> None:
         """Full content check: reads every shard, whatever was verified before."""
@@ -161,6 +162,64 @@ class PreparedData:
         if split not in SPLITS:
             raise DataError(f"unknown split {split!r}; use one of {SPLITS}")
         return self.manifest["splits"][split]
+
+
+class Shard:
+    """One token shard, read with pread on a descriptor held from construction. Not a memory map: a mapped page past
+    the end of a file truncated or rewritten while the run reads it raises SIGBUS, which kills the process with no
+    message, where a read that comes up short is a DataError naming the file."""
+
+    def __init__(self, path: Path, num_tokens: int, dtype: np.dtype):
+        self.path, self.num_tokens, self.dtype = path, num_tokens, np.dtype(dtype)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise DataError(f"cannot open shard {path} ({e.strerror}). "
+                            f"{_SHARD_CHANGED_FIX.format(folder=path.parent)}") from e
+        self._close = weakref.finalize(self, os.close, fd)  # closed with the Shard: loaders are made and dropped freely
+        self._fd = fd
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        """Tokens [start, start + count) as a new array."""
+        tokens = np.empty(count, self.dtype)
+        self.read_into(tokens, start)
+        return tokens
+
+    def read_into(self, out: np.ndarray, start: int) -> None:
+        """Fill the contiguous array `out` with the tokens from `start` on."""
+        if start < 0 or start + out.size > self.num_tokens:
+            raise IndexError(f"tokens [{start}, {start + out.size}) are outside shard {self.path} of {self.num_tokens}")
+        buffer = memoryview(out).cast("B")
+        offset, done = start * self.dtype.itemsize, 0
+        while done < len(buffer):  # a regular file reads whole except at its end; the loop is for the rare exception
+            try:
+                got = os.preadv(self._fd, [buffer[done:]], offset + done)
+            except OSError as e:  # EIO from a failing disk or network filesystem
+                raise DataError(f"cannot read shard {self.path} ({e.strerror}). "
+                                f"{_SHARD_CHANGED_FIX.format(folder=self.path.parent)}") from e
+            if got == 0:
+                raise self._short_error()
+            done += got
+
+    def close(self) -> None:
+        self._close()
+
+    def _short_error(self) -> DataError:
+        expected = self.num_tokens * self.dtype.itemsize
+        return DataError(
+            f"shard {self.path} is now {os.fstat(self._fd).st_size} bytes, shorter than the {expected} its manifest "
+            f"says: the file was truncated or overwritten while this run read it (a copy or rsync --inplace over the "
+            f"prepared folder, another tool writing there). {_SHARD_CHANGED_FIX.format(folder=self.path.parent)}"
+        )
+
+
+# what a shard that changed under a run is fixed by; the run's checkpoints are untouched
+_SHARD_CHANGED_FIX = ("Restore the folder {folder} from an intact copy, or prepare the data again into a fresh "
+                      "data.cache_dir (or delete that folder); then run again with the same trainer.run_dir: the run "
+                      "resumes from its last checkpoint")
 
 
 def _stamp(file: Path, sha256: str) -> list:
