@@ -951,6 +951,7 @@ def run_without_its_data(trained_run: Path, tmp_path: Path, **data) -> tuple[Pat
     ("export_hf.py", ["--out", "NEW", "--max-shard-size", "5XB"], "--max-shard-size='5XB' is not a size"),
     ("export_hf.py", ["--out", "NEW", "--max-shard-size", "0GB"], "--max-shard-size='0GB' is not a size"),
     ("export_hf.py", ["--out", "FILE/sub"], "is a file, not a directory; choose an --out under a directory"),
+    ("export_hf.py", ["--out", "CKPT/hf"], "which trainer.keep_last removes whole"),
     ("eval.py", ["--batch-size", "0"], "need --batch-size >= 1"),
     ("eval.py", ["--text", "NEW"], "cannot read --text"),
     ("eval.py", ["--seq-len", "5000"], "--seq-len=5000 exceeds the model's max_seq_len=256"),
@@ -966,6 +967,7 @@ def test_tools_refuse_arguments_before_preparing_data(trained_run, tmp_path, scr
     (tmp_path / "file").write_text("not a directory")
     args = [str(run) if a == "RUN" else str(tmp_path / "new") if a == "NEW" else a for a in args]
     args = [str(tmp_path / "file" / "sub") if a == "FILE/sub" else a for a in args]
+    args = [str(find_checkpoint(run).path / "hf") if a == "CKPT/hf" else a for a in args]  # pruned with its checkpoint
     result = run_script(script, str(run), *args)
     assert result.returncode == 1 and named in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr and result.stdout == ""

@@ -113,6 +113,15 @@ def hf_config(cfg: LlamaConfig, *, bos_token_id: Optional[int], eos_token_id: Op
     return config
 
 
+def _inside_a_checkpoint(path: Path) -> Optional[Path]:
+    """The checkpoint folder (a run's checkpoints/step_N or one set aside) that holds `path`, or None."""
+    from coda_train.trainer.checkpoint import CHECKPOINTS_DIR, SET_ASIDE, STEP_DIR  # here: as in _why_not_a_model_dir
+
+    path = path.absolute()
+    return next((p for p in (path, *path.parents) if p.parent.name == CHECKPOINTS_DIR
+                 and (STEP_DIR.match(p.name) or SET_ASIDE.match(p.name))), None)
+
+
 def _why_not_a_model_dir(path: Path) -> str:
     """What `path`, which holds no config.json, is instead, and the fix: the message's tail after the path."""
     from coda_train.trainer.checkpoint import CHECKPOINTS_DIR, META_FILE  # here: the trainer imports this module's package
@@ -232,6 +241,10 @@ def check_export(out_dir: str | Path, max_shard_size: int | str) -> Path:
         out = out.resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} exists and is not an empty directory; choose a new --out (nothing was written)")
+    checkpoint = _inside_a_checkpoint(out)
+    if checkpoint is not None:
+        raise ConfigError(f"--out={out} is inside the checkpoint {checkpoint}, which trainer.keep_last removes whole when "
+                          f"newer checkpoints are saved; choose an --out outside the run's checkpoints folder")
     above = next(p for p in out.absolute().parents if p.exists())  # where the export's folders would be made
     if not above.is_dir():
         raise ConfigError(f"--out={out}: {above} is a file, not a directory; choose an --out under a directory")
