@@ -319,6 +319,30 @@ def test_a_crash_in_native_code_prints_the_python_stack(tiny, tmp_path):
     assert f'File "{hooks / "sitecustomize.py"}", line 4 in next_batch' in result.stderr, result.stderr[-3000:]
 
 
+@pytest.mark.parametrize("raised, code", [("DataError('shard cut short')", 1), ("RuntimeError('a bug')", 1)])
+def test_a_run_stopped_by_an_error_mid_run_is_not_logged_as_finished(tiny, tmp_path, raised, code):
+    """The metrics logger (wandb's finish status) gets train.py's exit code when a step raises: it got 0, a finished
+    run, for every stop but a non-finite loss and an out-of-memory one (here a sitecustomize raises at the 3rd batch)."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(
+        "from coda_train.data import loader, DataError\n"
+        "from coda_train.trainer import metrics\n"
+        "real_next, real_close = loader.TokenLoader.next_batch, metrics.MetricsLogger.close\n"
+        "def next_batch(self):\n"
+        f"    if self.split == 'train' and self.step == 2: raise {raised}\n"
+        "    return real_next(self)\n"
+        "def close(self, exit_code=0):\n"
+        "    print('metrics logger closed with exit code', exit_code, flush=True)\n"
+        "    return real_close(self, exit_code)\n"
+        "loader.TokenLoader.next_batch, metrics.MetricsLogger.close = next_batch, close\n")
+    result = subprocess.run([sys.executable, "train.py", *tiny, f"trainer.run_dir={tmp_path / 'run'}",
+                             "trainer.max_steps=5"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": f"{hooks}:{REPO}"})
+    assert result.returncode == code, result.stderr[-3000:]
+    assert f"metrics logger closed with exit code {code}" in result.stdout, result.stdout[-3000:]
+
+
 def test_a_stop_signal_ends_a_multirun_sweep_too(tiny, tmp_path):
     """SIGTERM/SIGINT saves and exits 0 from the whole sweep: the next job does not start."""
     result = run_train("-m", *tiny, "model.impl=eager,coda", "trainer.max_steps=100", "trainer.ckpt_every=0",

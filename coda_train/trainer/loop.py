@@ -403,7 +403,7 @@ def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, train_step: TrainS
     first_step = state.step + 1  # this process's first step
     last: Optional[dict[str, Any]] = None
     stopped_by: Optional[str] = None
-    exit_code = 0
+    logger_exit = 0  # the code the metrics logger records (wandb's finish status): train.py's for this stop
     phase = "step"  # what an out-of-memory stop names: the step or its evaluation
     try:
         if state.step >= t.max_steps and world.is_main:
@@ -462,17 +462,20 @@ def _loop(cfg: Config, llama: LlamaConfig, state: TrainState, train_step: TrainS
                 log.info("received %s during the last step: this run is complete (step %d) and saved; stopped%s",
                          stopped_by, state.step, f" before the sweep's next job; {hint()}" if in_sweep else "")
     except NonFiniteError as e:
-        exit_code = EXIT_NON_FINITE
+        logger_exit = EXIT_NON_FINITE
         _finish(checkpointer, world)  # a save in flight holds a finite state (each save reads its step first)
         raise _non_finite_stop(e, state.step, checkpointer, hint) from None
     except torch.OutOfMemoryError as e:
-        exit_code = EXIT_BAD_INPUT
+        logger_exit = EXIT_BAD_INPUT
         _finish(checkpointer, world)  # a save in flight holds a step that completed
         raise _out_of_memory_stop(e, phase, cfg, world, device, checkpointer, hint) from None
+    except BaseException as e:  # any other stop (a DataError mid-run, a bug): not recorded as a finished run
+        logger_exit = exit_code(e) if isinstance(e, STOP_ERRORS) else 1
+        raise
     finally:
         stop.restore()
         if metrics_logger is not None:
-            metrics_logger.close(exit_code)
+            metrics_logger.close(logger_exit)
     return RunEnd(last, stopped_by)
 
 
