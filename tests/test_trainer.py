@@ -43,9 +43,16 @@ TIMING_KEYS = {"tokens_per_s", "elapsed_s"}  # wall-clock metrics; everything el
 N = 24  # steps of the resume tests; checkpoints every N/4, so N/2 is one
 
 
-def run_train(*overrides: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_train(*overrides: str, timeout: float = 120, hook: str = "", tmp_path: Path | None = None) -> subprocess.CompletedProcess:
+    """train.py with these overrides; `hook`: the source of a sitecustomize.py (written under tmp_path) that the
+    process imports first, to patch what a test needs to happen inside the run."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if hook:
+        (tmp_path / "hooks").mkdir()
+        (tmp_path / "hooks" / "sitecustomize.py").write_text(hook)
+        env["PYTHONPATH"] = f"{tmp_path / 'hooks'}:{REPO}"
     return subprocess.run([sys.executable, "train.py", *overrides], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                          timeout=timeout, env=env)
 
 
 def compose_config(run_dir: Path, *overrides: str):
@@ -303,42 +310,32 @@ def test_ctrl_c_again_while_the_stop_is_saving_waits_for_the_checkpoint(tiny, tm
 def test_a_crash_in_native_code_prints_the_python_stack(tiny, tmp_path):
     """A segfault inside a training step (here: a sitecustomize makes the loader read address 0) prints where Python
     was, from faulthandler: it printed nothing but the shell's "Segmentation fault"."""
-    hooks = tmp_path / "hooks"
-    hooks.mkdir()
-    (hooks / "sitecustomize.py").write_text(
-        "import ctypes\n"
-        "from coda_train.data import loader\n"
-        "def next_batch(self):\n"
-        "    return ctypes.string_at(0)\n"
-        "loader.TokenLoader.next_batch = next_batch\n")
-    result = subprocess.run([sys.executable, "train.py", *tiny, f"trainer.run_dir={tmp_path / 'run'}",
-                             "trainer.max_steps=2"], cwd=REPO, capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "PYTHONPATH": f"{hooks}:{REPO}"})
+    hook = ("import ctypes\n"
+            "from coda_train.data import loader\n"
+            "def next_batch(self):\n"
+            "    return ctypes.string_at(0)\n"
+            "loader.TokenLoader.next_batch = next_batch\n")
+    result = run_train(*tiny, f"trainer.run_dir={tmp_path / 'run'}", "trainer.max_steps=2", hook=hook, tmp_path=tmp_path)
     assert result.returncode == -signal.SIGSEGV, result.stderr[-3000:]
     assert "Fatal Python error: Segmentation fault" in result.stderr, result.stderr[-3000:]
-    assert f'File "{hooks / "sitecustomize.py"}", line 4 in next_batch' in result.stderr, result.stderr[-3000:]
+    assert f'File "{tmp_path / "hooks" / "sitecustomize.py"}", line 4 in next_batch' in result.stderr, result.stderr[-3000:]
 
 
 @pytest.mark.parametrize("raised, code", [("DataError('shard cut short')", 1), ("RuntimeError('a bug')", 1)])
 def test_a_run_stopped_by_an_error_mid_run_is_not_logged_as_finished(tiny, tmp_path, raised, code):
     """The metrics logger (wandb's finish status) gets train.py's exit code when a step raises: it got 0, a finished
     run, for every stop but a non-finite loss and an out-of-memory one (here a sitecustomize raises at the 3rd batch)."""
-    hooks = tmp_path / "hooks"
-    hooks.mkdir()
-    (hooks / "sitecustomize.py").write_text(
-        "from coda_train.data import loader, DataError\n"
-        "from coda_train.trainer import metrics\n"
-        "real_next, real_close = loader.TokenLoader.next_batch, metrics.MetricsLogger.close\n"
-        "def next_batch(self):\n"
-        f"    if self.split == 'train' and self.step == 2: raise {raised}\n"
-        "    return real_next(self)\n"
-        "def close(self, exit_code=0):\n"
-        "    print('metrics logger closed with exit code', exit_code, flush=True)\n"
-        "    return real_close(self, exit_code)\n"
-        "loader.TokenLoader.next_batch, metrics.MetricsLogger.close = next_batch, close\n")
-    result = subprocess.run([sys.executable, "train.py", *tiny, f"trainer.run_dir={tmp_path / 'run'}",
-                             "trainer.max_steps=5"], cwd=REPO, capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "PYTHONPATH": f"{hooks}:{REPO}"})
+    hook = ("from coda_train.data import loader, DataError\n"
+            "from coda_train.trainer import metrics\n"
+            "real_next, real_close = loader.TokenLoader.next_batch, metrics.MetricsLogger.close\n"
+            "def next_batch(self):\n"
+            f"    if self.split == 'train' and self.step == 2: raise {raised}\n"
+            "    return real_next(self)\n"
+            "def close(self, exit_code=0):\n"
+            "    print('metrics logger closed with exit code', exit_code, flush=True)\n"
+            "    return real_close(self, exit_code)\n"
+            "loader.TokenLoader.next_batch, metrics.MetricsLogger.close = next_batch, close\n")
+    result = run_train(*tiny, f"trainer.run_dir={tmp_path / 'run'}", "trainer.max_steps=5", hook=hook, tmp_path=tmp_path)
     assert result.returncode == code, result.stderr[-3000:]
     assert f"metrics logger closed with exit code {code}" in result.stdout, result.stdout[-3000:]
 
