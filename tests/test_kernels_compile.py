@@ -191,19 +191,21 @@ def test_scale_kernel_under_the_triton_interpreter(run_under_triton_interpreter)
 def test_row_kernels_under_the_triton_interpreter_match_the_reference(run_under_triton_interpreter):
     """H' (both of its Triton kernels, the far-target case included) on CPU under TRITON_INTERPRET=1,
     in fp32 (the wrappers' CUDA/bf16 check is bypassed), against the reference by the GPU tests'
-    rule: a broken Triton kernel fails CI, not the next GPU session."""
-    code = ("import torch\n"
+    rule: a broken Triton kernel fails CI, not the next GPU session. Also at a vocabulary of 3 groups
+    of 128, where the row kernel's block of groups (4) has a masked one, as llama3's 250 in 256."""
+    code = ("import dataclasses, torch\n"
             "import coda_train.kernels.cute._elementwise as ew\n"
             "ew.need_bf16 = lambda op, **tensors: None\n"
             "from coda_train.kernels.testing import check_case, example_cases\n"
             "from coda_train.model.testing import op_check_dims\n"
             "seen = []\n"
-            "for op, case, kw in example_cases(op_check_dims('tiny'), 'cpu', dtype=torch.float32,\n"
-            "                                  ops=['cross_entropy_exp_backward']):\n"
-            "    rows = check_case(op, case, kw, getattr(ew, op.name))\n"
-            "    assert rows and all(r['ok'] for r in rows), (case, rows)\n"
-            "    seen.append(case)\n"
-            "assert len(seen) == 2, seen\n")
+            "tiny = op_check_dims('tiny')\n"
+            "for dims in (tiny, dataclasses.replace(tiny, vocab_size=384)):\n"
+            "    for op, case, kw in example_cases(dims, 'cpu', dtype=torch.float32, ops=['cross_entropy_exp_backward']):\n"
+            "        rows = check_case(op, case, kw, getattr(ew, op.name))\n"
+            "        assert rows and all(r['ok'] for r in rows), (dims.vocab_size, case, rows)\n"
+            "        seen.append(case)\n"
+            "assert len(seen) == 4, seen\n")
     run_under_triton_interpreter(code)
 
 
