@@ -238,13 +238,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from coda_train.kernels.cute import _elementwise as ew
+from coda_train.kernels.declare import TRITON_FP_FUSION
 
 def loads(kernel, sig, constexprs, multiples_of_16=()):
     """The PTX's global load forms, pointers 16-byte aligned and the named integers multiples of 16 (as
     Triton specializes them at the model widths)."""
     div = [i for i, (n, t) in enumerate(sig.items()) if t.startswith("*") or n in multiples_of_16]
     src = ASTSource(kernel, sig, constexprs=constexprs, attrs={(i,): [["tt.divisibility", 16]] for i in div})
-    return set(re.findall(r"ld\.global[.\w]*", triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]))
+    return set(re.findall(r"ld\.global[.\w]*", triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                                        options={"enable_fp_fusion": TRITON_FP_FUSION}).asm["ptx"]))
 
 row = {"s_ptr": "*fp32", "r_ptr": "*fp32", "c_ptr": "*fp32", "M": "i32", "dim": "fp32", "P": "constexpr",
        "stride": "constexpr", "BLOCK_M": "constexpr", "BLOCK_P": "constexpr"}

@@ -84,3 +84,36 @@ def test_lm_head_exponentials_at_every_offset_tile(cute, preset, config):
     with forced({op.name: Cfg.parse(config)}), poisoned_cute_outputs():
         rows = check_case(op, op.name, kwargs, cute.gemm_rowscale_exp_cross_entropy)
     assert all(r["ok"] and r["finite"] for r in rows), rows
+
+
+TRITON_FUSION_PROBE = r'''
+import torch, triton
+from coda_train.kernels import adamw
+from coda_train.kernels.cute import _elementwise as ew
+from coda_train.model.testing import check_model
+
+assert all(r["ok"] for r in check_model("tiny"))  # every op of a forward and backward, the Triton passes included
+t = torch.ones(1000, device="cuda")
+ew.scale_in_place(t, torch.tensor(0.5, device="cuda"))
+p, g, m, v = (torch.ones(4096, device="cuda") for _ in range(4))
+adamw.adamw_update([p], [g], [m], [v], [torch.zeros((), device="cuda")], [None],
+                   lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+jits = [f for name, f in vars(ew).items() if name.endswith("_kernel")] + [adamw._kernel()]  # _row_total: inlined
+compiled = {f.__name__: [k for cache in f.device_caches.values() for k in cache[0].values()] for f in jits}
+assert all(compiled.values()), {name: len(ks) for name, ks in compiled.items()}  # every kernel launched
+assert all(k.metadata.enable_fp_fusion for ks in compiled.values() for k in ks), \
+    {name: [k.metadata.enable_fp_fusion for k in ks] for name, ks in compiled.items()}
+'''
+
+
+def test_triton_kernels_contract_fma_whatever_tritons_default(cute, tmp_path):
+    """Every Triton launch compiles with enable_fp_fusion=TRITON_FP_FUSION (declare.py), as tested and timed,
+    also under TRITON_DEFAULT_FP_FUSION=0 (Triton 3.10's default): a fresh process, so no kernel was compiled before."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_DEFAULT_FP_FUSION": "0", "TRITON_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", TRITON_FUSION_PROBE], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]

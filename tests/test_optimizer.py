@@ -336,7 +336,8 @@ def test_adamw_kernel_compiles_for_sm90_with_16_byte_accesses():
         source = triton.compiler.ASTSource(fn=adamw._kernel(), signature=signature,
                                            constexprs={**constants, "ALIGNED": aligned, "GRAD_ALIGN": grad_align})
         ptx[grad_align] = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                         options={"num_warps": adamw.NUM_WARPS}).asm["ptx"]
+                                         options={"num_warps": adamw.NUM_WARPS,
+                                                  "enable_fp_fusion": adamw.TRITON_FP_FUSION}).asm["ptx"]
     per_thread = adamw.BLOCK * adamw.CHUNKS // (32 * adamw.NUM_WARPS)  # elements of each tensor a thread updates
     assert ptx[16].count("ld.global.v4") == 4 * per_thread // 4  # p, g, m, v: 4 fp32 an access
     assert ptx[16].count("st.global.v4") == 3 * per_thread // 4 + per_thread // 8  # p, m, v; the bf16 copy 8 an access

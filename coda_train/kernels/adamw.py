@@ -21,6 +21,8 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from .declare import TRITON_FP_FUSION
+
 # Launch settings, read at each launch (scripts/bench_optimizer.py --sweep sets them to time others)
 BLOCK = 2048  # elements a program updates at a time: 16 a thread at 4 warps (128-bit loads of fp32)
 NUM_WARPS = 4  # 2048 x 4 was 9 % faster than 4096 x 8 at 1B and 8B (H200, docs/kernels.md)
@@ -184,7 +186,8 @@ def adamw_update(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Se
             dummy if grad_factor is None else grad_factor, dummy if found_inf is None else found_inf,
             lr, beta1, beta2, 1.0 - beta1, 1.0 - beta2, eps, lr * weight_decay,
             HAS_FACTOR=grad_factor is not None, HAS_FOUND_INF=found_inf is not None, ALIGNED=aligned,
-            GRAD_ALIGN=grad_align, BLOCK=BLOCK, CHUNKS=CHUNKS, num_warps=NUM_WARPS)
+            GRAD_ALIGN=grad_align, BLOCK=BLOCK, CHUNKS=CHUNKS, num_warps=NUM_WARPS,
+            enable_fp_fusion=TRITON_FP_FUSION)
     if found_inf is not None:  # as torch's fused AdamW: the count advances only on an applied step
         torch._foreach_sub_(list(steps), [found_inf] * n)
 

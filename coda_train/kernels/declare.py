@@ -29,6 +29,10 @@ STAT_TILE_N = 128
 # GEMMs that scale the stored exponentials by the strip as they load them.
 STRIP_COLS = 64
 
+# Every Triton launch passes enable_fp_fusion=TRITON_FP_FUSION: a*b+c contracted to one fma, as ptxas
+# does in the CuTeDSL kernels and as every kernel was tested and timed; Triton 3.10 turns its default off.
+TRITON_FP_FUSION = True
+
 
 def n_stat_cols(n: int) -> int:
     """Number of partial-sum columns of a GEMM epilogue over n output columns."""

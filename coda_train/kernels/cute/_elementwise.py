@@ -25,7 +25,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..cute_limits import need, need_embedding_dim
-from ..declare import STAT_TILE_N, STRIP_COLS
+from ..declare import STAT_TILE_N, STRIP_COLS, TRITON_FP_FUSION
 from ..reference import MAX_OCTAVES
 from ._launch import compiling_only, empty, need_bf16
 
@@ -121,11 +121,12 @@ def cross_entropy_exp_backward(e: Tensor, k: Tensor, sum_exp: Tensor, sum_exp_t:
     _ce_exp_row_kernel[(M,)](
         e, k, sum_exp, sum_exp_t, target_logit.float().contiguous(), t, r.float().contiguous(), h.contiguous(),
         grad_scale.detach().float().reshape(1), loss, v, hs, stat, kmax, V, G, D,
-        GROUP=STAT_TILE_N, MAX_OCTAVES=MAX_OCTAVES, BLOCK_G=triton.next_power_of_2(G), BLOCK_D=1024, num_warps=4)
+        GROUP=STAT_TILE_N, MAX_OCTAVES=MAX_OCTAVES, BLOCK_G=triton.next_power_of_2(G), BLOCK_D=1024, num_warps=4,
+        enable_fp_fusion=TRITON_FP_FUSION)
     BM, BG = 64, 64
     _ce_exp_strip_kernel[(triton.cdiv(G, BG), triton.cdiv(M, BM))](
         k, kmax, t, strip, M, G, GROUP=STAT_TILE_N, REP=STAT_TILE_N // STRIP_COLS, MAX_OCTAVES=MAX_OCTAVES,
-        BLOCK_M=BM, BLOCK_G=BG, num_warps=4)
+        BLOCK_M=BM, BLOCK_G=BG, num_warps=4, enable_fp_fusion=TRITON_FP_FUSION)
     return loss, strip, v, hs, stat
 
 
@@ -178,7 +179,7 @@ def _rowstat_launch(partials: Tensor) -> dict:
     M, P = partials.shape
     return dict(grid=(triton.cdiv(M, ROWSTAT_BLOCK_M),),
                 blocks=dict(P=P, stride=partials.stride(0), BLOCK_M=ROWSTAT_BLOCK_M,
-                            BLOCK_P=min(128, triton.next_power_of_2(P))))
+                            BLOCK_P=min(128, triton.next_power_of_2(P)), enable_fp_fusion=TRITON_FP_FUSION))
 
 
 def rstd_from_partials(sumsq_partials: Tensor, dim: int, eps: float) -> Tensor:
@@ -229,7 +230,8 @@ def column_sum(partials: Tensor) -> Tensor:
     R, N = p.shape
     out = empty(N, dtype=torch.float32, device=p.device)
     _column_sum_kernel[(triton.cdiv(N, COLSUM_BLOCK_N),)](p, out, R, N, p.stride(0),
-                                                          BLOCK_R=COLSUM_BLOCK_R, BLOCK_N=COLSUM_BLOCK_N)
+                                                          BLOCK_R=COLSUM_BLOCK_R, BLOCK_N=COLSUM_BLOCK_N,
+                                                          enable_fp_fusion=TRITON_FP_FUSION)
     return out
 
 
@@ -265,7 +267,8 @@ def embedding_rmsnorm_partial(tokens: Tensor, emb: Tensor, gamma: Tensor, dtype:
     sumsq = empty(M, 1, dtype=torch.float32, device=emb.device)
     if M:
         _embedding_kernel[(M,)](tok, emb.contiguous(), gamma.contiguous(), x, h, sumsq, N,
-                                BLOCK=triton.next_power_of_2(N), num_warps=4 if N <= 2048 else 8)
+                                BLOCK=triton.next_power_of_2(N), num_warps=4 if N <= 2048 else 8,
+                                enable_fp_fusion=TRITON_FP_FUSION)
     return x, h, sumsq
 
 
@@ -294,7 +297,7 @@ def embedding_backward(acc: Tensor, tokens: Tensor, g_x: Tensor) -> None:
     need(tok.numel() == M, f"embedding_backward: {tok.numel()} tokens for {M} gradient rows")
     if M and not compiling_only():
         _embedding_bwd_kernel[(M,)](tok, g_x.contiguous(), acc, N, BLOCK=triton.next_power_of_2(N),
-                                    num_warps=4 if N <= 2048 else 8)
+                                    num_warps=4 if N <= 2048 else 8, enable_fp_fusion=TRITON_FP_FUSION)
 
 
 # ---- the LM head's incoming loss gradient (H'') -----------------------------------------------------
@@ -323,4 +326,5 @@ def scale_in_place(t: Tensor, scale: Tensor) -> None:
     BLOCK = 4096
     sms = torch.cuda.get_device_properties(t.device).multi_processor_count
     grid = min(triton.cdiv(t.numel(), BLOCK), 4 * sms)  # a skipped call costs one wave of programs, not N / BLOCK
-    _scale_kernel[(grid,)](t, scale.detach().reshape(1), t.numel(), BLOCK=BLOCK, num_warps=8)
+    _scale_kernel[(grid,)](t, scale.detach().reshape(1), t.numel(), BLOCK=BLOCK, num_warps=8,
+                              enable_fp_fusion=TRITON_FP_FUSION)
