@@ -549,6 +549,19 @@ def test_presets():
         preset("tiny", dims=3)
 
 
+def test_flops_per_token_counts_each_matmul_weight_once():
+    """6 FLOPs a token per weight a matmul reads (the LM head's once when tied to the embedding; no RMSNorm
+    gain, no embedding lookup), plus causal attention's 6*L*T*d, as counted from the model's own parameters."""
+    for name in ("tiny", "llama3_125m", "llama3_8b"):
+        cfg = preset(name)
+        with torch.device("meta"):
+            model = build_model(cfg, "eager")
+        matrices = sum(p.numel() for p in model.parameters() if p.dim() == 2)  # the embedding is one, tied or not
+        matmul_weights = matrices - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim)
+        T = 2048
+        assert cfg.flops_per_token(T) == 6 * matmul_weights + 6 * cfg.n_layers * T * cfg.dim, name
+
+
 def test_backend_errors_without_gpu():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

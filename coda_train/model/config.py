@@ -67,8 +67,11 @@ class LlamaConfig:
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward = 3x forward): 6 per matmul weight (the
-        blocks and the LM head, tied or not) plus causal attention, 6*L*T*d (half of dense 12*L*T*d)."""
-        matmul_params = self.num_params(include_embedding=False) + (self.vocab_size * self.dim if self.tie_embeddings else 0)
+        blocks and the LM head, tied or not; not the RMSNorm gains) plus causal attention, 6*L*T*d
+        (half of dense 12*L*T*d)."""
+        norm_gains = (2 * self.n_layers + 1) * self.dim
+        matmul_params = (self.num_params(include_embedding=False) - norm_gains
+                         + (self.vocab_size * self.dim if self.tie_embeddings else 0))
         return 6.0 * matmul_params + 6.0 * self.n_layers * seq_len * self.dim
 
 
