@@ -873,6 +873,48 @@ def test_a_hub_style_dataset_folder_with_its_readme_names_the_fixes_that_work(tm
     assert prepare(config(folder, tmp_path / "cache", format="hub")).manifest["num_documents"] == 20
 
 
+def test_a_dataset_folder_in_splits_is_not_trained_on_whole(tmp_path, caplog):
+    """A folder laid out in splits as the hub has it (data/train-*, data/validation-*): read whole (its format alone,
+    or the glob the mixed-format message suggested) it trained on the validation split. The folder is refused with
+    data.format=hub, which reads data.split; a glob is read as given, with a warning."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "my-dataset"
+    (folder / "data").mkdir(parents=True)
+    pq.write_table(pa.table({"text": make_docs(20)}), folder / "data" / "train-00000-of-00001.parquet")
+    pq.write_table(pa.table({"text": make_docs(5, seed=1)}), folder / "data" / "validation-00000-of-00001.parquet")
+    with pytest.raises(DataError, match=r"laid out in splits .*train: 1 file.*validation: 1 file.*validation-00000.*"
+                                        r"its validation split\(s\) would be trained on. Set data.format=hub"):
+        prepare(config(folder, tmp_path / "cache"))
+    (folder / "README.md").write_text("# my dataset\n")  # as the hub has it: the split check comes before the formats'
+    with pytest.raises(DataError, match="laid out in splits"):
+        prepare(config(folder, tmp_path / "cache"))
+    assert prepare(config(folder, tmp_path / "cache", format="hub")).manifest["num_documents"] == 20
+    with caplog.at_level(logging.WARNING, logger="coda_train.data.sources"):
+        assert prepare(config(f"{folder}/**/*.parquet", tmp_path / "cache")).manifest["num_documents"] == 25
+    assert "matches files of several splits" in caplog.text
+    # split folders and file names too (train/, test.jsonl)
+    for layout in ({"train/a.jsonl": 10, "valid/b.jsonl": 3}, {"train.jsonl": 10, "test.jsonl": 3}):
+        other = tmp_path / f"layout{len(list(tmp_path.iterdir()))}"
+        for name, n in layout.items():
+            (other / name).parent.mkdir(parents=True, exist_ok=True)
+            write_jsonl(other / name, [{"text": d} for d in make_docs(n)])
+        with pytest.raises(DataError, match="laid out in splits"):
+            prepare(config(other, tmp_path / "cache"))
+
+
+def test_a_corpus_folder_whose_files_merely_name_a_split_word_is_read_whole(tmp_path):
+    """Source code and notes (train.py, test_model.py, dev_notes.txt beside utils.py): not every file names a split,
+    so it is no dataset in splits and every file is read, as before."""
+    folder = tmp_path / "code"
+    folder.mkdir()
+    docs = make_docs(4)
+    for name, doc in zip(("train.py", "test_model.py", "dev_notes.txt", "utils.py"), docs):
+        (folder / name).write_text(doc)
+    assert prepare(config(folder, tmp_path / "cache", val_fraction=0.0)).manifest["num_documents"] == 4
+
+
 def test_parquet_text_stored_as_binary_is_decoded_per_decode_errors(tmp_path):
     """Spark and Hive write string columns as plain BYTE_ARRAY without the UTF-8 annotation; pyarrow reads them as
     binary. They were refused as "holds bytes, not text; set data.text_field to a text column", the column it was."""

@@ -160,6 +160,16 @@ def resolve_source(cfg: DataConfig) -> Source:
             f"no files match data.source={cfg.source!r} (cwd {os.getcwd()}); check the path or glob, "
             f"or pass data.format=hub if it is a hub dataset name"
         )
+    if layout := _split_layout(files, cfg.source):
+        found = "; ".join(f"{split}: {len(fs)} file(s), e.g. {fs[0]}" for split, fs in layout.items())
+        if os.path.isdir(os.path.expanduser(cfg.source)):
+            raise DataError(f"data.source={cfg.source!r} is a dataset laid out in splits as Hugging Face names them "
+                            f"({found}); read whole, its {' and '.join(s for s in layout if s != 'train')} split(s) "
+                            f"would be trained on. Set data.format=hub to read its data.split split ({cfg.split!r}) as "
+                            "load_dataset does, or pass a glob naming the files to train on (a glob is read as given)")
+        log.warning("data.source=%r matches files of several splits as Hugging Face names them (%s): all are read as "
+                    "training data (validation is data.val_fraction of them); narrow the glob if that is not meant",
+                    cfg.source, found)
     # archives and other compressions, also inside .gz/.bz2/.xz (corpus.tar.gz): their bytes are not documents
     if packed := sorted({f for f in files if format_suffix(f) in UNSUPPORTED_COMPRESSION}):
         tool = UNSUPPORTED_COMPRESSION[format_suffix(packed[0])]
@@ -196,6 +206,30 @@ def resolve_source(cfg: DataConfig) -> Source:
         fmt = formats.pop()
     base = Path(os.path.basename(os.path.normpath(cfg.source.split("*")[0]))).stem  # "data/*.jsonl" -> "data"
     return Source(_slug(base), fmt, tuple(files))
+
+
+def _split_layout(files: list[str], source: str) -> dict[str, list[str]]:
+    """The files of each split, where every data file of `source` names one (as datasets infers splits: a file or
+    folder name of its keywords, e.g. data/train-00000-of-00002.parquet, test.jsonl, valid/part-0.txt) and there are
+    a train split and another; else {} (a corpus whose files merely include test_x.py or dev_notes.txt)."""
+    from datasets.data_files import FILES_TO_IGNORE, NON_WORDS_CHARS, SPLIT_KEYWORDS
+
+    sep = re.escape(NON_WORDS_CHARS)
+    keyword = {str(split): re.compile(rf"(^|[{sep}])({'|'.join(words)})([{sep}]|$)")
+               for split, words in SPLIT_KEYWORDS.items()}
+    root = os.path.expanduser(source.split("*")[0].split("?")[0].split("[")[0])
+    root = root if os.path.isdir(root) else os.path.dirname(root)
+    layout: dict[str, list[str]] = {}
+    for f in files:
+        if Path(f).name in FILES_TO_IGNORE:
+            continue
+        parts = Path(os.path.relpath(f, os.path.realpath(root))).parts
+        # the file's name decides first, then its folders, innermost first
+        split = next((s for part in reversed(parts) for s, k in keyword.items() if k.search(part)), None)
+        if split is None:
+            return {}
+        layout.setdefault(split, []).append(f)
+    return layout if "train" in layout and len(layout) > 1 else {}
 
 
 def _saved_dataset_files(cfg: DataConfig) -> list[str]:
