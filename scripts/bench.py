@@ -360,8 +360,18 @@ def fwd_bwd_fn(model, mode: str | None, tokens, targets) -> Callable[[], None]:
     return fwd_bwd
 
 
-def bench_model(variant: str, cfg, state: dict, batch, iters: int, warmup: int, sustain_s: float) -> dict:
-    """Forward+backward and full-step timings and peak memory of one model variant."""
+@dataclass
+class Prepared:
+    """A model variant built, compiled and (CUDA_GRAPH) captured: what bench_model times and bench_paired pairs."""
+    variant: str
+    model: torch.nn.Module
+    fwd_bwd: Callable[[], None]
+    setup_s: float
+    base_bytes: int  # allocated before it was built (earlier variants' leftovers: not its own)
+    weight_bytes: int
+
+
+def prepare_variant(variant: str, cfg, state: dict, batch) -> Prepared:
     impl, mode = MODEL_VARIANTS[variant]
     tokens, targets = batch
     # what earlier variants left allocated (torch.compile's CUDA-graph pools live on) is not this one's
@@ -371,14 +381,19 @@ def bench_model(variant: str, cfg, state: dict, batch, iters: int, warmup: int, 
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     # a captured graph's activations sit in its private pool, counted as allocated only while it is
     # captured: its peaks are taken from the capture on
-    reset_peak = reset_peak_memory if mode != CUDA_GRAPH else lambda: None
     reset_peak_memory()
-
     t0 = time.perf_counter()
     fwd_bwd = fwd_bwd_fn(model, mode, tokens, targets)
     fwd_bwd()  # compiles: every kernel, and torch.compile's graphs (CUDA_GRAPH: already captured)
     sync()
-    setup_s = time.perf_counter() - t0
+    return Prepared(variant, model, fwd_bwd, time.perf_counter() - t0, base, weight_bytes)
+
+
+def bench_model(prepared: Prepared, batch, iters: int, warmup: int, sustain_s: float) -> dict:
+    """Forward+backward and full-step timings and peak memory of one prepared model variant."""
+    mode = MODEL_VARIANTS[prepared.variant][1]
+    model, fwd_bwd, base = prepared.model, prepared.fwd_bwd, prepared.base_bytes
+    reset_peak = reset_peak_memory if mode != CUDA_GRAPH else lambda: None
     reset_peak()
     with GpuClocks() as clocks:
         fb = step_times(fwd_bwd, iters, warmup, sustain_s=sustain_s, clocks=clocks)
@@ -401,33 +416,25 @@ def bench_model(variant: str, cfg, state: dict, batch, iters: int, warmup: int, 
     with GpuClocks() as step_clocks:  # the full step's own clock: the two phases may run at different ones
         step = step_times(train_step, iters, warmup, sustain_s=sustain_s, clocks=step_clocks)
     peak_step = peak_memory() - base
-    n_tokens = tokens.numel()
-    result = {
-        "variant": variant, "setup_s": setup_s, "fwd_bwd": summary(fb), "fwd_bwd_synced": summary(fb_synced),
-        "clocks": clocks.result, "step": summary(step), "step_clocks": step_clocks.result,
+    n_tokens = batch[0].numel()
+    return {
+        "variant": prepared.variant, "setup_s": prepared.setup_s, "fwd_bwd": summary(fb),
+        "fwd_bwd_synced": summary(fb_synced), "clocks": clocks.result, "step": summary(step), "step_clocks": step_clocks.result,
         "tokens_per_s": n_tokens / statistics.median(step) * 1e3,
         "peak_fwd_bwd_gib": peak_fb / 2**30 if peak_fb else None,
-        "peak_above_weights_gib": (peak_fb - weight_bytes) / 2**30 if peak_fb else None,
+        "peak_above_weights_gib": (peak_fb - prepared.weight_bytes) / 2**30 if peak_fb else None,
         "peak_step_gib": peak_step / 2**30 if peak_step else None,
     }
-    del fwd_bwd, model, optimizer
-    return result
 
 
-def bench_paired(variant: str, cfg, state: dict, batch, shape: "Shape", picks: dict[str, str], rounds: int,
+def bench_paired(prepared: Prepared, cfg, shape: "Shape", picks: dict[str, str], rounds: int,
                  iters: int, warmup: int, sustain_s: float) -> dict:
-    """`variant` (a CODA one) and the floor's back-to-back sequence with the per-kernel floor's `picks`, built side
-    by side and timed in turn for `rounds` rounds, the first of each pair alternating: one ratio per round, each
+    """`prepared` (a CODA variant) and the floor's back-to-back sequence with the per-kernel floor's `picks`, side by
+    side and timed in turn for `rounds` rounds, the first of each pair alternating: one ratio per round, each
     from two timings at neighbouring times (the docstring above says why), and their median."""
-    impl, mode = MODEL_VARIANTS[variant]
-    tokens, targets = batch
-    model = build(impl, cfg, state)
-    model.rope_tables(tokens.shape[1], tokens.device)
-    fwd_bwd = fwd_bwd_fn(model, mode, tokens, targets)
-    fwd_bwd()  # compiles (CUDA_GRAPH: already captured)
     sequence = _floor_sequence(cfg, shape, picks)
     sync()
-    steps = {"coda": fwd_bwd, "floor": sequence.step}
+    steps = {"coda": prepared.fwd_bwd, "floor": sequence.step}
     done = []
     for i in range(rounds):
         row = {"first": "coda" if i % 2 == 0 else "floor"}
@@ -438,8 +445,8 @@ def bench_paired(variant: str, cfg, state: dict, batch, shape: "Shape", picks: d
             row[f"{side}_mhz"] = clocks.result["sm_mhz_mean"] if clocks.result else None
         row["ratio"] = row["coda_ms"] / row["floor_ms"]
         done.append(row)
-    del steps, fwd_bwd, sequence, model
-    return {"variant": variant, "against": "floor back to back", "rounds": done,
+    del steps, sequence
+    return {"variant": prepared.variant, "against": "floor back to back", "rounds": done,
             "median_ratio": statistics.median(r["ratio"] for r in done)}
 
 
@@ -908,17 +915,27 @@ def run(shape_name: str, variants: list[str], iters: int, warmup: int, profile_s
     # a CPU's GEMM rate is no bf16 peak (no MFU is taken against it): the header names it on CUDA only
     peak = f" | bf16 GEMM peak {result['gemm_peak_tflops']['peak']:.0f} TFLOP/s" if DEVICE.type == "cuda" else ""
     print(f"{shape_name}: {shape}{peak}", flush=True)
+    # the variant the pairs time (coda-graphs, else coda), kept built for them while only the floor runs after it
+    pair_with = next((n for n in ("coda-graphs", "coda") if n in variants), None) if paired_rounds else None
+    kept: Optional[Prepared] = None
     for variant in variants:
         t0 = time.perf_counter()
+        if variant != "floor":
+            kept = None  # another model variant's memory and timing are its own
         try:
-            row = (bench_floor(cfg, shape, iters, warmup, sustain_s, floor_quack_tuned) if variant == "floor"
-                   else bench_model(variant, cfg, state, batch, iters, warmup, sustain_s))
+            if variant == "floor":
+                row = bench_floor(cfg, shape, iters, warmup, sustain_s, floor_quack_tuned)
+            else:
+                prepared = prepare_variant(variant, cfg, state, batch)
+                row = bench_model(prepared, batch, iters, warmup, sustain_s)
+                kept = prepared if variant == pair_with else None
             result["variants"][variant] = row
             print(f"  {variant:22s} fwd+bwd {row['fwd_bwd']['median_ms']:8.2f} ms  ({time.perf_counter() - t0:5.0f} s)",
                   flush=True)
         except Exception as e:  # record and go on: one failing peer must not hide the others
             result["failed"][variant] = f"{type(e).__name__}: {e}"[:500]
             print(f"  {variant:22s} FAILED {result['failed'][variant]}\n{traceback.format_exc()[-1500:]}", flush=True)
+        prepared = None  # freed below unless kept (also when its timing failed)
         result["pending"] = variants[variants.index(variant) + 1:]  # what a cut-short run did not reach
         add_ratios(result)
         save(result)
@@ -933,10 +950,12 @@ def run(shape_name: str, variants: list[str], iters: int, warmup: int, profile_s
     if paired_rounds and paired and "floor" in result["variants"]:
         picks = {g["gemm"]: g["best"] for g in result["variants"]["floor"]["gemms"]}
         try:
-            result["paired"] = bench_paired(paired, cfg, state, batch, shape, picks, paired_rounds, iters, warmup, sustain_s)
+            prepared = kept if kept is not None and kept.variant == paired else prepare_variant(paired, cfg, state, batch)
+            result["paired"] = bench_paired(prepared, cfg, shape, picks, paired_rounds, iters, warmup, sustain_s)
         except Exception as e:  # the single-run ratios above stand
             result["failed"]["paired"] = f"{type(e).__name__}: {e}"[:500]
             traceback.print_exc()
+        prepared = kept = None
         save(result)
         gc.collect()
         if DEVICE.type == "cuda":

@@ -100,6 +100,22 @@ def test_bench_saves_what_it_measured_after_each_variant():
     assert "pending" not in result and sorted(result["variants"]) == ["eager", "floor"]
 
 
+def test_the_paired_variant_is_built_once_when_only_the_floor_runs_after_it(monkeypatch):
+    """The pairs time the CODA variant bench_model just timed, not a second build of it (~15 s of a device call at
+    1B), where only the floor ran in between; after another model variant it is built again for them."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench
+
+    built = []
+    prepare = bench.prepare_variant
+    monkeypatch.setattr(bench, "prepare_variant", lambda variant, *a: built.append(variant) or prepare(variant, *a))
+    result = bench.run("smoke", ["coda", "floor"], iters=1, warmup=0, profile_steps=0, paired_rounds=1)
+    assert built == ["coda"] and result["paired"]["variant"] == "coda" and result["failed"] == {}
+    built.clear()
+    result = bench.run("smoke", ["coda", "eager", "floor"], iters=1, warmup=0, profile_steps=0, paired_rounds=1)
+    assert built == ["coda", "eager", "coda"] and len(result["paired"]["rounds"]) == 1
+
+
 def test_floor_gemms_take_the_fastest_backend_that_runs():
     """The floor times each GEMM on cuBLAS and quack (default config; with quack_tuned, its autotuner's
     pick too) and keeps the fastest that ran; on CPU quack cannot run, so cuBLAS (torch.matmul) is
