@@ -885,7 +885,8 @@ def test_a_dataset_folder_in_splits_is_not_trained_on_whole(tmp_path, caplog):
     pq.write_table(pa.table({"text": make_docs(20)}), folder / "data" / "train-00000-of-00001.parquet")
     pq.write_table(pa.table({"text": make_docs(5, seed=1)}), folder / "data" / "validation-00000-of-00001.parquet")
     with pytest.raises(DataError, match=r"laid out in splits .*train: 1 file.*validation: 1 file.*validation-00000.*"
-                                        r"its validation split\(s\) would be trained on. Set data.format=hub"):
+                                        r"its validation split\(s\) would be trained on. Set data.format=hub.*name the "
+                                        r"files to train on \(data.source='.*/data/train-00000-of-00001.parquet'\)"):
         prepare(config(folder, tmp_path / "cache"))
     (folder / "README.md").write_text("# my dataset\n")  # as the hub has it: the split check comes before the formats'
     with pytest.raises(DataError, match="laid out in splits"):
@@ -900,8 +901,10 @@ def test_a_dataset_folder_in_splits_is_not_trained_on_whole(tmp_path, caplog):
         for name, n in layout.items():
             (other / name).parent.mkdir(parents=True, exist_ok=True)
             write_jsonl(other / name, [{"text": d} for d in make_docs(n)])
-        with pytest.raises(DataError, match="laid out in splits"):
+        with pytest.raises(DataError, match="laid out in splits") as error:
             prepare(config(other, tmp_path / "cache"))
+        example = re.findall(r"data.source='([^']+)'", str(error.value))[-1]  # it names exactly the train files
+        assert prepare(config(example, tmp_path / "cache", val_fraction=0.0)).manifest["num_documents"] == 10
 
 
 def test_a_corpus_folder_whose_files_merely_name_a_split_word_is_read_whole(tmp_path):

@@ -166,7 +166,9 @@ def resolve_source(cfg: DataConfig) -> Source:
             raise DataError(f"data.source={cfg.source!r} is a dataset laid out in splits as Hugging Face names them "
                             f"({found}); read whole, its {' and '.join(s for s in layout if s != 'train')} split(s) "
                             f"would be trained on. Set data.format=hub to read its data.split split ({cfg.split!r}) as "
-                            "load_dataset does, or pass a glob naming the files to train on (a glob is read as given)")
+                            "load_dataset does (text files: a document a line), or name the files to train on"
+                            + (f" (data.source={example!r})" if (example := _train_files_example(layout["train"])) else
+                               " with a glob") + ", which is read as given")
         log.warning("data.source=%r matches files of several splits as Hugging Face names them (%s): all are read as "
                     "training data (validation is data.val_fraction of them); narrow the glob if that is not meant",
                     cfg.source, found)
@@ -230,6 +232,18 @@ def _split_layout(files: list[str], source: str) -> dict[str, list[str]]:
             return {}
         layout.setdefault(split, []).append(f)
     return layout if "train" in layout and len(layout) > 1 else {}
+
+
+def _train_files_example(files: list[str]) -> Optional[str]:
+    """The train split's one file, or a glob of their folder, the start and end their names share (data/train-*.parquet),
+    where it matches exactly them; else None."""
+    if len(files) == 1:
+        return files[0]
+    folder = os.path.commonpath(files)
+    names = [os.path.relpath(f, folder) for f in files]
+    stem, suffix = os.path.commonprefix(names), os.path.commonprefix([n[::-1] for n in names])[::-1]
+    example = os.path.join(folder, f"{stem}*{suffix}")
+    return example if _expand_files(example) == sorted(files) else None
 
 
 def _saved_dataset_files(cfg: DataConfig) -> list[str]:
