@@ -896,7 +896,8 @@ def test_a_dataset_folder_in_splits_is_not_trained_on_whole(tmp_path, caplog):
         assert prepare(config(f"{folder}/**/*.parquet", tmp_path / "cache")).manifest["num_documents"] == 25
     assert "matches files of several splits" in caplog.text
     # split folders and file names too (train/, test.jsonl)
-    for layout in ({"train/a.jsonl": 10, "valid/b.jsonl": 3}, {"train.jsonl": 10, "test.jsonl": 3}):
+    for layout in ({"train/a.jsonl": 10, "valid/b.jsonl": 3}, {"train.jsonl": 10, "test.jsonl": 3},
+                   {"train4.jsonl": 10, "dev4.jsonl": 3}):
         other = tmp_path / f"layout{len(list(tmp_path.iterdir()))}"
         for name, n in layout.items():
             (other / name).parent.mkdir(parents=True, exist_ok=True)

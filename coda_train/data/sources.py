@@ -216,7 +216,7 @@ def _split_layout(files: list[str], source: str) -> dict[str, list[str]]:
     a train split and another; else {} (a corpus whose files merely include test_x.py or dev_notes.txt)."""
     from datasets.data_files import FILES_TO_IGNORE, NON_WORDS_CHARS, SPLIT_KEYWORDS
 
-    sep = re.escape(NON_WORDS_CHARS)
+    sep = NON_WORDS_CHARS  # "-._ 0-9": a character class as it stands (a leading '-', a range of digits)
     keyword = {str(split): re.compile(rf"(^|[{sep}])({'|'.join(words)})([{sep}]|$)")
                for split, words in SPLIT_KEYWORDS.items()}
     root = os.path.expanduser(source.split("*")[0].split("?")[0].split("[")[0])
