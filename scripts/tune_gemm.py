@@ -46,7 +46,7 @@ from typing import Callable, Optional
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import SHAPES, GpuClocks  # noqa: E402  (the benchmark's shapes: the ones the table is for)
+from bench import SHAPES, GpuClocks, sustain  # noqa: E402  (the benchmark's shapes: the ones the table is for)
 
 from coda_train.kernels import Dims, Example  # noqa: E402
 from coda_train.kernels.tile_configs import (  # noqa: E402
@@ -370,6 +370,9 @@ def main() -> int:
     return tune(todo, args, t_start, t_start + budget)
 
 
+HEAT_S = 5.0  # seconds of GEMMs back to back before a sustained tune's first timing
+
+
 def tune(todo: list[dict], args, t_start: float, deadline: float) -> int:
     from triton.testing import do_bench
 
@@ -380,6 +383,11 @@ def tune(todo: list[dict], args, t_start: float, deadline: float) -> int:
     if args.sustained_s:  # each candidate timed after seconds of itself back to back: at the clock it sustains
         bench = lambda fn: do_bench(fn, warmup=1000 * args.sustained_s, rep=500 * args.sustained_s,  # noqa: E731
                                     return_mode="median")
+        # the GPU at its power cap before the first candidate too, which otherwise starts from idle (2026-12-07, H100:
+        # the first ran at 485 W, the rest at 670-690; docs/bench/tune_rmsnorm_backward_1b_sustained_h100-2026-12-07.md)
+        heat = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        sustain(lambda: heat @ heat, HEAT_S)
+        del heat
     else:
         bench = lambda fn: do_bench(fn, warmup=10, rep=40, return_mode="median")  # noqa: E731
     tuned = []
