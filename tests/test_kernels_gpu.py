@@ -8,6 +8,10 @@ err(reference in bf16; SDPA too for attention) + 1e-4. Plus the whole model
 every gradient against eager in float64, for `tiny` and a 2-layer `llama3_1b`.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -109,10 +113,6 @@ assert all(k.metadata.enable_fp_fusion for ks in compiled.values() for k in ks),
 def test_triton_kernels_contract_fma_whatever_tritons_default(cute, tmp_path):
     """Every Triton launch compiles with enable_fp_fusion=TRITON_FP_FUSION (declare.py), as tested and timed,
     also under TRITON_DEFAULT_FP_FUSION=0 (Triton 3.10's default): a fresh process, so no kernel was compiled before."""
-    import os
-    import subprocess
-    import sys
-
     env = {**os.environ, "TRITON_DEFAULT_FP_FUSION": "0", "TRITON_CACHE_DIR": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-c", TRITON_FUSION_PROBE], env=env, capture_output=True, text=True,
                           timeout=600)
