@@ -214,6 +214,8 @@ def _split_layout(files: list[str], source: str) -> dict[str, list[str]]:
     """The files of each split, where every data file of `source` names one (as datasets infers splits: a file or
     folder name of its keywords, e.g. data/train-00000-of-00002.parquet, test.jsonl, valid/part-0.txt) and there are
     a train split and another; else {} (a corpus whose files merely include test_x.py or dev_notes.txt)."""
+    if len(files) < 2:  # one file names one split at most: no datasets import at start for it
+        return {}
     from datasets.data_files import FILES_TO_IGNORE, NON_WORDS_CHARS, SPLIT_KEYWORDS
 
     sep = NON_WORDS_CHARS  # "-._ 0-9": a character class as it stands (a leading '-', a range of digits)
